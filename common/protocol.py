@@ -1,0 +1,221 @@
+"""Every message that crosses a socket, as msgspec Structs.
+
+Wire format (ZeroMQ): frame 0 is one byte, the MessageType; frame 1 is the
+msgpack body. Each socket decodes only the types it expects (see
+`common.transport`), so a stray or malformed frame is dropped, never executed.
+No pickle anywhere. Bump PROTOCOL_VERSION on any incompatible change.
+"""
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+from common.sampling_params import SamplingParams
+
+PROTOCOL_VERSION = 1
+
+
+class MessageType(enum.IntEnum):
+    # frontend -> scheduler
+    ENGINE_REQUEST = 1
+    ABORT = 2
+    FRONTEND_HELLO = 3  # also the frontend heartbeat
+    # scheduler -> frontend
+    ENGINE_OUTPUTS = 10
+    ENGINE_ERROR = 11
+    # scheduler <-> worker
+    WORKER_HELLO = 20
+    WORKER_READY = 21
+    STEP_PLAN = 22
+    STEP_RESULT = 23
+    SHUTDOWN = 24
+    # frontend <-> tokenizer pool
+    TOKENIZE = 30
+    RENDER_CHAT = 31
+    DETOKENIZE = 32
+    TOKENIZER_REPLY = 33
+    TOKENIZER_READY = 34  # a tokenizer worker announcing itself to the router
+
+
+class FinishReason(enum.IntEnum):
+    STOP = 0  # EOS, a stop token id, or a stop string
+    LENGTH = 1  # max_tokens or max_model_len
+    ABORT = 2  # aborted by the client or the frontend
+
+    @property
+    def openai_name(self) -> str:
+        return self.name.lower()
+
+
+_STRUCT = dict(omit_defaults=True, gc=False, kw_only=True)
+
+# --------------------------------------------------------------------------
+# frontend <-> scheduler
+
+
+class EngineRequest(msgspec.Struct, **_STRUCT):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float = 0.0
+    priority: int = 0
+    cache_salt: str | None = None  # separates prefix-cache namespaces
+
+
+class Abort(msgspec.Struct, **_STRUCT):
+    request_ids: list[str]
+
+
+class FrontendHello(msgspec.Struct, **_STRUCT):
+    frontend_id: str
+    protocol_version: int = PROTOCOL_VERSION
+
+
+class RequestOutput(msgspec.Struct, **_STRUCT):
+    """What one request produced in one step."""
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    error: str | None = None  # set when the request was rejected (e.g. too long)
+
+
+class EngineOutputs(msgspec.Struct, **_STRUCT):
+    outputs: list[RequestOutput]
+    timestamp: float = 0.0
+
+
+class EngineError(msgspec.Struct, **_STRUCT):
+    request_id: str
+    message: str
+    status: int = 400
+
+
+# --------------------------------------------------------------------------
+# scheduler <-> worker
+
+
+class WorkerHello(msgspec.Struct, **_STRUCT):
+    """The worker's handshake: what the scheduler must know to plan."""
+    rank: int
+    model_name: str
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    dtype: str
+    protocol_version: int = PROTOCOL_VERSION
+
+
+class WorkerReady(msgspec.Struct, **_STRUCT):
+    """The scheduler's answer to WorkerHello."""
+    accepted: bool
+    message: str = ""
+
+
+class NewRequestData(msgspec.Struct, **_STRUCT):
+    """Sent once when a request is (re)admitted; replaces any state the worker
+    holds for the same id (a preempted request comes back this way)."""
+    request_id: str
+    token_ids: list[int]  # prompt + tokens generated before a preemption
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int  # tokens already in the KV cache (prefix hits)
+
+
+class CachedRequestData(msgspec.Struct, **_STRUCT):
+    """A diff for a request the worker already holds."""
+    request_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+class StepPlan(msgspec.Struct, **_STRUCT):
+    """One engine step. `num_scheduled_tokens` lists every request that runs
+    this step (in batch order) with how many of its tokens to compute,
+    starting at its num_computed_tokens. A request samples when the chunk
+    reaches the end of its known tokens."""
+    step_id: int
+    new_requests: list[NewRequestData] = []
+    cached_requests: list[CachedRequestData] = []
+    num_scheduled_tokens: dict[str, int] = {}
+    finished_request_ids: list[str] = []  # free these (finished, aborted or preempted)
+    reset_prefix_cache: bool = False
+
+
+class StepResult(msgspec.Struct, **_STRUCT):
+    step_id: int
+    request_ids: list[str]  # requests that sampled this step
+    sampled_token_ids: list[int]  # one per entry of request_ids
+    execute_ns: int = 0
+
+
+class Shutdown(msgspec.Struct, **_STRUCT):
+    reason: str = ""
+
+
+# --------------------------------------------------------------------------
+# frontend <-> tokenizer pool
+
+
+class ChatMessage(msgspec.Struct, **_STRUCT):
+    role: str
+    content: str | list[dict] | None = None
+    name: str | None = None
+    tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None
+
+
+class TokenizeJob(msgspec.Struct, **_STRUCT):
+    job_id: str
+    text: str
+    add_special_tokens: bool = True
+
+
+class RenderChatJob(msgspec.Struct, **_STRUCT):
+    job_id: str
+    messages: list[ChatMessage]
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict = {}
+
+
+class DetokenizeJob(msgspec.Struct, **_STRUCT):
+    job_id: str
+    token_ids: list[int]
+    skip_special_tokens: bool = True
+
+
+class TokenizerReply(msgspec.Struct, **_STRUCT):
+    job_id: str
+    token_ids: list[int] = []
+    text: str = ""  # detokenized text, or the rendered chat prompt
+    error: str | None = None
+
+
+class TokenizerReady(msgspec.Struct, **_STRUCT):
+    worker_id: str
+
+
+MESSAGE_TYPES: dict[MessageType, type[msgspec.Struct]] = {
+    MessageType.ENGINE_REQUEST: EngineRequest,
+    MessageType.ABORT: Abort,
+    MessageType.FRONTEND_HELLO: FrontendHello,
+    MessageType.ENGINE_OUTPUTS: EngineOutputs,
+    MessageType.ENGINE_ERROR: EngineError,
+    MessageType.WORKER_HELLO: WorkerHello,
+    MessageType.WORKER_READY: WorkerReady,
+    MessageType.STEP_PLAN: StepPlan,
+    MessageType.STEP_RESULT: StepResult,
+    MessageType.SHUTDOWN: Shutdown,
+    MessageType.TOKENIZE: TokenizeJob,
+    MessageType.RENDER_CHAT: RenderChatJob,
+    MessageType.DETOKENIZE: DetokenizeJob,
+    MessageType.TOKENIZER_REPLY: TokenizerReply,
+    MessageType.TOKENIZER_READY: TokenizerReady,
+}
+TYPE_OF: dict[type[msgspec.Struct], MessageType] = {cls: t for t, cls in MESSAGE_TYPES.items()}

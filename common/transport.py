@@ -1,0 +1,115 @@
+"""Encoding of protocol messages onto ZeroMQ frames, and typed decoding.
+
+A message is two frames: [type byte, msgpack body] (ROUTER sockets prepend
+the peer identity). `MessageDecoder` accepts only the types a socket expects;
+anything else (garbage, wrong type, oversized) raises `BadFrame`, which socket
+loops log and drop.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Iterable
+
+import msgspec
+import zmq
+
+from common.protocol import MESSAGE_TYPES, TYPE_OF, MessageType
+
+logger = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 64 << 20  # also set as ZMQ_MAXMSGSIZE on every socket
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+class BadFrame(ValueError):
+    """A frame that is not a valid message for this socket."""
+
+
+def encode(msg: msgspec.Struct) -> list[bytes]:
+    return [bytes([TYPE_OF[type(msg)]]), _encoder.encode(msg)]
+
+
+class MessageDecoder:
+    """Decodes [type byte, body] into exactly one of the expected Struct types."""
+
+    def __init__(self, expected: Iterable[MessageType]):
+        self._decoders = {int(t): msgspec.msgpack.Decoder(MESSAGE_TYPES[t]) for t in expected}
+
+    def decode(self, frames: list[bytes]) -> msgspec.Struct:
+        if len(frames) != 2:
+            raise BadFrame(f"expected 2 frames, got {len(frames)}")
+        type_frame, body = frames
+        if len(type_frame) != 1:
+            raise BadFrame(f"type frame must be 1 byte, got {len(type_frame)}")
+        decoder = self._decoders.get(type_frame[0])
+        if decoder is None:
+            raise BadFrame(f"unexpected message type {type_frame[0]}")
+        if len(body) > MAX_MESSAGE_BYTES:
+            raise BadFrame(f"message of {len(body)} bytes exceeds the limit")
+        try:
+            return decoder.decode(body)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            raise BadFrame(f"undecodable {MessageType(type_frame[0]).name}: {e}") from None
+
+
+def make_socket(ctx: zmq.Context, kind: int, *, bind: str | None = None,
+                connect: str | None = None, identity: bytes | None = None) -> zmq.Socket:
+    """A socket with the project's defaults: size limit, no linger, and
+    ROUTER_MANDATORY off so a vanished peer never blocks a sender."""
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+    sock.setsockopt(zmq.LINGER, 0)
+    if identity is not None:
+        sock.setsockopt(zmq.IDENTITY, identity)
+    if kind == zmq.ROUTER:
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted peer reclaims its identity
+    if bind:
+        sock.bind(bind)
+    if connect:
+        sock.connect(connect)
+    return sock
+
+
+def send(sock: zmq.Socket, msg: msgspec.Struct, *, to: bytes | None = None, flags: int = 0) -> None:
+    frames = encode(msg)
+    if to is not None:
+        frames = [to, *frames]
+    sock.send_multipart(frames, flags=flags, copy=False)
+
+
+def recv(sock: zmq.Socket, decoder: MessageDecoder, *, routed: bool = False):
+    """Receive one valid message, dropping (and logging) bad frames.
+
+    Returns the message, or (peer identity, message) when `routed`.
+    """
+    while True:
+        frames = sock.recv_multipart()
+        peer = None
+        if routed:
+            if len(frames) < 1:
+                continue
+            peer, frames = frames[0], frames[1:]
+        try:
+            msg = decoder.decode(frames)
+        except BadFrame as e:
+            logger.error("dropped a bad frame%s: %s", f" from {peer!r}" if peer else "", e)
+            continue
+        return (peer, msg) if routed else msg
+
+
+async def arecv(sock, decoder: MessageDecoder, *, routed: bool = False):
+    """`recv` for zmq.asyncio sockets."""
+    while True:
+        frames = await sock.recv_multipart()
+        peer = None
+        if routed:
+            if len(frames) < 1:
+                continue
+            peer, frames = frames[0], frames[1:]
+        try:
+            msg = decoder.decode(frames)
+        except BadFrame as e:
+            logger.error("dropped a bad frame%s: %s", f" from {peer!r}" if peer else "", e)
+            continue
+        return (peer, msg) if routed else msg
