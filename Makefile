@@ -29,8 +29,7 @@ test-slow: install
 	$(BIN)/python -m pytest -q -m slow $(PYTEST_ARGS)
 
 proto: install
-	$(BIN)/python -m grpc_tools.protoc -Iproto --python_out=frontend/grpc_gen \
-		--grpc_python_out=frontend/grpc_gen --pyi_out=frontend/grpc_gen proto/pagedserve.proto
+	$(BIN)/python proto/generate.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
