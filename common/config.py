@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
 from dataclasses import dataclass
 
 from common.errors import ConfigError
@@ -41,7 +43,7 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None  # 4096 on CPU, 2048 on CUDA
     enable_prefix_caching: bool = True
     seed: int = 0
-    enforce_eager: bool = True
+    enforce_eager: bool = False  # compile the model step unless set (where supported)
     model_cache_dir: str | None = None  # where converted GGUF models are kept
 
     def __post_init__(self) -> None:
@@ -73,11 +75,10 @@ class EngineConfig:
     def resolved_device(self) -> str:
         if self.device != "auto":
             return self.device
-        try:
-            import torch
+        torch = sys.modules.get("torch")  # never import torch here: the scheduler stays device-free
+        if torch is not None:
             return "cuda" if torch.cuda.is_available() else "cpu"
-        except ImportError:
-            return "cpu"
+        return "cuda" if os.path.exists("/proc/driver/nvidia/version") else "cpu"
 
     def resolved_dtype(self) -> str:
         if self.dtype != "auto":
@@ -100,7 +101,8 @@ class EngineConfig:
         """The longest sequence we serve: the user's value, else the model's
         limit capped by what the KV cache holds. A user value above either
         limit is an error, never a silent truncation."""
-        cache_tokens = num_blocks * self.block_size
+        # Block 0 is reserved; a sequence of L tokens keeps the KV of its first L-1.
+        cache_tokens = (num_blocks - 1) * self.block_size + 1
         if self.max_model_len is None:
             return max(1, min(model_limit, cache_tokens))
         if self.max_model_len > model_limit:
@@ -108,7 +110,7 @@ class EngineConfig:
         if self.max_model_len > cache_tokens:
             raise ConfigError(
                 f"max_model_len={self.max_model_len} needs more KV cache than available "
-                f"({num_blocks} blocks x {self.block_size} = {cache_tokens} tokens); "
+                f"({num_blocks - 1} usable blocks of {self.block_size} tokens); "
                 f"raise kv_cache_memory or lower max_model_len")
         return self.max_model_len
 

@@ -78,13 +78,14 @@ def send(sock: zmq.Socket, msg: msgspec.Struct, *, to: bytes | None = None, flag
     sock.send_multipart(frames, flags=flags, copy=False)
 
 
-def recv(sock: zmq.Socket, decoder: MessageDecoder, *, routed: bool = False):
+def recv(sock: zmq.Socket, decoder: MessageDecoder, *, routed: bool = False, flags: int = 0):
     """Receive one valid message, dropping (and logging) bad frames.
 
-    Returns the message, or (peer identity, message) when `routed`.
+    Returns the message, or (peer identity, message) when `routed`. With
+    flags=zmq.NOBLOCK it raises zmq.Again once no message is waiting.
     """
     while True:
-        frames = sock.recv_multipart()
+        frames = sock.recv_multipart(flags)
         peer = None
         if routed:
             if len(frames) < 1:

@@ -1,0 +1,91 @@
+"""Engine flags shared by every command that runs a model (`vllm serve` names)."""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+
+from common.config import EngineConfig
+from common.errors import ConfigError
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
+               "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tb": 1 << 40,
+               "tib": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """'4GiB', '512M', '1.5g' or a byte count -> bytes. A bare number below
+    1024 is taken as GiB, like VLLM_CPU_KVCACHE_SPACE."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not match or match.group(2).lower() not in _SIZE_UNITS:
+        raise argparse.ArgumentTypeError(f"not a memory size: {text!r} (try 4GiB or 512MiB)")
+    number, unit = float(match.group(1)), match.group(2).lower()
+    if unit == "" and number < 1024:
+        unit = "gib"
+    return int(number * _SIZE_UNITS[unit])
+
+
+def env_default(name: str, default):
+    """Flag default from PAGEDSERVE_<NAME> when set (compose passes settings this way)."""
+    return os.environ.get(f"PAGEDSERVE_{name}", default)
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    d = EngineConfig.__dataclass_fields__
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=env_default("MODEL", d["model"].default),
+                   help="HF model directory, .gguf file, or alias (default: smollm2-135m-instruct)")
+    g.add_argument("--dtype", default=env_default("DTYPE", "auto"), choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--device", default=env_default("DEVICE", "auto"), choices=["auto", "cpu", "cuda"])
+    g.add_argument("--attention-backend", default=env_default("ATTENTION_BACKEND", "auto"),
+                   choices=["auto", "torch", "triton"])
+    g.add_argument("--block-size", type=int, default=int(env_default("BLOCK_SIZE", 16)))
+    g.add_argument("--kv-cache-memory", type=parse_size, default=env_default("KV_CACHE_MEMORY", "4GiB"),
+                   help="KV cache size on CPU, e.g. 4GiB (default 4GiB)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--num-gpu-blocks-override", type=int, default=None,
+                   help="use exactly this many KV blocks (testing)")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=int(env_default("MAX_NUM_SEQS", 256)))
+    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--enforce-eager", action="store_true", help="never compile the model step")
+    g.add_argument("--model-cache-dir", default=env_default("CACHE_DIR", None),
+                   help="where converted GGUF models are kept (default ~/.cache/pagedserve/models)")
+    return parser
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    kv = args.kv_cache_memory
+    try:
+        return EngineConfig(
+            model=args.model, dtype=args.dtype, device=args.device, attention_backend=args.attention_backend,
+            block_size=args.block_size, kv_cache_memory=kv if isinstance(kv, int) else parse_size(kv),
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            num_gpu_blocks_override=args.num_gpu_blocks_override, max_model_len=args.max_model_len,
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+            enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
+            enforce_eager=args.enforce_eager, model_cache_dir=args.model_cache_dir)
+    except ConfigError as e:
+        raise SystemExit(f"error: {e}") from None
+
+
+def engine_argv(config: EngineConfig) -> list[str]:
+    """The flags that recreate `config` (used by `serve` to start components)."""
+    argv = ["--model", config.model, "--dtype", config.dtype, "--device", config.device,
+            "--attention-backend", config.attention_backend, "--block-size", str(config.block_size),
+            "--kv-cache-memory", str(config.kv_cache_memory), "--max-num-seqs", str(config.max_num_seqs),
+            "--seed", str(config.seed),
+            "--enable-prefix-caching" if config.enable_prefix_caching else "--no-enable-prefix-caching"]
+    optional = {"--max-model-len": config.max_model_len, "--max-num-batched-tokens": config.max_num_batched_tokens,
+                "--num-gpu-blocks-override": config.num_gpu_blocks_override,
+                "--model-cache-dir": config.model_cache_dir}
+    for flag, value in optional.items():
+        if value is not None:
+            argv += [flag, str(value)]
+    if config.gpu_memory_utilization != 0.9:
+        argv += ["--gpu-memory-utilization", str(config.gpu_memory_utilization)]
+    if config.enforce_eager:
+        argv.append("--enforce-eager")
+    return argv

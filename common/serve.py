@@ -1,0 +1,127 @@
+"""`pagedserve serve`: start every component on this host and keep them running.
+
+Starts the tokenizer pool, scheduler, worker and frontend as separate OS
+processes talking over ZeroMQ/gRPC on Unix sockets in a private runtime
+directory (so two servers never collide on ports), waits until the API
+answers, restarts any component that exits (with backoff), and on Ctrl-C or
+SIGTERM stops them all, leaving no orphans.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import urllib.request
+
+from common.cli_args import add_engine_args, engine_argv, engine_config_from_args
+from common.logging_setup import setup_logging
+from common.proctitle import set_process_title
+from common.supervisor import Component, Supervisor
+
+logger = logging.getLogger("pagedserve.serve")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedserve serve", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model_tag", nargs="?", default=None, help="model (same as --model)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--grpc-port", type=int, default=50051)
+    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--tokenizer-pool-size", type=int, default=2)
+    parser.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"))
+    parser.add_argument("--disable-log-stats", action="store_true")
+    parser.add_argument("--runtime-dir", default=None, help="where internal sockets live (default: a temp dir)")
+    parser.add_argument("--ready-timeout", type=float, default=600.0,
+                        help="seconds to wait for every component to become ready")
+    return add_engine_args(parser)
+
+
+def component_commands(args: argparse.Namespace, runtime_dir: str) -> list[Component]:
+    config = engine_config_from_args(args)
+    ipc = lambda name: f"ipc://{runtime_dir}/{name}"  # noqa: E731
+    addresses = {"scheduler": ipc("scheduler"), "worker": ipc("worker"), "tokenizer": ipc("tokenizer"),
+                 "tokenizer_backend": ipc("tokenizer-backend"), "control": f"unix:{runtime_dir}/control"}
+    engine = engine_argv(config)
+    model = ["--model", config.model] + (["--model-cache-dir", config.model_cache_dir]
+                                         if config.model_cache_dir else [])
+    stats = ["--disable-log-stats"] if args.disable_log_stats else []
+    frontend = ["--host", args.host, "--port", str(args.port), "--grpc-port", str(args.grpc_port),
+                "--scheduler-address", addresses["scheduler"],
+                "--scheduler-control-address", addresses["control"],
+                "--tokenizer-address", addresses["tokenizer"],
+                "--served-model-name", args.served_model_name or args.model_tag or config.model]
+    if args.api_key:
+        frontend += ["--api-key", args.api_key]
+    return [
+        Component("tokenizer", ["tokenizer", *model, "--tokenizer-pool-size", str(args.tokenizer_pool_size),
+                                "--frontend-address", addresses["tokenizer"],
+                                "--backend-address", addresses["tokenizer_backend"]]),
+        Component("scheduler", ["scheduler", *engine, *stats, "--scheduler-address", addresses["scheduler"],
+                                "--worker-address", addresses["worker"],
+                                "--scheduler-control-address", addresses["control"]]),
+        Component("worker", ["worker", *engine, "--worker-address", addresses["worker"]]),
+        Component("frontend", ["frontend", *model, *frontend]),
+    ]
+
+
+def wait_until_ready(supervisor: Supervisor, url: str, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not supervisor.stopping:
+        supervisor.poll()
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return True
+        except OSError:
+            pass
+        time.sleep(0.5)
+    return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.model_tag:
+        args.model = args.model_tag
+    setup_logging("serve")
+    set_process_title("pagedserve: serve")
+    owns_runtime_dir = args.runtime_dir is None
+    runtime_dir = args.runtime_dir or tempfile.mkdtemp(prefix="pagedserve-")
+    os.makedirs(runtime_dir, exist_ok=True)
+    _prepare_model(args)
+    supervisor = Supervisor(component_commands(args, runtime_dir))
+    signal.signal(signal.SIGTERM, lambda *_: supervisor.request_stop())
+    signal.signal(signal.SIGINT, lambda *_: supervisor.request_stop())
+    try:
+        supervisor.start_all()
+        host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+        if wait_until_ready(supervisor, f"http://{host}:{args.port}/health", args.ready_timeout):
+            print(f"pagedserve is ready: OpenAI API on http://{args.host}:{args.port}/v1 "
+                  f"(model {args.served_model_name or args.model_tag or args.model}), "
+                  f"gRPC on {args.host}:{args.grpc_port}", flush=True)
+        elif not supervisor.stopping:
+            logger.error("components not ready after %.0fs; still trying (see the logs above)", args.ready_timeout)
+        while not supervisor.stopping:
+            supervisor.poll()
+            time.sleep(0.2)
+    finally:
+        supervisor.stop_all()
+        if owns_runtime_dir:
+            shutil.rmtree(runtime_dir, ignore_errors=True)
+    return 0
+
+
+def _prepare_model(args: argparse.Namespace) -> None:
+    """Convert a GGUF model once, up front, instead of in four processes at once."""
+    from common.model_files import resolve_model_dir
+    try:
+        resolve_model_dir(args.model, args.model_cache_dir)
+    except Exception as e:
+        logger.error("cannot load model %r: %s", args.model, e)
+        sys.exit(2)

@@ -1,0 +1,99 @@
+"""Start, watch, restart and stop component processes (used by `pagedserve serve`)."""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+logger = logging.getLogger("pagedserve.supervisor")
+
+MAX_BACKOFF_S = 30.0
+HEALTHY_AFTER_S = 60.0  # a component up this long has its backoff reset
+STOP_GRACE_S = 10.0
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: if the supervisor dies, so does the child."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+@dataclass
+class Component:
+    name: str
+    argv: list[str]  # arguments after `pagedserve`
+    process: subprocess.Popen | None = None
+    started_at: float = 0.0
+    restarts: int = 0
+    backoff_s: float = 1.0
+    restart_at: float | None = None
+    env: dict[str, str] = field(default_factory=dict)
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "common.cli", *self.argv]
+
+
+class Supervisor:
+    def __init__(self, components: list[Component]):
+        self.components = components
+        self.stopping = False
+
+    def start(self, component: Component) -> None:
+        component.process = subprocess.Popen(component.command(), env={**os.environ, **component.env},
+                                             preexec_fn=_die_with_parent)
+        component.started_at = time.monotonic()
+        component.restart_at = None
+        logger.info("started %s (pid %d)", component.name, component.process.pid)
+
+    def start_all(self) -> None:
+        for component in self.components:
+            self.start(component)
+
+    def poll(self) -> None:
+        """Restart components that exited, with exponential backoff."""
+        now = time.monotonic()
+        for c in self.components:
+            if self.stopping or c.process is None:
+                continue
+            if c.restart_at is not None:
+                if now >= c.restart_at:
+                    c.restarts += 1
+                    logger.warning("restarting %s (restart #%d)", c.name, c.restarts)
+                    self.start(c)
+                continue
+            code = c.process.poll()
+            if code is None:
+                if now - c.started_at > HEALTHY_AFTER_S:
+                    c.backoff_s = 1.0
+                continue
+            c.restart_at = now + c.backoff_s
+            logger.warning("%s (pid %d) exited with code %s; restarting in %.0fs", c.name, c.process.pid, code,
+                           c.backoff_s)
+            c.backoff_s = min(MAX_BACKOFF_S, c.backoff_s * 2)
+
+    def request_stop(self) -> None:
+        self.stopping = True
+
+    def stop_all(self) -> None:
+        """SIGTERM everything (API first, so no new work arrives), then SIGKILL stragglers."""
+        self.stopping = True
+        running = [c for c in reversed(self.components) if c.process and c.process.poll() is None]
+        for c in running:
+            logger.info("stopping %s (pid %d)", c.name, c.process.pid)
+            c.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for c in running:
+            try:
+                c.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                logger.warning("%s did not stop in time; killing it", c.name)
+                c.process.kill()
+                c.process.wait()

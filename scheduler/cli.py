@@ -1,0 +1,55 @@
+"""`pagedserve scheduler`: the scheduler process (one per model replica)."""
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+
+from common.addresses import default_address
+from common.cli_args import add_engine_args, engine_config_from_args
+from common.logging_setup import setup_logging
+from common.proctitle import set_process_title
+
+logger = logging.getLogger(__name__)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedserve scheduler", description=__doc__)
+    parser.add_argument("--scheduler-address", default=default_address("SCHEDULER_ADDRESS"),
+                        help="ZMQ address frontends connect to (bound here)")
+    parser.add_argument("--worker-address", default=default_address("WORKER_ADDRESS"),
+                        help="ZMQ address workers connect to (bound here)")
+    parser.add_argument("--scheduler-control-address", default=default_address("SCHEDULER_CONTROL_ADDRESS"),
+                        help="gRPC control service address (bound here)")
+    parser.add_argument("--frontend-timeout", type=float, default=5.0,
+                        help="abort a frontend's requests after this many seconds without a heartbeat")
+    parser.add_argument("--disable-log-stats", action="store_true")
+    return add_engine_args(parser)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging("scheduler")
+    set_process_title("pagedserve: scheduler")
+    from scheduler.control import ControlState, SchedulerControlServicer, start_control_server
+    from scheduler.service import SchedulerService
+
+    config = engine_config_from_args(args)
+    control = ControlState()
+    service = SchedulerService(config, args.scheduler_address, args.worker_address, control,
+                               frontend_timeout_s=args.frontend_timeout, log_stats=not args.disable_log_stats)
+    server = start_control_server(args.scheduler_control_address,
+                                  SchedulerControlServicer(control, config.model, service.request_reset_prefix_cache))
+    logger.info("scheduler listening: frontends %s, workers %s, control %s", args.scheduler_address,
+                args.worker_address, args.scheduler_control_address)
+
+    def stop(signum, frame):
+        service.running = False
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    try:
+        service.run()
+    finally:
+        server.stop(grace=None)
+        service.close()
+    return 0

@@ -1,0 +1,81 @@
+"""The scheduler's gRPC control service (health, model info, stats, prefix-cache reset).
+
+It runs on grpc's own threads and never touches the scheduler directly: it
+reads a snapshot the engine loop publishes after every step, and asks the loop
+to do anything that changes state.
+"""
+from __future__ import annotations
+
+import threading
+from concurrent import futures
+from dataclasses import dataclass, field
+from typing import Callable
+
+import grpc
+
+from common.grpc_gen import control_pb2, control_pb2_grpc
+from common.protocol import WorkerHello
+
+
+@dataclass
+class ControlSnapshot:
+    """What the control service may read; replaced wholesale by the engine loop."""
+    worker: WorkerHello | None = None
+    stats: dict = field(default_factory=dict)
+
+
+class ControlState:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._snapshot = ControlSnapshot()
+
+    def publish(self, snapshot: ControlSnapshot) -> None:
+        with self._lock:
+            self._snapshot = snapshot
+
+    def read(self) -> ControlSnapshot:
+        with self._lock:
+            return self._snapshot
+
+
+class SchedulerControlServicer(control_pb2_grpc.SchedulerControlServicer):
+    def __init__(self, state: ControlState, model_name: str,
+                 request_reset: Callable[[], "futures.Future[bool]"]):
+        self._state = state
+        self._model_name = model_name
+        self._request_reset = request_reset
+
+    def Health(self, request, context):
+        worker = self._state.read().worker
+        return control_pb2.HealthReply(ok=True, worker_ready=worker is not None,
+                                       message="ready" if worker else "waiting for a worker")
+
+    def GetModelInfo(self, request, context):
+        worker = self._state.read().worker
+        if worker is None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "no worker has registered yet")
+        return control_pb2.ModelInfo(model=self._model_name, max_model_len=worker.max_model_len,
+                                     block_size=worker.block_size, num_blocks=worker.num_blocks,
+                                     vocab_size=worker.vocab_size, dtype=worker.dtype,
+                                     eos_token_ids=worker.eos_token_ids)
+
+    def GetStats(self, request, context):
+        stats = self._state.read().stats
+        fields = control_pb2.SchedulerStats.DESCRIPTOR.fields_by_name
+        return control_pb2.SchedulerStats(**{k: v for k, v in stats.items() if k in fields})
+
+    def ResetPrefixCache(self, request, context):
+        try:
+            ok = self._request_reset().result(timeout=10)
+        except futures.TimeoutError:
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the engine loop did not answer in time")
+        return control_pb2.ResetPrefixCacheReply(ok=ok)
+
+
+def start_control_server(address: str, servicer: SchedulerControlServicer) -> grpc.Server:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="control"))
+    control_pb2_grpc.add_SchedulerControlServicer_to_server(servicer, server)
+    if server.add_insecure_port(address) == 0:
+        raise RuntimeError(f"cannot bind the control service to {address}")
+    server.start()
+    return server

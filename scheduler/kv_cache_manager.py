@@ -1,0 +1,116 @@
+"""Per-request block tables on top of the block pool: prefix lookups,
+allocation for the next chunk, caching of computed full blocks, freeing."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from scheduler.block_pool import BlockPool, KVBlock
+from scheduler.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVBlock]] = {}
+        # How many leading blocks of each request are registered in the
+        # prefix cache (hits, or blocks this request filled and computed).
+        self.num_cached_blocks: dict[str, int] = {}
+        # Prefix cache counters, in tokens like vLLM: tokens looked up and
+        # tokens found, counted once per successful admission.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    # --- lookups ----------------------------------------------------------
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+        """The longest run of cached full blocks at the start of the request,
+        and the number of tokens they hold. At most `num_tokens - 1` tokens
+        are served from the cache: the last known token must be computed to
+        produce the logits the next token is sampled from."""
+        if not self.enable_caching:
+            return [], 0
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVBlock] = []
+        for block_hash in request.block_hashes[:max_hit_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    def record_prefix_lookup(self, num_queried_tokens: int, num_hit_tokens: int) -> None:
+        """Count a lookup whose request was admitted (a request that waits and
+        is looked up again next step is not counted twice)."""
+        if self.enable_caching:
+            self.prefix_cache_queries += num_queried_tokens
+            self.prefix_cache_hits += num_hit_tokens
+
+    # --- allocation -------------------------------------------------------
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       new_computed_blocks: Sequence[KVBlock] = ()) -> list[int] | None:
+        """Make room for `num_new_tokens` tokens after the request's computed
+        ones (its own plus `new_computed_blocks`, prefix hits of a request
+        being admitted). Returns the ids of the blocks added to the request's
+        table (hits first), or None, changing nothing, when too few blocks are
+        free."""
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        if new_computed_blocks and blocks:
+            raise ValueError(f"{request.request_id}: prefix hits are only taken on admission")
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        num_required = cdiv(num_computed + num_new_tokens, self.block_size)
+        num_fresh = max(0, num_required - len(blocks) - len(new_computed_blocks))
+        # Hits sitting in the free queue stop being free once touched.
+        num_revived = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
+        if num_fresh > self.block_pool.num_free_blocks - num_revived:
+            return None
+
+        if request.request_id not in self.req_to_blocks:
+            self.req_to_blocks[request.request_id] = blocks
+            self.num_cached_blocks[request.request_id] = len(new_computed_blocks)
+        # Touch before popping fresh blocks, so the hits cannot be evicted.
+        self.block_pool.touch(new_computed_blocks)
+        added = list(new_computed_blocks) + self.block_pool.get_new_blocks(num_fresh)
+        blocks.extend(added)
+        return [block.block_id for block in added]
+
+    def cache_blocks(self, request: Request) -> None:
+        """Register the request's full blocks whose tokens are all computed.
+        Call after the step that computed them ran (never for KV that is only
+        scheduled)."""
+        if not self.enable_caching:
+            return
+        request_id = request.request_id
+        num_full = request.num_computed_tokens // self.block_size
+        start = self.num_cached_blocks[request_id]
+        if num_full <= start:
+            return
+        blocks = self.req_to_blocks[request_id]
+        self.block_pool.cache_full_blocks(blocks[start:num_full], request.block_hashes[start:num_full])
+        self.num_cached_blocks[request_id] = num_full
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, tail first, so a sequence's last
+        blocks are evicted before its (more shareable) leading ones."""
+        blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.num_cached_blocks.pop(request.request_id, None)
+        self.block_pool.free_blocks(reversed(blocks))
+
+    # --- views ------------------------------------------------------------
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [block.block_id for block in self.req_to_blocks.get(request_id, [])]
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.usage
+
+    def reset_prefix_cache(self) -> bool:
+        return self.block_pool.reset_prefix_cache()

@@ -1,0 +1,279 @@
+"""Continuous batching with a token budget (vLLM v1 style, no phases).
+
+Each step serves running requests in admission order (one decode token, or
+the next prefill chunk), then admits waiting requests, all within
+`max_num_batched_tokens` tokens and `max_num_seqs` running requests. When a
+running request cannot get blocks, the most recently admitted running request
+is preempted by recompute. Never imports torch.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from common.config import EngineConfig
+from common.errors import InvalidRequestError
+from common.protocol import (CachedRequestData, EngineRequest, FinishReason, NewRequestData, RequestOutput,
+                             StepPlan, StepResult)
+from scheduler.kv_cache_manager import KVCacheManager
+from scheduler.queues import WaitingQueue
+from scheduler.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of usable blocks held by requests, 0..1
+    num_free_blocks: int  # includes free blocks still holding cached prefixes
+    num_total_blocks: int  # usable blocks (block 0 excluded)
+    prefix_cache_queries: int  # tokens looked up on admission
+    prefix_cache_hits: int  # tokens found in the prefix cache
+    num_preemptions: int  # cumulative
+    num_prompt_tokens: int  # prompt tokens of requests that finished their prefill
+    num_generation_tokens: int  # sampled tokens applied
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+def token_budget(config: EngineConfig) -> int:
+    """`config.resolved_max_num_batched_tokens()` without importing torch:
+    resolving device "auto" probes torch.cuda, which only happens here when
+    torch is already loaded (one-process engine). A standalone scheduler
+    process should get a config whose device is resolved; otherwise it falls
+    back to the CPU default."""
+    if config.max_num_batched_tokens is None and config.device == "auto" and "torch" not in sys.modules:
+        return config.replace(device="cpu").resolved_max_num_batched_tokens()
+    return config.resolved_max_num_batched_tokens()
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int, eos_token_ids: list[int]):
+        self.config = config
+        self.block_size = config.block_size
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = token_budget(config)
+        usable_tokens = (num_blocks - 1) * config.block_size  # block 0 is reserved
+        if max_model_len - 1 > usable_tokens:
+            # A lone request must always fit, or it would be preempted forever.
+            # A sequence of max_model_len tokens ends when its last token is
+            # sampled, so that token's KV is never needed.
+            logger.warning("max_model_len=%d needs more KV cache than the %d tokens available (%d usable blocks "
+                           "of %d); serving at most %d tokens per sequence", max_model_len, usable_tokens,
+                           num_blocks - 1, config.block_size, usable_tokens + 1)
+            max_model_len = usable_tokens + 1
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+
+        self._requests: dict[str, Request] = {}  # every unfinished request
+        self.waiting = WaitingQueue()
+        self.running: list[Request] = []  # admission order; the last one is preempted first
+        self._finished_ids: dict[str, None] = {}  # for the next plan (ordered set)
+        self._next_arrival = 0
+        self._next_step_id = 0
+        self.num_preemptions = 0
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+
+    # --- requests in and out ----------------------------------------------
+    def add_request(self, engine_request: EngineRequest) -> None:
+        """Queue a request; raises InvalidRequestError instead of truncating."""
+        request_id = engine_request.request_id
+        engine_request.sampling_params.validate()
+        num_prompt = len(engine_request.prompt_token_ids)
+        if num_prompt == 0:
+            raise InvalidRequestError("The prompt is empty; at least one token is required", param="prompt")
+        if num_prompt + 1 > self.max_model_len:
+            raise InvalidRequestError(
+                f"The prompt has {num_prompt} tokens, but the maximum context length (max_model_len) is "
+                f"{self.max_model_len} tokens, which leaves no room for an output token; shorten the prompt",
+                param="prompt", code="context_length_exceeded")
+        if request_id in self._requests:
+            raise InvalidRequestError(f"Request id {request_id!r} is already in flight", param="request_id")
+        request = Request(engine_request, self._next_arrival, self.max_model_len, self.block_size,
+                          self.kv_cache_manager.enable_caching)
+        self._next_arrival += 1
+        self._requests[request_id] = request
+        self.waiting.push(request)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[RequestOutput]:
+        """Finish the given requests as ABORT; unknown or finished ids are ignored."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        outputs = []
+        for request_id in request_ids:
+            request = self._requests.get(request_id)
+            if request is None:
+                continue
+            if request.status is RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._finish(request, FinishReason.ABORT)
+            outputs.append(self._output(request, []))
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    # --- one step -----------------------------------------------------------
+    def schedule(self) -> StepPlan | None:
+        """Plan the next step, or None when no request has work."""
+        budget = self.max_num_batched_tokens
+        scheduled: list[tuple[Request, int, list[int]]] = []  # (request, tokens, blocks added)
+        preempted = False
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:  # its sampled token is not back yet (schedule called twice)
+                index += 1
+                continue
+            new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
+            while new_block_ids is None:
+                # Victims come from the tail, i.e. requests not yet scheduled in this step.
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+                new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
+            if new_block_ids is None:
+                break
+            scheduled.append((request, num_new, new_block_ids))
+            budget -= num_new
+            index += 1
+
+        # Admitting right after a preemption would only thrash the cache.
+        if not preempted:
+            self._admit_waiting(budget, scheduled)
+        if not scheduled:
+            return None  # pending finished ids go out with the next plan
+
+        new_requests, cached_requests, num_scheduled_tokens = [], [], {}
+        for request, num_new, new_block_ids in scheduled:
+            if request.sent_to_worker:
+                cached_requests.append(CachedRequestData(
+                    request_id=request.request_id, new_block_ids=new_block_ids,
+                    num_computed_tokens=request.num_computed_tokens))
+            else:
+                new_requests.append(NewRequestData(
+                    request_id=request.request_id, token_ids=list(request.all_token_ids),
+                    num_prompt_tokens=request.num_prompt_tokens, sampling_params=request.sampling_params,
+                    block_ids=new_block_ids, num_computed_tokens=request.num_computed_tokens))
+                request.sent_to_worker = True
+            num_scheduled_tokens[request.request_id] = num_new
+            # Advanced now, like vLLM: the next step continues after this chunk.
+            request.num_computed_tokens += num_new
+        plan = StepPlan(step_id=self._next_step_id, new_requests=new_requests, cached_requests=cached_requests,
+                        num_scheduled_tokens=num_scheduled_tokens, finished_request_ids=list(self._finished_ids))
+        self._next_step_id += 1
+        self._finished_ids.clear()
+        return plan
+
+    def _admit_waiting(self, budget: int, scheduled: list[tuple[Request, int, list[int]]]) -> None:
+        """Admit waiting requests in queue order while budget, sequence slots
+        and blocks last; stop at the first that does not fit (no overtaking)."""
+        kv = self.kv_cache_manager
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting.peek()
+            hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_hit_tokens, budget)
+            new_block_ids = kv.allocate_slots(request, num_new, hit_blocks)
+            if new_block_ids is None:
+                break
+            self.waiting.pop()
+            kv.record_prefix_lookup(request.num_tokens, num_hit_tokens)
+            request.num_computed_tokens = num_hit_tokens
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = num_hit_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            # A reused id: this plan's NewRequestData replaces the old state anyway,
+            # and the worker must not drop the new one.
+            self._finished_ids.pop(request.request_id, None)
+            scheduled.append((request, num_new, new_block_ids))
+            budget -= num_new
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute later: free the KV, keep the tokens, wait at the front."""
+        self.kv_cache_manager.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        if request.sent_to_worker:
+            self._finished_ids[request.request_id] = None  # the worker drops its state
+            request.sent_to_worker = False
+        self.waiting.push_front(request)
+        logger.warning("Request %s was preempted by recompute: not enough free KV cache blocks "
+                       "(total preemptions: %d). Performance may suffer; consider more KV cache memory "
+                       "or lower max_num_seqs / max_num_batched_tokens.", request.request_id, self.num_preemptions)
+
+    def update(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
+        """Apply a step's sampled tokens; return this step's outputs."""
+        if result.step_id != plan.step_id:
+            raise ValueError(f"result of step {result.step_id} applied to plan {plan.step_id}")
+        # The step's KV is computed now, so its newly full blocks can be shared.
+        for request_id in plan.num_scheduled_tokens:
+            request = self._requests.get(request_id)
+            if request is not None and request.status is RequestStatus.RUNNING:
+                self.kv_cache_manager.cache_blocks(request)
+
+        outputs = []
+        num_finished = 0
+        for request_id, token_id in zip(result.request_ids, result.sampled_token_ids, strict=True):
+            request = self._requests.get(request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            if request.num_computed_tokens != request.num_tokens:
+                logger.error("Ignoring a token sampled for %s, which has %d of %d tokens computed",
+                             request_id, request.num_computed_tokens, request.num_tokens)
+                continue
+            if request.num_output_tokens == 0:
+                self.num_prompt_tokens += request.num_prompt_tokens
+            request.append_output_token(token_id)
+            self.num_generation_tokens += 1
+            reason = request.check_stop(self.eos_token_ids, self.max_model_len)
+            if reason is not None:
+                self._finish(request, reason)
+                num_finished += 1
+            outputs.append(self._output(request, [token_id]))
+        if num_finished:
+            self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
+        return outputs
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        self.kv_cache_manager.free(request)
+        del self._requests[request.request_id]
+        if request.sent_to_worker:
+            self._finished_ids[request.request_id] = None
+
+    def _output(self, request: Request, new_token_ids: list[int]) -> RequestOutput:
+        return RequestOutput(request_id=request.request_id, new_token_ids=new_token_ids,
+                             finish_reason=request.finish_reason, num_prompt_tokens=request.num_prompt_tokens,
+                             num_cached_tokens=request.num_cached_tokens or 0)
+
+    # --- introspection and control -------------------------------------------
+    def stats(self) -> SchedulerStats:
+        kv = self.kv_cache_manager
+        return SchedulerStats(
+            num_running=len(self.running), num_waiting=len(self.waiting), kv_cache_usage=kv.usage,
+            num_free_blocks=kv.num_free_blocks, num_total_blocks=kv.block_pool.num_usable_blocks,
+            prefix_cache_queries=kv.prefix_cache_queries, prefix_cache_hits=kv.prefix_cache_hits,
+            num_preemptions=self.num_preemptions, num_prompt_tokens=self.num_prompt_tokens,
+            num_generation_tokens=self.num_generation_tokens)
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix; False (nothing changed) while requests hold blocks."""
+        return self.kv_cache_manager.reset_prefix_cache()

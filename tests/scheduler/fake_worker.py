@@ -1,0 +1,168 @@
+"""A torch-free stand-in for the worker, for driving the scheduler in tests.
+
+It follows the worker's side of the protocol exactly: it keeps per-request
+state between steps, applies NewRequestData / CachedRequestData, drops the
+state of finished ids, and samples for a request when its scheduled chunk
+reaches the end of the tokens it knows (appending the sampled token itself).
+
+It also models the KV cache: every computed token is "written" to its slot
+(block_id * block_size + offset), and before sampling it checks that every
+position of the sequence reads back the right token through the block table.
+A block shared wrongly, overwritten while in use, or a bad prefix hit fails
+here, like it would corrupt attention in the real worker.
+"""
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from common.protocol import EngineRequest, RequestOutput, StepPlan, StepResult
+from common.sampling_params import SamplingParams
+
+SampleFn = Callable[[str, list[int]], int]  # (request_id, token ids so far) -> next token
+
+
+@dataclass
+class FakeRequestState:
+    token_ids: list[int]
+    num_prompt_tokens: int
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+class FakeWorker:
+    def __init__(self, num_blocks: int, block_size: int, sample_fn: SampleFn | None = None,
+                 vocab_size: int = 1000, seed: int = 0):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.rng = random.Random(seed)
+        self.vocab_size = vocab_size
+        self.sample_fn = sample_fn or (lambda request_id, token_ids: self.rng.randrange(self.vocab_size))
+        self.requests: dict[str, FakeRequestState] = {}
+        self.kv: list[int | None] = [None] * (num_blocks * block_size)  # token id stored in each slot
+        self.num_steps = 0
+        self.num_computed_tokens_total = 0
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        for request_id in plan.finished_request_ids:
+            self.requests.pop(request_id, None)
+        for new in plan.new_requests:
+            self.requests[new.request_id] = FakeRequestState(
+                list(new.token_ids), new.num_prompt_tokens, list(new.block_ids), new.num_computed_tokens)
+        for cached in plan.cached_requests:
+            state = self.requests[cached.request_id]
+            assert cached.num_computed_tokens == state.num_computed_tokens, (
+                f"{cached.request_id}: plan says {cached.num_computed_tokens} computed, worker has "
+                f"{state.num_computed_tokens}")
+            state.block_ids.extend(cached.new_block_ids)
+
+        sampled_ids, sampled_tokens = [], []
+        for request_id, num_tokens in plan.num_scheduled_tokens.items():
+            state = self.requests[request_id]
+            assert num_tokens >= 1
+            start, end = state.num_computed_tokens, state.num_computed_tokens + num_tokens
+            assert end <= len(state.token_ids), f"{request_id}: scheduled past the known tokens"
+            assert len(state.block_ids) * self.block_size >= end, f"{request_id}: too few blocks"
+            assert 0 not in state.block_ids, "the null block was handed out"
+            assert all(0 < b < self.num_blocks for b in state.block_ids)
+            for position in range(start, end):
+                self.kv[self._slot(state, position)] = state.token_ids[position]
+            state.num_computed_tokens = end
+            self.num_computed_tokens_total += num_tokens
+            if end == len(state.token_ids):
+                self._check_kv(request_id, state)
+                token = self.sample_fn(request_id, list(state.token_ids))
+                state.token_ids.append(token)
+                sampled_ids.append(request_id)
+                sampled_tokens.append(token)
+        self.num_steps += 1
+        return StepResult(step_id=plan.step_id, request_ids=sampled_ids, sampled_token_ids=sampled_tokens)
+
+    def _slot(self, state: FakeRequestState, position: int) -> int:
+        return state.block_ids[position // self.block_size] * self.block_size + position % self.block_size
+
+    def _check_kv(self, request_id: str, state: FakeRequestState) -> None:
+        """What attention would read back for the whole sequence."""
+        for position in range(state.num_computed_tokens):
+            stored = self.kv[self._slot(state, position)]
+            assert stored == state.token_ids[position], (
+                f"{request_id}: KV at position {position} holds token {stored}, expected {state.token_ids[position]}")
+
+
+def make_request(request_id: str, prompt: list[int], *, max_tokens: int | None = 16, priority: int = 0,
+                 cache_salt: str | None = None, **params) -> EngineRequest:
+    return EngineRequest(request_id=request_id, prompt_token_ids=list(prompt),
+                         sampling_params=SamplingParams(max_tokens=max_tokens, **params),
+                         priority=priority, cache_salt=cache_salt)
+
+
+@dataclass
+class RunResult:
+    tokens: dict[str, list[int]] = field(default_factory=dict)
+    finish_reasons: dict = field(default_factory=dict)
+    outputs: list[RequestOutput] = field(default_factory=list)
+    plans: list[StepPlan] = field(default_factory=list)
+
+
+def step(scheduler, worker: FakeWorker, result: RunResult | None = None) -> list[RequestOutput]:
+    """One schedule -> execute -> update round; [] when nothing was scheduled."""
+    plan = scheduler.schedule()
+    if plan is None:
+        return []
+    outputs = scheduler.update(plan, worker.execute(plan))
+    if result is not None:
+        result.plans.append(plan)
+        record(result, outputs)
+    return outputs
+
+
+def record(result: RunResult, outputs: list[RequestOutput]) -> None:
+    for out in outputs:
+        result.outputs.append(out)
+        result.tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        if out.finish_reason is not None:
+            assert out.request_id not in result.finish_reasons, f"{out.request_id} finished twice"
+            result.finish_reasons[out.request_id] = out.finish_reason
+
+
+def run_to_completion(scheduler, worker: FakeWorker, max_steps: int = 10_000,
+                      result: RunResult | None = None) -> RunResult:
+    result = result or RunResult()
+    for _ in range(max_steps):
+        if not scheduler.has_unfinished_requests():
+            return result
+        step(scheduler, worker, result)
+    raise AssertionError(f"requests still unfinished after {max_steps} steps")
+
+
+def assert_no_leaked_blocks(scheduler) -> None:
+    """Every block is free (ref count 0) and no request holds a block table."""
+    kv = scheduler.kv_cache_manager
+    pool = kv.block_pool
+    assert kv.req_to_blocks == {}
+    assert pool.num_free_blocks == pool.num_usable_blocks
+    assert all(block.ref_cnt == 0 for block in pool.blocks)
+    assert sorted(pool.free_block_queue.block_ids()) == list(range(1, pool.num_blocks))
+
+
+def deterministic_sample(vocab_size: int = 1000) -> SampleFn:
+    """A 'model' whose next token depends only on the tokens so far, so outputs
+    do not depend on batching, chunking, preemption or prefix hits."""
+    def sample(request_id: str, token_ids: list[int]) -> int:
+        value = 17
+        for token in token_ids:
+            value = (value * 31 + token) % 1_000_003
+        return value % vocab_size
+    return sample
+
+
+def make_scheduler(num_blocks: int = 11, block_size: int = 4, max_model_len: int = 40,
+                   eos_token_ids: tuple[int, ...] = (2,), sample_fn: SampleFn | None = None, **config):
+    """A Scheduler (11 blocks of 4 tokens by default) and a FakeWorker sized alike."""
+    from common.config import EngineConfig
+    from scheduler.scheduler import Scheduler
+    engine_config = EngineConfig(block_size=block_size, device="cpu", **config)
+    scheduler = Scheduler(engine_config, num_blocks=num_blocks, max_model_len=max_model_len,
+                          eos_token_ids=list(eos_token_ids))
+    return scheduler, FakeWorker(num_blocks, block_size, sample_fn=sample_fn)

@@ -1,0 +1,314 @@
+"""TritonAttentionBackend against the reference implementation, run by triton's CPU interpreter.
+
+Triton picks compiled or interpreted mode for every `@triton.jit` function,
+its own standard library included, when that function is decorated, i.e. on
+import. Another test module in the same pytest process may already have
+imported triton in compiled mode, so the kernels run in a fresh subprocess
+started with TRITON_INTERPRET=1 (this file run as a script); it prints one
+JSON object of measurements and the tests below assert on them. The parent
+process never imports triton.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+
+from worker.attention.metadata import AttentionMetadata
+from worker.attention.reference import reference_attention
+from worker.attention.triton_backend import TritonAttentionBackend  # never imports triton itself
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+
+
+@dataclass
+class Case:
+    """A batch: decodes (query_len 1) first, then (context_len, query_len) chunks."""
+
+    decode_context_lens: tuple[int, ...] = ()
+    chunks: tuple[tuple[int, int], ...] = ()
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    block_size: int = 4
+    sliding_window: int | None = None
+    dtype: torch.dtype = torch.float32
+    strided_inputs: bool = False  # q/k/v as column slices of one fused projection
+
+
+Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]
+
+
+def build_batch(case: Case, generator: torch.Generator) -> Batch:
+    """Random q/k/v, a cache already holding each sequence's context, and its metadata.
+
+    Every sequence gets blocks drawn from a shuffled pool, so block ids are
+    non-contiguous and out of order; block 0 stays the padding block.
+    """
+    seqs = [(ctx, 1) for ctx in case.decode_context_lens] + list(case.chunks)
+    block_size = case.block_size
+    blocks_per_seq = [-(-(ctx + q) // block_size) for ctx, q in seqs]
+    num_blocks = sum(blocks_per_seq) + 3  # a few blocks nobody uses
+    pool = (torch.randperm(num_blocks - 1, generator=generator) + 1).tolist()
+    max_blocks = max(blocks_per_seq) + 1  # one column of padding
+    block_tables = torch.zeros(len(seqs), max_blocks, dtype=torch.int32)
+    for seq, count in enumerate(blocks_per_seq):
+        block_tables[seq, :count] = torch.tensor([pool.pop() for _ in range(count)])
+
+    kvh, dim = case.num_kv_heads, case.head_dim
+    cache_shape = (num_blocks, block_size, kvh, dim)
+    k_cache = torch.randn(cache_shape, generator=generator).to(case.dtype)
+    v_cache = torch.randn(cache_shape, generator=generator).to(case.dtype)
+
+    slots, starts = [], [0]
+    for seq, (ctx, query_len) in enumerate(seqs):
+        for position in range(ctx, ctx + query_len):
+            slots.append(int(block_tables[seq, position // block_size]) * block_size + position % block_size)
+        starts.append(starts[-1] + query_len)
+    num_tokens = starts[-1]
+    widths = [case.num_heads * dim, kvh * dim, kvh * dim]
+    fused = torch.randn(num_tokens, sum(widths), generator=generator).to(case.dtype)
+    query, key, value = (part.view(num_tokens, -1, dim) for part in fused.split(widths, dim=1))
+    if not case.strided_inputs:
+        query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
+    seq_lens = [ctx + q for ctx, q in seqs]
+    meta = AttentionMetadata(
+        num_decodes=len(case.decode_context_lens),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=block_tables,
+        max_query_len=max(q for _, q in seqs),
+        max_seq_len=max(seq_lens),
+        query_start_loc_cpu=starts,
+        seq_lens_cpu=seq_lens,
+    )
+    return query, key, value, k_cache, v_cache, meta
+
+
+CASES = {
+    "decode_only": Case(decode_context_lens=(0, 7, 21, 40)),
+    "prefill_only": Case(chunks=((0, 9), (0, 23))),
+    "mixed_with_context": Case(decode_context_lens=(12, 3), chunks=((6, 5), (0, 11), (13, 19))),
+    "mha_block_size_16": Case(decode_context_lens=(30,), chunks=((17, 14),), num_heads=2, num_kv_heads=2,
+                              block_size=16),
+    "gqa_group_of_3_strided": Case(decode_context_lens=(9,), chunks=((5, 12),), num_heads=6, num_kv_heads=2,
+                                   strided_inputs=True),
+    "head_dim_24": Case(decode_context_lens=(10,), chunks=((4, 13),), head_dim=24, block_size=3),
+    "sliding_window": Case(decode_context_lens=(2, 37), chunks=((21, 18), (0, 9)), sliding_window=5),
+    "sliding_window_wider_than_tile": Case(chunks=((9, 30),), decode_context_lens=(44,), sliding_window=20),
+    "bfloat16": Case(decode_context_lens=(5, 18), chunks=((7, 10),), dtype=torch.bfloat16),
+    "float16_window": Case(decode_context_lens=(25,), chunks=((3, 14),), dtype=torch.float16, sliding_window=7),
+}
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+# ---- run inside the interpreter subprocess -------------------------------------------------
+
+def compare_with_reference(case: Case, seed: int, scale: float, **tiles: int) -> dict[str, Any]:
+    query, key, value, k_cache, v_cache, meta = build_batch(case, torch.Generator().manual_seed(seed))
+    ref_k_cache, ref_v_cache = k_cache.clone(), v_cache.clone()
+    expected = reference_attention(query, key, value, ref_k_cache, ref_v_cache, meta,
+                                   scale=scale, sliding_window=case.sliding_window)
+    output = TritonAttentionBackend(**tiles).forward(query, key, value, k_cache, v_cache, meta,
+                                                     scale=scale, sliding_window=case.sliding_window)
+    return {
+        "same_shape_and_dtype": output.shape == query.shape and output.dtype == query.dtype,
+        "caches_equal": torch.equal(k_cache, ref_k_cache) and torch.equal(v_cache, ref_v_cache),
+        "max_error": (output.float() - expected.float()).abs().max().item(),
+        "max_magnitude": expected.float().abs().max().item(),
+    }
+
+
+def rows_changed_by_context_edit() -> dict[str, Any]:
+    """Edit one cached context value of one chunk; report which output rows moved."""
+    case = CASES["mixed_with_context"]
+    query, key, value, k_cache, v_cache, meta = build_batch(case, torch.Generator().manual_seed(5))
+    backend = TritonAttentionBackend(block_m=16, block_n=16)
+    before = backend.forward(query, key, value, k_cache, v_cache, meta, scale=0.25, sliding_window=None)
+    owner = meta.num_decodes + 2  # the chunk with 13 context tokens
+    v_cache[int(meta.block_tables[owner, 0]), 1] += 10.0  # its position 1
+    after = backend.forward(query, key, value, k_cache, v_cache, meta, scale=0.25, sliding_window=None)
+    changed = (after - before).abs().amax(dim=(1, 2)) > 1e-3
+    return {"changed_rows": changed.nonzero().flatten().tolist(),
+            "owner_rows": list(range(meta.query_start_loc_cpu[owner], meta.query_start_loc_cpu[owner + 1]))}
+
+
+def rejected_head_mismatch() -> str:
+    query, key, value, k_cache, v_cache, meta = build_batch(Case(chunks=((0, 3),)), torch.Generator().manual_seed(0))
+    try:
+        TritonAttentionBackend().forward(query[:, :3], key, value, k_cache, v_cache, meta,
+                                         scale=1.0, sliding_window=None)
+    except ValueError as exc:
+        return str(exc)
+    return "accepted"
+
+
+def kernels_interpreted() -> bool:
+    from worker.attention import triton_kernels
+    return triton_kernels.RUNS_INTERPRETED
+
+
+def run_all_in_interpreter() -> dict[str, Any]:
+    jobs: dict[str, Callable[[], Any]] = {"interpreted": kernels_interpreted}
+    for name, case in CASES.items():
+        # Small tiles so these tiny batches still span several query and key tiles.
+        jobs[name] = lambda case=case, seed=len(name): compare_with_reference(
+            case, seed, case.head_dim ** -0.5, block_m=16, block_n=16)
+    jobs["default_tiles"] = lambda: compare_with_reference(CASES["mixed_with_context"], 3, 0.3)
+    jobs["context_edit"] = rows_changed_by_context_edit
+    jobs["head_mismatch"] = rejected_head_mismatch
+    results: dict[str, Any] = {}
+    for name, job in jobs.items():
+        try:
+            results[name] = job()
+        except Exception:  # reported per job so one failure does not hide the others
+            results[name] = {"error": traceback.format_exc()}
+    return results
+
+
+# ---- run inside the compile subprocess (no TRITON_INTERPRET) --------------------------------
+
+INT32_POINTERS = {"block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr"}
+
+
+def compile_for_sm80() -> list[str]:
+    """Compile every kernel down to a cubin for an sm_80 GPU (triton ships ptxas, so no
+    GPU is needed); catches what the interpreter lets through, e.g. tl.dot shape limits."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from worker.attention import triton_kernels as kernels
+
+    launches = [
+        (kernels.write_kv_cache_kernel, {"KV_HEADS_PAD": 4, "HEAD_DIM_PAD": 64}),
+        (kernels.paged_decode_kernel, {"GROUP_PAD": 16, "HEAD_DIM_PAD": 64, "BLOCK_N": 32, "UPCAST_DOT": False}),
+        (kernels.paged_prefill_kernel, {"BLOCK_Q": 21, "BLOCK_M": 64, "HEAD_DIM_PAD": 64, "BLOCK_N": 32,
+                                        "UPCAST_DOT": False}),
+    ]
+    compiled = []
+    for dtype in ("fp32", "bf16"):
+        for kernel, constexprs in launches:
+            signature = {}
+            for arg in kernel.arg_names:
+                if arg in constexprs:
+                    signature[arg] = "constexpr"
+                elif arg == "slot_mapping_ptr":
+                    signature[arg] = "*i64"
+                elif arg.endswith("_ptr"):
+                    signature[arg] = "*i32" if arg in INT32_POINTERS else f"*{dtype}"
+                else:
+                    signature[arg] = "fp32" if arg == "scale" else "i32"
+            source = ASTSource(fn=kernel, signature=signature,
+                               constexprs={(kernel.arg_names.index(k),): v for k, v in constexprs.items()})
+            binary = triton.compile(source, target=GPUTarget("cuda", 80, 32), options={"num_warps": 4})
+            if binary.asm.get("cubin"):
+                compiled.append(f"{kernel.__name__}[{dtype}]")
+    return compiled
+
+
+# ---- the tests (parent process) -------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def interpreted() -> dict[str, Any]:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO_ROOT)}
+    proc = subprocess.run([sys.executable, __file__], cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def result_of(results: dict[str, Any], name: str) -> Any:
+    result = results[name]
+    if isinstance(result, dict) and "error" in result:
+        pytest.fail(f"{name} raised in the interpreter subprocess:\n{result['error']}")
+    return result
+
+
+@needs_triton
+def test_kernels_run_interpreted(interpreted) -> None:
+    assert result_of(interpreted, "interpreted") is True
+
+
+@needs_triton
+@pytest.mark.parametrize("name", list(CASES))
+def test_matches_reference(name: str, interpreted) -> None:
+    result = result_of(interpreted, name)
+    assert result["same_shape_and_dtype"]
+    assert result["caches_equal"]
+    assert result["max_magnitude"] > 0.1  # a zero output would make the error check vacuous
+    assert result["max_error"] <= TOLERANCE[CASES[name].dtype]
+
+
+@needs_triton
+def test_default_tile_sizes_match_reference(interpreted) -> None:
+    result = result_of(interpreted, "default_tiles")
+    assert result["caches_equal"] and result["max_error"] <= 1e-5
+
+
+@needs_triton
+def test_context_edit_changes_exactly_its_sequence(interpreted) -> None:
+    result = result_of(interpreted, "context_edit")
+    assert result["changed_rows"] == result["owner_rows"]
+
+
+@needs_triton
+def test_rejects_mismatched_heads(interpreted) -> None:
+    assert "multiple" in result_of(interpreted, "head_mismatch")
+
+
+@needs_triton
+def test_kernels_compile_for_a_cuda_gpu(tmp_path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=str(REPO_ROOT), TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
+    proc = subprocess.run([sys.executable, __file__, "compile"], cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    compiled = json.loads(proc.stdout.strip().splitlines()[-1])
+    names = ("write_kv_cache_kernel", "paged_decode_kernel", "paged_prefill_kernel")
+    assert compiled == [f"{name}[{dtype}]" for dtype in ("fp32", "bf16") for name in names]
+
+
+def test_rejects_tile_sizes_that_are_not_powers_of_two() -> None:
+    with pytest.raises(ValueError, match="block_n"):
+        TritonAttentionBackend(block_n=24)
+    with pytest.raises(ValueError, match="block_m"):
+        TritonAttentionBackend(block_m=8)
+
+
+def test_import_needs_no_triton_and_construction_explains_missing_triton() -> None:
+    script = (
+        "import sys\n"
+        "sys.modules['triton'] = None  # as if triton were not installed\n"
+        "import worker.attention.triton_backend as tb\n"
+        "try:\n"
+        "    tb.TritonAttentionBackend()\n"
+        "except RuntimeError as exc:\n"
+        "    assert 'triton' in str(exc), exc\n"
+        "    print('clear error')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "clear error"
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["compile"]:
+        print(json.dumps(compile_for_sm80()))
+    elif os.environ.get("TRITON_INTERPRET") == "1":
+        print(json.dumps(run_all_in_interpreter()))
+    else:
+        sys.exit("run with TRITON_INTERPRET=1, or with the argument 'compile'")

@@ -1,0 +1,152 @@
+"""Paged attention backend built on Triton kernels (CUDA; CPU via TRITON_INTERPRET=1).
+
+Importing this module never imports triton: the kernels are loaded when the
+backend is constructed, so the CPU-only paths of the worker keep working on
+machines without triton.
+"""
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+import torch
+
+from worker.attention.metadata import AttentionMetadata
+
+_KERNELS_MODULE = "worker.attention.triton_kernels"
+_MIN_DOT_SIZE = 16  # tl.dot needs every dimension >= 16 on GPUs
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _dot_size(n: int) -> int:
+    return max(_MIN_DOT_SIZE, _next_power_of_2(n))
+
+
+def _load_kernels() -> ModuleType:
+    try:
+        return importlib.import_module(_KERNELS_MODULE)
+    except ModuleNotFoundError as exc:
+        if exc.name != "triton" and not (exc.name or "").startswith("triton."):
+            raise
+        raise RuntimeError(
+            "The triton attention backend needs the 'triton' package "
+            "(pip install 'pagedserve[triton]'); use the torch backend otherwise."
+        ) from exc
+
+
+def _last_dim_contiguous(tensor: torch.Tensor) -> torch.Tensor:
+    # The kernels index the head dimension with unit stride; other strides are passed in.
+    return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
+
+
+class TritonAttentionBackend:
+    """AttentionBackend: write new K/V into the paged cache, then attend.
+
+    Decode sequences (the leading `meta.num_decodes`) run one program per
+    (sequence, kv head); prefill/extend chunks run one program per
+    (sequence, kv head, tile of query tokens). `block_m` is the rows per
+    prefill tile (query tokens x query heads of one kv head) and `block_n`
+    the keys per tile; both are powers of two >= 16.
+    """
+
+    name = "triton"
+
+    def __init__(self, block_m: int = 64, block_n: int = 32, num_warps: int = 4) -> None:
+        for label, size in (("block_m", block_m), ("block_n", block_n)):
+            if size < _MIN_DOT_SIZE or size & (size - 1):
+                raise ValueError(f"{label} must be a power of two >= {_MIN_DOT_SIZE}, got {size}")
+        self.block_m = block_m
+        self.block_n = block_n
+        self.num_warps = num_warps
+        self._kernels = _load_kernels()
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        *,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        self._check_inputs(query, key, value, k_cache, v_cache)
+        query, key, value = (_last_dim_contiguous(t) for t in (query, key, value))
+        output = torch.empty_like(query)
+        if query.shape[0] == 0:
+            return output
+        self._write_kv_cache(key, value, k_cache, v_cache, meta)
+        window = sliding_window if sliding_window and sliding_window > 0 else self._kernels.NO_WINDOW
+        if meta.num_decodes > 0:
+            self._decode(output, query, k_cache, v_cache, meta, scale, window)
+        if meta.num_seqs > meta.num_decodes:
+            self._prefill(output, query, k_cache, v_cache, meta, scale, window)
+        return output
+
+    def _check_inputs(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        num_heads, head_dim = query.shape[1], query.shape[2]
+        num_kv_heads = k_cache.shape[2]
+        if key.shape != value.shape or key.shape[1:] != (num_kv_heads, head_dim):
+            raise ValueError(f"key/value shape {tuple(key.shape)} does not match cache {tuple(k_cache.shape)}")
+        if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+            raise ValueError("k_cache and v_cache must have equal shapes and strides, head_dim contiguous")
+        if k_cache.dtype != v_cache.dtype:
+            raise ValueError(f"k_cache dtype {k_cache.dtype} differs from v_cache dtype {v_cache.dtype}")
+        if num_heads % num_kv_heads:
+            raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} kv heads")
+        if query.device.type == "cpu" and not self._kernels.RUNS_INTERPRETED:
+            raise RuntimeError("triton kernels on CPU tensors need TRITON_INTERPRET=1 set before "
+                               f"{_KERNELS_MODULE} is imported")
+
+    def _write_kv_cache(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+        num_kv_heads, head_dim = key.shape[1], key.shape[2]
+        self._kernels.write_kv_cache_kernel[(key.shape[0],)](
+            key, value, k_cache, v_cache, meta.slot_mapping,
+            key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            k_cache.shape[1], num_kv_heads, head_dim,
+            KV_HEADS_PAD=_next_power_of_2(num_kv_heads), HEAD_DIM_PAD=_next_power_of_2(head_dim),
+            num_warps=self.num_warps,
+        )
+
+    def _common_args(self, output: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, meta: AttentionMetadata) -> tuple:
+        return (
+            output, query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+            query.stride(0), query.stride(1), output.stride(0), output.stride(1), meta.block_tables.stride(0),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        )
+
+    def _decode(self, output: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int) -> None:
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        queries_per_kv = query.shape[1] // num_kv_heads
+        self._kernels.paged_decode_kernel[(meta.num_decodes, num_kv_heads)](
+            *self._common_args(output, query, k_cache, v_cache, meta),
+            float(scale), window, k_cache.shape[1], queries_per_kv, head_dim,
+            GROUP_PAD=_dot_size(queries_per_kv), HEAD_DIM_PAD=_dot_size(head_dim), BLOCK_N=self.block_n,
+            UPCAST_DOT=self._kernels.RUNS_INTERPRETED, num_warps=self.num_warps,
+        )
+
+    def _prefill(self, output: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int) -> None:
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        queries_per_kv = query.shape[1] // num_kv_heads
+        block_m = max(self.block_m, _dot_size(queries_per_kv))
+        block_q = block_m // queries_per_kv  # query tokens per tile
+        starts = meta.query_start_loc_cpu
+        max_query_len = max(starts[i + 1] - starts[i] for i in range(meta.num_decodes, meta.num_seqs))
+        grid = (meta.num_seqs - meta.num_decodes, num_kv_heads, -(-max_query_len // block_q))
+        self._kernels.paged_prefill_kernel[grid](
+            *self._common_args(output, query, k_cache, v_cache, meta),
+            float(scale), window, k_cache.shape[1], queries_per_kv, head_dim, meta.num_decodes,
+            BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM_PAD=_dot_size(head_dim), BLOCK_N=self.block_n,
+            UPCAST_DOT=self._kernels.RUNS_INTERPRETED, num_warps=self.num_warps,
+        )

@@ -1,0 +1,44 @@
+"""`pagedserve worker`: the model worker for one device."""
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+
+from common.addresses import default_address
+from common.cli_args import add_engine_args, engine_config_from_args
+from common.logging_setup import setup_logging
+from common.proctitle import set_process_title
+
+logger = logging.getLogger(__name__)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedserve worker", description=__doc__)
+    parser.add_argument("--worker-address", default=default_address("WORKER_ADDRESS"),
+                        help="the scheduler's ZMQ address for workers")
+    parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument("--handshake-timeout", type=float, default=None,
+                        help="give up if the scheduler does not answer within this many seconds")
+    return add_engine_args(parser)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(f"worker {args.rank}")
+    set_process_title(f"pagedserve: worker {args.rank}")
+    from worker.service import WorkerService
+    from worker.worker import Worker
+
+    service = WorkerService(Worker(engine_config_from_args(args), rank=args.rank), args.worker_address,
+                            handshake_timeout_s=args.handshake_timeout)
+
+    def stop(signum, frame):
+        service.running = False
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    try:
+        service.run()
+    finally:
+        service.close()
+    return 0
