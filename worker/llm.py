@@ -45,14 +45,17 @@ class GenerationOutput:
 
 
 class LLM:
-    def __init__(self, model: str = "smollm2-135m-instruct", **engine_args: Any):
+    def __init__(self, model: str = "smollm2-135m-instruct", skip_tokenizer_init: bool = False,
+                 **engine_args: Any):
+        """`skip_tokenizer_init=True` serves models without tokenizer files:
+        prompts must then be token ids and outputs carry ids but no text."""
         self.config = EngineConfig(model=model, **engine_args)
         self.worker = Worker(self.config)
         hello = self.worker.hello()
         self.max_model_len = hello.max_model_len
         self.scheduler = Scheduler(self.config, num_blocks=hello.num_blocks,
                                    max_model_len=hello.max_model_len, eos_token_ids=list(hello.eos_token_ids))
-        self.tokenizer = load_tokenizer(self.worker.model_dir)
+        self.tokenizer = None if skip_tokenizer_init else load_tokenizer(self.worker.model_dir)
         self._ids = itertools.count()
 
     # --- public API -------------------------------------------------------
@@ -79,6 +82,8 @@ class LLM:
     # --- internals ------------------------------------------------------------
     def _encode(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("text prompts need a tokenizer (skip_tokenizer_init is set)", param="prompts")
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
@@ -127,9 +132,10 @@ class LLM:
             raise
         finally:
             bar.close()
-        for result in results.values():
-            completion = result.outputs[0]
-            completion.text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+        if self.tokenizer is not None:
+            for result in results.values():
+                completion = result.outputs[0]
+                completion.text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
         return [results[r] for r in order]
 
 

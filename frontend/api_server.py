@@ -1,0 +1,119 @@
+"""The OpenAI-compatible HTTP API (FastAPI): `build_app(state)`.
+
+Every error, including a malformed body, answers with OpenAI's error shape
+`{"error": {"message", "type", "param", "code"}}`: 400 for bad input (never
+FastAPI's 422), 404 for an unknown model, 503 when the engine is unavailable.
+"""
+from __future__ import annotations
+
+import logging
+from importlib.metadata import PackageNotFoundError, version
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from common.errors import InvalidRequestError, PagedServeError
+from frontend.openai_protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from frontend.serving_chat import create_chat_completion
+from frontend.serving_completions import create_completion
+from frontend.state import FrontendState
+
+logger = logging.getLogger(__name__)
+
+
+def server_version() -> str:
+    try:
+        return version("pagedserve")
+    except PackageNotFoundError:
+        return "0.1.0"
+
+
+def error_response(error: PagedServeError) -> JSONResponse:
+    return JSONResponse(error.to_openai(), status_code=error.http_status)
+
+
+def validation_error(exc: RequestValidationError) -> InvalidRequestError:
+    """FastAPI's validation failure as a 400 naming the offending parameter."""
+    errors = exc.errors()
+    if not errors:
+        return InvalidRequestError("invalid request body")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return InvalidRequestError(f"the request body is not valid JSON: {first.get('msg', '')}")
+    location = [str(part) for part in first.get("loc", ()) if part != "body"]
+    # Unions add the tried type as a location part ("prompt.str"); the field path is what clients need.
+    param = ".".join(p for p in location if not _is_type_name(p)) or None
+    message = first.get("msg", "invalid value")
+    if param:
+        message = f"{param}: {message}"
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
+    return InvalidRequestError(message, param=param)
+
+
+def _is_type_name(part: str) -> bool:
+    return part in ("str", "int", "float", "bool", "dict", "list") or part.startswith(("list[", "dict[", "function-"))
+
+
+def build_app(state: FrontendState) -> FastAPI:
+    app = FastAPI(title="pagedserve", version=server_version(), docs_url=None, redoc_url=None)
+    app.state.frontend = state
+
+    @app.exception_handler(PagedServeError)
+    async def _pagedserve_error(request: Request, exc: PagedServeError) -> JSONResponse:
+        if exc.http_status >= 500:
+            logger.warning("%s %s failed: %s", request.method, request.url.path, exc.message)
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(validation_error(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # Unknown routes and methods, in the same error shape as everything else.
+        error = PagedServeError(str(exc.detail))
+        error.http_status, error.error_type = exc.status_code, "invalid_request_error"
+        return JSONResponse(error.to_openai(), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("%s %s failed", request.method, request.url.path)
+        return error_response(PagedServeError("internal server error"))
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw_request: Request) -> Response:
+        return await create_completion(state, body, raw_request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw_request: Request) -> Response:
+        return await create_chat_completion(state, body, raw_request)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        max_model_len = await state.max_model_len()
+        cards = [ModelCard(id=name, created=state.created, root=state.model_root, max_model_len=max_model_len)
+                 for name in state.served_model_names]
+        return JSONResponse(ModelList(data=cards).model_dump())
+
+    @app.get("/health")
+    async def health() -> Response:
+        healthy, reason = await state.is_healthy()
+        if healthy:
+            return Response(status_code=200)
+        return JSONResponse({"error": {"message": reason, "type": "service_unavailable", "param": None,
+                                       "code": None}}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        stats = await state.control.stats()
+        return Response(state.metrics.render(stats), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/version")
+    async def server_version_route() -> JSONResponse:
+        return JSONResponse({"version": server_version()})
+
+    return app

@@ -1,0 +1,145 @@
+"""`pagedserve frontend`: the OpenAI-compatible HTTP API and the gRPC API, in
+one process and one event loop. Needs a scheduler and a tokenizer pool
+(addresses from flags or PAGEDSERVE_* environment variables)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import socket
+
+from common.addresses import default_address
+from common.cli_args import env_default
+from common.logging_setup import setup_logging
+from common.proctitle import set_process_title
+
+logger = logging.getLogger(__name__)
+
+
+def add_frontend_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    g = parser.add_argument_group("frontend")
+    g.add_argument("--model", default=env_default("MODEL", "smollm2-135m-instruct"),
+                   help="HF model directory, tokenizer directory, .gguf file or alias whose tokenizer to load "
+                        "(default: smollm2-135m-instruct)")
+    g.add_argument("--host", default=env_default("HOST", "127.0.0.1"), help="address to listen on (default 127.0.0.1)")
+    g.add_argument("--port", type=int, default=int(env_default("PORT", 8000)),
+                   help="HTTP port (default 8000; 0 = any free port)")
+    g.add_argument("--grpc-port", type=int, default=int(env_default("GRPC_PORT", 50051)),
+                   help="gRPC port (default 50051; 0 = any free port)")
+    names = env_default("SERVED_MODEL_NAME", None)
+    g.add_argument("--served-model-name", nargs="+", default=names.replace(",", " ").split() if names else None,
+                   help="model name(s) clients use; the first is reported in responses (default: --model; "
+                        "env PAGEDSERVE_SERVED_MODEL_NAME, comma-separated)")
+    g.add_argument("--scheduler-address", default=default_address("SCHEDULER_ADDRESS"),
+                   help="the scheduler's ZMQ address (env PAGEDSERVE_SCHEDULER_ADDRESS)")
+    g.add_argument("--scheduler-control-address", default=default_address("SCHEDULER_CONTROL_ADDRESS"),
+                   help="the scheduler's gRPC control service (env PAGEDSERVE_SCHEDULER_CONTROL_ADDRESS)")
+    g.add_argument("--tokenizer-address", default=default_address("TOKENIZER_ADDRESS"),
+                   help="the tokenizer pool's ZMQ address (env PAGEDSERVE_TOKENIZER_ADDRESS)")
+    g.add_argument("--model-cache-dir", default=env_default("CACHE_DIR", None),
+                   help="where converted GGUF models are kept (default ~/.cache/pagedserve/models)")
+    g.add_argument("--api-key", default=env_default("API_KEY", None),
+                   help="reserved: accepted, not enforced yet")
+    g.add_argument("--log-level", default=None, help="DEBUG, INFO, ... (default $PAGEDSERVE_LOG_LEVEL or INFO)")
+    return parser
+
+
+def resolve_tokenizer_dir(model: str, cache_dir: str | None) -> str:
+    """A directory with the tokenizer: a tokenizer-only directory is enough
+    (the frontend never loads weights), anything else via resolve_model_dir."""
+    path = os.path.abspath(os.path.expanduser(model))
+    if os.path.isfile(os.path.join(path, "tokenizer.json")):
+        return path
+    from common.model_files import resolve_model_dir
+
+    return resolve_model_dir(model, cache_dir)
+
+
+def served_names(args: argparse.Namespace) -> list[str]:
+    if args.served_model_name:
+        return list(args.served_model_name)
+    from common.model_files import model_display_name
+
+    return [model_display_name(args.model)]
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Bind before serving so the real port is known (and logged) even for port 0."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.set_inheritable(True)
+    return sock
+
+
+async def run_frontend(args: argparse.Namespace) -> None:
+    import prometheus_client
+    import uvicorn
+
+    from common.tokenizer import load_tokenizer
+    from frontend.api_server import build_app
+    from frontend.control_client import ControlClient
+    from frontend.engine_client import EngineClient
+    from frontend.grpc_server import start_grpc_server
+    from frontend.metrics import FrontendMetrics
+    from frontend.state import FrontendState
+    from tokenizer_pool.client import TokenizerClient
+
+    # Like vLLM: no `*_created` series (they double the exposition for nothing).
+    prometheus_client.disable_created_metrics()
+    names = served_names(args)
+    tokenizer = load_tokenizer(resolve_tokenizer_dir(args.model, args.model_cache_dir))
+    control = ControlClient(args.scheduler_control_address)
+    engine = EngineClient(args.scheduler_address, health_probe=control.is_healthy)
+    tokenizer_client = TokenizerClient(args.tokenizer_address)
+    state = FrontendState(served_model_names=names, model_root=args.model, engine=engine,
+                          tokenizer_client=tokenizer_client, tokenizer=tokenizer, control=control,
+                          metrics=FrontendMetrics(names[0]))
+    if args.api_key:
+        logger.warning("--api-key is accepted but not enforced yet")
+    await engine.start()
+    http_socket = bind_socket(args.host, args.port)
+    grpc_server, grpc_port = await start_grpc_server(state, args.host, args.grpc_port)
+    # log_config=None: uvicorn's records go through our handler and format.
+    server = uvicorn.Server(uvicorn.Config(build_app(state), log_config=None, access_log=False,
+                                           timeout_graceful_shutdown=5))
+    http_port = http_socket.getsockname()[1]
+    logger.info("frontend %s serving %s: OpenAI API on http://%s:%d/v1, gRPC on %s:%d "
+                "(scheduler %s, control %s, tokenizer pool %s)", engine.frontend_id, ", ".join(names),
+                args.host, http_port, args.host, grpc_port, args.scheduler_address,
+                args.scheduler_control_address, args.tokenizer_address)
+    try:
+        await server.serve(sockets=[http_socket])
+    finally:
+        await grpc_server.stop(grace=2)
+        await engine.close()
+        await tokenizer_client.close()
+        await control.close()
+        http_socket.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pagedserve frontend", description=__doc__)
+    args = add_frontend_args(parser).parse_args(argv)
+    setup_logging("frontend", args.log_level)
+    set_process_title("pagedserve: frontend")
+    from common.errors import ConfigError
+    try:
+        import uvloop  # optional: faster event loop when installed
+        runner = uvloop.run
+    except ImportError:
+        runner = asyncio.run
+    try:
+        runner(run_frontend(args))
+    except ConfigError as e:
+        logger.error("%s", e)
+        return 2
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

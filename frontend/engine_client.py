@@ -1,0 +1,264 @@
+"""The frontend's asyncio client to the scheduler (ZMQ DEALER -> scheduler ROUTER).
+
+One receive task routes every `RequestOutput` to the queue of its request; a
+send task owns all writes to the socket. The frontend says `FrontendHello`
+on every (re)connection and once a second as its heartbeat.
+
+A dead scheduler must not leave clients hanging: in-flight requests fail with
+`ServiceUnavailableError` (HTTP 503) as soon as the connection drops (ZMTP
+heartbeats notice a vanished host too), or when nothing has arrived for
+`stall_timeout` seconds and the health probe (the scheduler's control
+service) says it is not healthy either. Requests are never silently queued
+for a scheduler that is not there (ZMQ_IMMEDIATE): a restarted scheduler
+must not run requests whose clients were already told they failed.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import time
+from typing import AsyncIterator, Awaitable, Callable
+
+import msgspec
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from common.errors import InvalidRequestError
+from common.protocol import (Abort, EngineError, EngineOutputs, EngineRequest, FrontendHello, MessageType,
+                             RequestOutput)
+from common.sampling_params import SamplingParams
+from common.transport import MessageDecoder, arecv, encode, make_socket
+from frontend.errors import ServiceUnavailableError, error_with_status
+
+logger = logging.getLogger(__name__)
+
+HealthProbe = Callable[[], Awaitable[bool]]
+
+
+def new_frontend_id() -> str:
+    return f"frontend-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+class _RequestStream:
+    """The receiving end of one request: outputs, or an exception to raise."""
+    __slots__ = ("queue", "finished")
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
+        self.finished = False
+
+
+class EngineClient:
+    def __init__(self, scheduler_address: str, *, frontend_id: str | None = None,
+                 health_probe: HealthProbe | None = None, heartbeat_interval: float = 1.0,
+                 stall_timeout: float = 10.0, connect_grace: float = 1.0):
+        self.scheduler_address = scheduler_address
+        self.frontend_id = frontend_id or new_frontend_id()
+        self._health_probe = health_probe
+        self._heartbeat_interval = heartbeat_interval
+        self._stall_timeout = stall_timeout
+        self._connect_grace = connect_grace
+        self._ctx = zmq.asyncio.Context()
+        self._sock: zmq.asyncio.Socket | None = None
+        self._decoder = MessageDecoder([MessageType.ENGINE_OUTPUTS, MessageType.ENGINE_ERROR])
+        self._streams: dict[str, _RequestStream] = {}
+        self._orphans: set[str] = set()  # failed locally; the scheduler may still hold them
+        self._outbox: asyncio.Queue[msgspec.Struct] = asyncio.Queue()
+        self._connected = asyncio.Event()
+        self._last_progress = time.monotonic()
+        self._tasks: list[asyncio.Task] = []
+
+    # --- lifecycle ----------------------------------------------------------------
+    async def start(self) -> None:
+        sock = make_socket(self._ctx, zmq.DEALER, identity=self.frontend_id.encode())
+        sock.setsockopt(zmq.IMMEDIATE, 1)
+        sock.setsockopt(zmq.SNDHWM, 0)  # never drop a message to a live scheduler
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        sock.connect(self.scheduler_address)
+        self._sock = sock
+        self._tasks = [asyncio.create_task(coro, name=f"engine-client-{coro.__name__}") for coro in (
+            self._monitor_loop(monitor), self._recv_loop(), self._send_loop(), self._heartbeat_loop(),
+            self._watchdog_loop())]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        self._fail_all(ServiceUnavailableError("the frontend is shutting down"))
+        if self._sock is not None:
+            # Deliver what is queued (aborts above all), giving up after a short linger.
+            sync_sock = zmq.Socket.shadow(self._sock.underlying)
+            while not self._outbox.empty():
+                try:
+                    sync_sock.send_multipart(encode(self._outbox.get_nowait()), flags=zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+            self._sock = None
+        self._ctx.destroy(linger=500)
+
+    @property
+    def connected(self) -> bool:
+        return self._connected.is_set()
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    def is_in_flight(self, request_id: str) -> bool:
+        return request_id in self._streams
+
+    # --- requests -----------------------------------------------------------------
+    async def generate(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams, *,
+                       arrival_time: float | None = None, priority: int = 0,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Submit a request and yield its outputs until it finishes.
+
+        Closing the iterator before the last output (client gone, stop string
+        matched) aborts the request in the scheduler. Raises
+        ServiceUnavailableError when the scheduler is unreachable or dies, and
+        the scheduler's own rejection (e.g. prompt too long) as a PagedServeError.
+        """
+        await self.ensure_connected()
+        if request_id in self._streams:  # checked after the last await: no other task can slip in
+            raise InvalidRequestError(f"request id {request_id!r} is already in flight", param="request_id")
+        stream = _RequestStream()
+        if not self._streams:
+            self._last_progress = time.monotonic()  # idle time is not a stall
+        self._streams[request_id] = stream
+        try:
+            self._outbox.put_nowait(EngineRequest(
+                request_id=request_id, prompt_token_ids=prompt_token_ids, sampling_params=sampling_params,
+                arrival_time=time.time() if arrival_time is None else arrival_time, priority=priority,
+                cache_salt=cache_salt))
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, Exception):
+                    stream.finished = True  # the scheduler no longer has it (or is gone)
+                    raise item
+                if item.finish_reason is not None:
+                    stream.finished = True
+                yield item
+                if stream.finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not stream.finished:
+                self.abort([request_id])
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Ask the scheduler to drop these requests (idempotent, never blocks)."""
+        if request_ids and self._sock is not None:
+            self._outbox.put_nowait(Abort(request_ids=list(request_ids)))
+
+    async def ensure_connected(self) -> None:
+        """Return once connected (waiting `connect_grace` at most), else raise
+        ServiceUnavailableError: callers check before starting a response."""
+        if self._connected.is_set():
+            return
+        try:
+            await asyncio.wait_for(self._connected.wait(), self._connect_grace)
+        except asyncio.TimeoutError:
+            raise ServiceUnavailableError(
+                f"the scheduler at {self.scheduler_address} is not reachable") from None
+
+    def _fail_all(self, error: Exception) -> None:
+        """Fail every in-flight request; remember them so that a scheduler which
+        is still (or again) there is told to drop them."""
+        for stream in self._streams.values():
+            stream.queue.put_nowait(error)
+        self._orphans.update(self._streams)
+
+    # --- background tasks -----------------------------------------------------------
+    async def _recv_loop(self) -> None:
+        while True:
+            msg = await arecv(self._sock, self._decoder)
+            self._last_progress = time.monotonic()
+            self._dispatch(msg)
+
+    def _dispatch(self, msg: EngineOutputs | EngineError) -> None:
+        if isinstance(msg, EngineOutputs):
+            for output in msg.outputs:
+                stream = self._streams.get(output.request_id)
+                if stream is None:
+                    continue  # already closed (aborted, stopped by a stop string)
+                if output.error is not None:
+                    stream.queue.put_nowait(InvalidRequestError(output.error))
+                else:
+                    stream.queue.put_nowait(output)
+        elif isinstance(msg, EngineError):
+            stream = self._streams.get(msg.request_id)
+            if stream is not None:
+                stream.queue.put_nowait(error_with_status(msg.message, msg.status))
+            else:
+                logger.warning("scheduler error for unknown request %s: %s", msg.request_id, msg.message)
+
+    async def _send_loop(self) -> None:
+        while True:
+            msg = await self._outbox.get()
+            try:
+                await self._sock.send_multipart(encode(msg), flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                # No connected scheduler (ZMQ_IMMEDIATE): fail fast instead of queueing.
+                if isinstance(msg, EngineRequest):
+                    stream = self._streams.get(msg.request_id)
+                    if stream is not None:
+                        stream.queue.put_nowait(ServiceUnavailableError("the scheduler is not connected"))
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._heartbeat_interval)
+            if self._connected.is_set():
+                self._outbox.put_nowait(FrontendHello(frontend_id=self.frontend_id))
+
+    async def _monitor_loop(self, monitor: zmq.asyncio.Socket) -> None:
+        try:
+            while True:
+                event = parse_monitor_message(await monitor.recv_multipart())["event"]
+                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    logger.info("connected to the scheduler at %s", self.scheduler_address)
+                    self._connected.set()
+                    self._last_progress = time.monotonic()
+                    self._outbox.put_nowait(FrontendHello(frontend_id=self.frontend_id))
+                    if self._orphans:
+                        self.abort(sorted(self._orphans))
+                        self._orphans.clear()
+                elif event == zmq.EVENT_DISCONNECTED:
+                    self._connected.clear()
+                    if self._streams:
+                        logger.error("lost the scheduler at %s: failing %d in-flight requests",
+                                     self.scheduler_address, len(self._streams))
+                    self._fail_all(ServiceUnavailableError("lost the connection to the scheduler"))
+        finally:
+            monitor.close(linger=0)
+
+    async def _watchdog_loop(self) -> None:
+        if self._health_probe is None:
+            return  # without a second opinion a quiet scheduler may just be busy
+        period = max(0.05, min(1.0, self._stall_timeout / 4))
+        while True:
+            await asyncio.sleep(period)
+            if not self._streams or time.monotonic() - self._last_progress < self._stall_timeout:
+                continue
+            try:
+                healthy = await self._health_probe()
+            except Exception:  # a probe that fails to answer means "not healthy"
+                healthy = False
+            if healthy:
+                self._last_progress = time.monotonic()  # busy, not dead: look again later
+                continue
+            stalled = list(self._streams)
+            silent_for = time.monotonic() - self._last_progress
+            logger.error("no output from the scheduler for %.1fs and it is not healthy: failing %d requests",
+                         silent_for, len(self._streams))
+            self._fail_all(ServiceUnavailableError(
+                f"the scheduler stopped responding (no output for {silent_for:.0f}s, health check failed)"))
+            self.abort(stalled)
+            self._last_progress = time.monotonic()

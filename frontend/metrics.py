@@ -1,0 +1,120 @@
+"""Prometheus metrics, named like vLLM's (`vllm:` -> `pagedserve:`) so the same
+dashboards work after a prefix swap.
+
+Latencies and finished-request counts are measured here, in the frontend.
+Scheduler-wide numbers (queue sizes, KV usage, prefix-cache and token
+counters) are read from the scheduler's control service when /metrics is
+scraped, so they are the same whichever frontend is scraped.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from common.grpc_gen import control_pb2
+
+PREFIX = "pagedserve:"
+
+# vLLM's buckets, so percentiles are comparable.
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0]
+E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+               480.0, 960.0, 1920.0, 7680.0]
+FINISHED_REASONS = ("stop", "length", "abort")
+
+
+class SchedulerStatsCollector(Collector):
+    """Exposes the last SchedulerStats fetched from the control service."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.stats: control_pb2.SchedulerStats | None = None
+
+    def collect(self) -> list[Metric]:
+        stats = self.stats
+        if stats is None:
+            return []  # scheduler unreachable: absent series, not made-up zeros
+        labels = [self.model_name]
+
+        def gauge(name: str, doc: str, value: float) -> Metric:
+            family = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            family.add_metric(labels, value)
+            return family
+
+        def counter(name: str, doc: str, value: float) -> Metric:
+            family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            family.add_metric(labels, value)
+            return family
+
+        return [
+            gauge("num_requests_running", "Requests in the running batch.", stats.num_running),
+            gauge("num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting),
+            gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).", stats.kv_cache_usage),
+            counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                    stats.prefix_cache_queries),
+            counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits),
+            counter("num_preemptions", "Requests preempted (recomputed later).", stats.num_preemptions),
+            counter("prompt_tokens", "Prompt tokens processed.", stats.num_prompt_tokens),
+            counter("generation_tokens", "Tokens generated.", stats.num_generation_tokens),
+        ]
+
+
+class FrontendMetrics:
+    """All metrics of one frontend, in its own registry (tests run several)."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        self.scheduler_stats = SchedulerStatsCollector(model_name)
+        self.registry.register(self.scheduler_stats)
+        labels = ["model_name"]
+        self.request_success = Counter(
+            PREFIX + "request_success", "Finished requests, by finish reason.",
+            labels + ["finished_reason"], registry=self.registry)
+        for reason in FINISHED_REASONS:  # every series exists from the start (rate() needs a zero)
+            self.request_success.labels(model_name, reason)
+        self.time_to_first_token = Histogram(
+            PREFIX + "time_to_first_token_seconds", "Time from arrival to the first generated token.",
+            labels, buckets=TTFT_BUCKETS, registry=self.registry).labels(model_name)
+        self.inter_token_latency = Histogram(
+            PREFIX + "inter_token_latency_seconds", "Time between consecutive generated tokens.",
+            labels, buckets=ITL_BUCKETS, registry=self.registry).labels(model_name)
+        self.e2e_request_latency = Histogram(
+            PREFIX + "e2e_request_latency_seconds", "Time from arrival to the last token.",
+            labels, buckets=E2E_BUCKETS, registry=self.registry).labels(model_name)
+
+    def record_finished(self, finished_reason: str) -> None:
+        self.request_success.labels(self.model_name, finished_reason).inc()
+
+    def render(self, stats: control_pb2.SchedulerStats | None) -> bytes:
+        """The exposition text, with the scheduler's numbers as given (None: omitted)."""
+        self.scheduler_stats.stats = stats
+        return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """Latency bookkeeping for one request."""
+
+    def __init__(self, metrics: FrontendMetrics, arrival: float):
+        self.metrics = metrics
+        self.arrival = arrival
+        self.last_token_time: float | None = None
+
+    def tokens_arrived(self, count: int, now: float) -> None:
+        if count <= 0:
+            return
+        if self.last_token_time is None:
+            self.metrics.time_to_first_token.observe(now - self.arrival)
+            gaps = [0.0] * (count - 1)  # the rest of the first batch came with the first token
+        else:
+            gaps = [(now - self.last_token_time) / count] * count  # tokens delivered together share the gap
+        for gap in gaps:
+            self.metrics.inter_token_latency.observe(gap)
+        self.last_token_time = now
+
+    def finished(self, finished_reason: str, now: float) -> None:
+        self.metrics.e2e_request_latency.observe(now - self.arrival)
+        self.metrics.record_finished(finished_reason)

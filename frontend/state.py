@@ -1,0 +1,66 @@
+"""Everything the HTTP and gRPC servers of one frontend share."""
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass, field
+
+from frontend.control_client import ControlClient
+from frontend.engine_client import EngineClient
+from frontend.errors import ModelNotFoundError
+from frontend.generation import Generator
+from frontend.metrics import FrontendMetrics
+
+# Changes whenever the server (and so, possibly, its outputs) changes.
+SYSTEM_FINGERPRINT = "fp_pagedserve_0.1.0"
+
+
+@dataclass
+class FrontendState:
+    served_model_names: list[str]
+    model_root: str  # what --model named; /v1/models reports it as `root`
+    engine: EngineClient
+    tokenizer_client: "TokenizerClient"  # noqa: F821 (tokenizer_pool.client)
+    tokenizer: object  # the local HF tokenizer, for incremental detokenization
+    control: ControlClient
+    metrics: FrontendMetrics
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        if not self.served_model_names:
+            raise ValueError("at least one served model name is required")
+        self.generator = Generator(self.engine, self.tokenizer, self.control, self.metrics)
+
+    @property
+    def model_name(self) -> str:
+        """The name responses report (the first served name)."""
+        return self.served_model_names[0]
+
+    def check_model(self, model: str | None) -> None:
+        """Requests may omit `model`; a name we do not serve is a 404."""
+        if model is not None and model not in self.served_model_names:
+            raise ModelNotFoundError(model)
+
+    async def is_healthy(self) -> tuple[bool, str]:
+        if not self.engine.connected:
+            return False, "not connected to the scheduler"
+        reply = await self.control.health()
+        if reply is None:
+            return False, "the scheduler's control service does not answer"
+        if not reply.ok or not reply.worker_ready:
+            return False, reply.message or "the scheduler is not ready"
+        return True, "ok"
+
+    async def max_model_len(self) -> int | None:
+        info = await self.control.model_info()
+        return info.max_model_len if info is not None and info.max_model_len else None
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{secrets.token_hex(16)}"
+
+
+def request_base_id(raw_request, prefix: str) -> str:
+    """The response id: from the client's X-Request-Id header when given (as vLLM does)."""
+    header = raw_request.headers.get("x-request-id")
+    return f"{prefix}-{header}" if header else random_id(prefix)

@@ -1,0 +1,144 @@
+"""Fixtures for the frontend tests: a real frontend process (`python -m
+frontend.cli`) and a real tokenizer pool process, both using a tiny byte-level
+BPE tokenizer with a ChatML template, in front of a fake scheduler and a fake
+control service running in the test process."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+MAX_MODEL_LEN = 256
+SERVED_NAMES = ["tiny-model", "tiny-alias"]
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+          "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def build_tiny_tokenizer(path: Path) -> Path:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from tests.frontend.fakes import SCRIPT_TEXT
+
+    corpus = [SCRIPT_TEXT, "Hello, world! How are you today?", "naïve café — 日本語 🙂", "Say hello to me."] * 20
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                   unk_token="<|endoftext|>", pad_token="<|endoftext|>", chat_template=CHATML)
+    fast.save_pretrained(str(path))
+    return path
+
+
+class Process:
+    """A child process in its own session, output kept in a log file."""
+
+    def __init__(self, module: str, args: list[str], log_path: Path):
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen([sys.executable, "-m", module, *args], cwd=REPO, stdout=self._log,
+                                     stderr=subprocess.STDOUT, start_new_session=True,
+                                     env={**os.environ, "PAGEDSERVE_LOG_LEVEL": "INFO"})
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_for_log(self, pattern: str, timeout: float = 60.0) -> re.Match:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            match = re.search(pattern, self.log())
+            if match:
+                return match
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        raise AssertionError(f"{pattern!r} not in the log of {self.proc.args}:\n{self.log()[-3000:]}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._log.close()
+
+
+@dataclass
+class Server:
+    base_url: str  # http://127.0.0.1:PORT
+    grpc_address: str
+    tokenizer: object
+    scheduler: "FakeScheduler"  # noqa: F821
+    control: "FakeControl"  # noqa: F821
+    frontend: Process
+    eos_token_id: int
+    slow_token: int
+    reject_token: int
+
+    @property
+    def api_url(self) -> str:
+        return self.base_url + "/v1"
+
+
+def wait_healthy(url: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"{url} never became healthy")
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory) -> Server:
+    from common.tokenizer import load_tokenizer
+    from tests.frontend.fakes import FakeControl, FakeScheduler, free_port
+
+    tmp = tmp_path_factory.mktemp("frontend")
+    tokenizer_dir = build_tiny_tokenizer(tmp / "tokenizer")
+    tokenizer = load_tokenizer(str(tokenizer_dir))
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    slow_token, reject_token = tokenizer.encode("`")[0], tokenizer.encode("~")[0]
+    script = tokenizer.encode(" Hello, world! How are you today? The quick brown fox jumps over the lazy dog.")
+    scheduler = FakeScheduler(f"tcp://127.0.0.1:{free_port()}", script, eos, max_model_len=MAX_MODEL_LEN,
+                              slow_token=slow_token, slow_script=script, slow_interval=0.05,
+                              reject_token=reject_token).start()
+    control_address = f"127.0.0.1:{free_port()}"
+    control = FakeControl(MAX_MODEL_LEN, len(tokenizer)).start(control_address)
+    tokenizer_address = f"tcp://127.0.0.1:{free_port()}"
+    pool = Process("tokenizer_pool.cli", [
+        "--model", str(tokenizer_dir), "--tokenizer-pool-size", "1", "--frontend-address", tokenizer_address,
+        "--backend-address", f"tcp://127.0.0.1:{free_port()}"], tmp / "pool.log")
+    frontend = Process("frontend.cli", [
+        "--model", str(tokenizer_dir), "--served-model-name", *SERVED_NAMES, "--port", "0", "--grpc-port", "0",
+        "--scheduler-address", scheduler.address, "--scheduler-control-address", control_address,
+        "--tokenizer-address", tokenizer_address], tmp / "frontend.log")
+    try:
+        match = frontend.wait_for_log(r"OpenAI API on (http://[\d.]+:\d+)/v1, gRPC on ([\d.]+:\d+)")
+        base_url, grpc_address = match.group(1), match.group(2)
+        wait_healthy(base_url + "/health")
+        yield Server(base_url, grpc_address, tokenizer, scheduler, control, frontend, eos, slow_token,
+                     reject_token)
+    finally:
+        frontend.stop()
+        pool.stop()
+        control.stop()
+        scheduler.stop()

@@ -1,0 +1,203 @@
+"""Stand-ins for the scheduler process, for testing the frontend alone.
+
+`FakeScheduler` binds a ROUTER like the real scheduler and speaks the same
+protocol: each EngineRequest gets a scripted continuation, one output per
+tick (finishing with STOP at the script's EOS, or LENGTH at max_tokens), an
+Abort ends a request with an ABORT output, and too-long prompts get an
+EngineError. It records everything it receives so tests can check what the
+frontend sent. `FakeControl` serves the scheduler's control gRPC service.
+"""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass, field
+
+import grpc
+import zmq
+
+from common.grpc_gen import control_pb2, control_pb2_grpc
+from common.protocol import (Abort, EngineError, EngineOutputs, EngineRequest, FinishReason, FrontendHello,
+                             MessageType, RequestOutput)
+from common.transport import MessageDecoder, make_socket, recv, send
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+SCRIPT_TEXT = " Hello, world! How are you today? The quick brown fox jumps over the lazy dog."
+
+
+@dataclass
+class _Running:
+    request: EngineRequest
+    peer: bytes
+    script: list[int]
+    interval: float
+    sent: int = 0
+    next_time: float = 0.0
+
+
+@dataclass
+class Received:
+    requests: list[EngineRequest] = field(default_factory=list)
+    aborts: list[str] = field(default_factory=list)
+    hellos: list[tuple[bytes, FrontendHello]] = field(default_factory=list)
+
+
+class FakeScheduler:
+    """Scripts: every request continues with `script` then `eos_token_id`;
+    a request whose prompt holds `slow_token` gets `slow_script` repeated
+    forever at `slow_interval` s per token (to abort it mid-flight); one
+    holding `reject_token` is rejected with an EngineError."""
+
+    def __init__(self, address: str, script: list[int], eos_token_id: int, *, max_model_len: int = 10_000,
+                 interval: float = 0.002, tokens_per_output: int = 1, slow_token: int | None = None,
+                 slow_script: list[int] | None = None, slow_interval: float = 0.1,
+                 reject_token: int | None = None):
+        self.address = address
+        self.script = script
+        self.eos_token_id = eos_token_id
+        self.max_model_len = max_model_len
+        self.interval = interval
+        self.tokens_per_output = tokens_per_output
+        self.slow_token, self.slow_script, self.slow_interval = slow_token, slow_script or [], slow_interval
+        self.reject_token = reject_token
+        self.received = Received()
+        self._lock = threading.Lock()
+        self._running: dict[str, _Running] = {}
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="fake-scheduler", daemon=True)
+
+    def start(self) -> "FakeScheduler":
+        self._thread.start()
+        assert self._ready.wait(5), "fake scheduler did not bind"
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def snapshot(self) -> Received:
+        with self._lock:
+            return Received(list(self.received.requests), list(self.received.aborts), list(self.received.hellos))
+
+    def wait_for(self, predicate, timeout: float = 5.0) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if predicate(self.snapshot()):
+                return True
+            time.sleep(0.01)
+        return predicate(self.snapshot())
+
+    # --- the loop (its own thread, its own socket) ---------------------------------
+    def _run(self) -> None:
+        ctx = zmq.Context()
+        sock = make_socket(ctx, zmq.ROUTER, bind=self.address)
+        self._ready.set()
+        decoder = MessageDecoder([MessageType.ENGINE_REQUEST, MessageType.ABORT, MessageType.FRONTEND_HELLO])
+        try:
+            while not self._stop.is_set():
+                if sock.poll(1 if self._running else 20):
+                    peer, msg = recv(sock, decoder, routed=True)
+                    self._on_message(sock, peer, msg)
+                self._emit(sock)
+        finally:
+            sock.close(linger=0)
+            ctx.term()
+
+    def _on_message(self, sock, peer: bytes, msg) -> None:
+        with self._lock:
+            if isinstance(msg, FrontendHello):
+                self.received.hellos.append((peer, msg))
+            elif isinstance(msg, Abort):
+                self.received.aborts.extend(msg.request_ids)
+            else:
+                self.received.requests.append(msg)
+        if isinstance(msg, Abort):
+            for request_id in msg.request_ids:
+                running = self._running.pop(request_id, None)
+                if running is not None:
+                    self._publish(sock, running, [], FinishReason.ABORT)
+            return
+        if not isinstance(msg, EngineRequest):
+            return
+        prompt = msg.prompt_token_ids
+        if len(prompt) > self.max_model_len or (self.reject_token is not None and self.reject_token in prompt):
+            send(sock, EngineError(request_id=msg.request_id, message=(
+                f"prompt of {len(prompt)} tokens rejected (max_model_len {self.max_model_len})")), to=peer)
+            return
+        slow = self.slow_token is not None and self.slow_token in prompt
+        script = list(self.slow_script) if slow else [*self.script, self.eos_token_id]
+        self._running[msg.request_id] = _Running(msg, peer, script, self.slow_interval if slow else self.interval)
+
+    def _emit(self, sock) -> None:
+        now = time.monotonic()
+        for request_id, running in list(self._running.items()):
+            if now < running.next_time:
+                continue
+            running.next_time = now + running.interval
+            params = running.request.sampling_params
+            new_tokens, finish = [], None
+            for _ in range(self.tokens_per_output):
+                token = running.script[running.sent % len(running.script)]
+                running.sent += 1
+                new_tokens.append(token)
+                stops = ([] if params.ignore_eos else [self.eos_token_id]) + list(params.stop_token_ids)
+                if token in stops and running.sent > params.min_tokens:
+                    finish = FinishReason.STOP
+                elif params.max_tokens is not None and running.sent >= params.max_tokens:
+                    finish = FinishReason.LENGTH
+                if finish is not None:
+                    break
+            self._publish(sock, running, new_tokens, finish)
+            if finish is not None:
+                del self._running[request_id]
+
+    @staticmethod
+    def _publish(sock, running: _Running, tokens: list[int], finish: FinishReason | None) -> None:
+        prompt = running.request.prompt_token_ids
+        output = RequestOutput(request_id=running.request.request_id, new_token_ids=tokens, finish_reason=finish,
+                               num_prompt_tokens=len(prompt), num_cached_tokens=len(prompt) // 2)
+        send(sock, EngineOutputs(outputs=[output], timestamp=time.time()), to=running.peer)
+
+
+STATS = control_pb2.SchedulerStats(num_running=3, num_waiting=2, kv_cache_usage=0.25, prefix_cache_queries=100,
+                                   prefix_cache_hits=40, num_preemptions=1, num_prompt_tokens=500,
+                                   num_generation_tokens=700, num_free_blocks=30, num_blocks=40)
+
+
+class FakeControl(control_pb2_grpc.SchedulerControlServicer):
+    def __init__(self, max_model_len: int, vocab_size: int):
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.healthy = True
+        self._server: grpc.Server | None = None
+
+    def Health(self, request, context):
+        return control_pb2.HealthReply(ok=self.healthy, worker_ready=self.healthy,
+                                       message="ready" if self.healthy else "no worker")
+
+    def GetModelInfo(self, request, context):
+        return control_pb2.ModelInfo(model="fake", max_model_len=self.max_model_len, block_size=16,
+                                     num_blocks=40, vocab_size=self.vocab_size, dtype="float32")
+
+    def GetStats(self, request, context):
+        return STATS
+
+    def start(self, address: str) -> "FakeControl":
+        self.address = address
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        control_pb2_grpc.add_SchedulerControlServicer_to_server(self, self._server)
+        assert self._server.add_insecure_port(address) != 0
+        self._server.start()
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.stop(grace=None)

@@ -1,0 +1,125 @@
+"""Every bad request gets OpenAI's error body with the right status and the
+offending parameter named; nothing reaches the scheduler for it."""
+import httpx
+import openai
+import pytest
+
+from tests.frontend.conftest import MAX_MODEL_LEN
+
+CHAT = [{"role": "user", "content": "Hi"}]
+
+
+def post(server, path: str, body) -> httpx.Response:
+    kwargs = {"content": body} if isinstance(body, str) else {"json": body}
+    return httpx.post(server.api_url + path, headers={"Content-Type": "application/json"}, timeout=30, **kwargs)
+
+
+def assert_error(response: httpx.Response, status: int, param: str | None, *fragments: str) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param, error
+    for fragment in fragments:
+        assert fragment in error["message"], error
+    return error
+
+
+@pytest.mark.parametrize("field, value, fragment", [
+    ("temperature", -1, "temperature"),
+    ("top_p", 1.5, "top_p"),
+    ("top_k", -2, "top_k"),
+    ("min_p", 2, "min_p"),
+    ("max_tokens", 0, "max_tokens"),
+    ("min_tokens", 50, "min_tokens"),
+    ("stop_token_ids", [-1], "stop_token_ids"),
+    ("max_tokens", "many", "max_tokens"),  # a type error, caught by the body schema
+    ("temperature", "hot", "temperature"),
+    ("stop", 5, "stop"),
+])
+def test_bad_sampling_values_are_400s_naming_the_parameter(server, field, value, fragment):
+    body = {"model": "tiny-model", "prompt": "Hi", "max_tokens": 16, field: value}
+    error = assert_error(post(server, "/completions", body), 400, field, fragment)
+    assert error["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("field, value", [("n", 2), ("logprobs", 1), ("best_of", 3), ("presence_penalty", 0.5),
+                                          ("suffix", "end"), ("logit_bias", {"5": 1.0})])
+def test_unsupported_completion_options_are_400s(server, field, value):
+    body = {"model": "tiny-model", "prompt": "Hi", field: value}
+    assert_error(post(server, "/completions", body), 400, field, "not supported")
+
+
+@pytest.mark.parametrize("field, value", [("logprobs", True), ("top_logprobs", 2), ("n", 3), ("echo", True),
+                                          ("tools", [{"type": "function", "function": {"name": "f"}}]),
+                                          ("response_format", {"type": "json_object"})])
+def test_unsupported_chat_options_are_400s(server, field, value):
+    body = {"model": "tiny-model", "messages": CHAT, field: value}
+    assert_error(post(server, "/chat/completions", body), 400, field, "not supported")
+
+
+def test_malformed_bodies(server):
+    assert_error(post(server, "/chat/completions", {"model": "tiny-model"}), 400, "messages")
+    assert_error(post(server, "/chat/completions", {"model": "tiny-model", "messages": []}), 400, "messages")
+    assert_error(post(server, "/chat/completions", {"messages": [{"content": "no role"}]}), 400, "messages.0.role")
+    assert_error(post(server, "/completions", {"model": "tiny-model"}), 400, "prompt")
+    assert_error(post(server, "/completions", {"prompt": []}), 400, "prompt", "empty")
+    assert_error(post(server, "/completions", '{"prompt": "Hi",'), 400, None, "JSON")
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    assert_error(post(server, "/chat/completions", {"messages": image}), 400, "messages.0.content", "image_url")
+    assert_error(post(server, "/completions", {"prompt": "Hi", "stream_options": {"include_usage": True}}),
+                 400, "stream_options")
+
+
+def test_unknown_model_is_404(server):
+    error = assert_error(post(server, "/completions", {"model": "gpt-4", "prompt": "Hi"}), 404, "model", "gpt-4")
+    assert error["code"] == "model_not_found"
+    client = openai.OpenAI(base_url=server.api_url, api_key="x", max_retries=0)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4", messages=CHAT)
+
+
+def test_prompt_too_long_names_both_lengths(server):
+    too_long = [5] * (MAX_MODEL_LEN + 10)
+    assert_error(post(server, "/completions", {"prompt": too_long, "max_tokens": None}), 400, "prompt",
+                 str(MAX_MODEL_LEN), str(MAX_MODEL_LEN + 10))
+    # Fits alone, but not with the requested completion.
+    assert_error(post(server, "/completions", {"prompt": [5] * 100, "max_tokens": MAX_MODEL_LEN}), 400,
+                 "max_tokens", str(MAX_MODEL_LEN), str(100 + MAX_MODEL_LEN))
+    long_chat = [{"role": "user", "content": "Hello, world! " * 200}]
+    assert_error(post(server, "/chat/completions", {"messages": long_chat}), 400, "messages", str(MAX_MODEL_LEN))
+    assert_error(post(server, "/chat/completions", {"messages": CHAT, "max_completion_tokens": 1000}), 400,
+                 "max_completion_tokens", str(MAX_MODEL_LEN))
+    client = openai.OpenAI(base_url=server.api_url, api_key="x", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="tiny-model", prompt=too_long, max_tokens=None)
+    assert info.value.status_code == 400
+
+
+def test_out_of_vocabulary_token_ids_are_400s(server):
+    vocab = len(server.tokenizer)
+    assert_error(post(server, "/completions", {"prompt": [1, vocab]}), 400, "prompt", str(vocab))
+
+
+def test_scheduler_rejection_becomes_a_400(server):
+    before = len(server.scheduler.snapshot().requests)
+    response = post(server, "/completions", {"prompt": [server.reject_token, 5], "max_tokens": 3})
+    assert_error(response, 400, None, "rejected", f"max_model_len {MAX_MODEL_LEN}")
+    assert len(server.scheduler.snapshot().requests) == before + 1  # it was the scheduler that said no
+    # After the stream started, the same rejection arrives as an error event.
+    with httpx.stream("POST", server.api_url + "/completions", timeout=30,
+                      json={"prompt": [server.reject_token, 5], "max_tokens": 3, "stream": True}) as stream:
+        lines = [line for line in stream.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    assert '"error"' in lines[-2] and "rejected" in lines[-2]
+
+
+def test_bad_params_never_reach_the_scheduler(server):
+    before = len(server.scheduler.snapshot().requests)
+    post(server, "/completions", {"prompt": "Hi", "temperature": -1})
+    post(server, "/chat/completions", {"messages": CHAT, "n": 2})
+    assert len(server.scheduler.snapshot().requests) == before
+
+
+def test_unknown_routes_use_the_same_error_shape(server):
+    assert_error(httpx.get(server.api_url + "/nowhere"), 404, None, "Not Found")
+    assert_error(httpx.get(server.api_url + "/completions"), 405, None, "Method Not Allowed")

@@ -1,0 +1,183 @@
+"""The worker's per-request state and the flattened batch it builds each step.
+
+The scheduler sends a request's tokens and blocks once (NewRequestData) and
+afterwards only diffs; the worker appends the tokens it samples itself, so a
+decode step needs nothing from the scheduler but the token count.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from common.protocol import StepPlan
+from common.sampling_params import SamplingParams
+from worker.attention.metadata import AttentionMetadata
+from worker.sampler import SamplingMetadata
+
+
+@dataclass(slots=True, eq=False)
+class RequestState:
+    request_id: str
+    token_ids: list[int]  # prompt, then every token generated so far
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int  # tokens whose KV is in the cache
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+@dataclass(slots=True)
+class StepBatch:
+    """Everything one forward pass needs, in batch order (decodes first)."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    attn_metadata: AttentionMetadata
+    logits_indices: torch.Tensor  # [S] int64: index in [T] of each sampling request's last token
+    sampling_states: list[RequestState]  # the S requests that sample, in logits order
+    sampling_metadata: SamplingMetadata
+    scheduled: list[tuple[RequestState, int]]  # every request that runs, with its token count
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def sampling_request_ids(self) -> list[str]:
+        return [state.request_id for state in self.sampling_states]
+
+    def commit(self, sampled_token_ids: list[int]) -> None:
+        """Record a finished step in the request states: every scheduled chunk
+        is now in the KV cache and each sampled token joins its request, so
+        the next step's decode input is known without a resend."""
+        if len(sampled_token_ids) != len(self.sampling_states):
+            raise ValueError(f"{len(sampled_token_ids)} sampled tokens for {len(self.sampling_states)} requests")
+        for state, num_tokens in self.scheduled:
+            state.num_computed_tokens += num_tokens
+        for state, token_id in zip(self.sampling_states, sampled_token_ids):
+            state.token_ids.append(token_id)
+
+
+class InputBatch:
+    """Holds the state of every request the scheduler has handed this worker
+    and turns each StepPlan into a StepBatch."""
+
+    def __init__(self, block_size: int, device: torch.device | str = "cpu"):
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self.requests: dict[str, RequestState] = {}
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def apply_plan(self, plan: StepPlan) -> None:
+        """Drop finished ids, then add (or replace) new requests, then apply diffs.
+
+        Dropping first matters: a preempted request is listed as finished and
+        may come back as a new request, possibly in the same plan.
+        """
+        for request_id in plan.finished_request_ids:
+            self.requests.pop(request_id, None)
+        for new in plan.new_requests:
+            self.requests[new.request_id] = RequestState(
+                request_id=new.request_id, token_ids=list(new.token_ids),
+                num_prompt_tokens=new.num_prompt_tokens, sampling_params=new.sampling_params,
+                block_ids=list(new.block_ids), num_computed_tokens=new.num_computed_tokens)
+        for diff in plan.cached_requests:
+            state = self.requests.get(diff.request_id)
+            if state is None:
+                raise KeyError(f"step {plan.step_id}: diff for unknown request {diff.request_id!r}")
+            state.block_ids.extend(diff.new_block_ids)
+            state.num_computed_tokens = diff.num_computed_tokens
+
+    def build(self, num_scheduled_tokens: dict[str, int]) -> StepBatch | None:
+        """The flattened batch for the scheduled requests, or None if there are none."""
+        scheduled = [(self._state(request_id), n) for request_id, n in num_scheduled_tokens.items() if n > 0]
+        if not scheduled:
+            return None
+        # Decodes (one query token) first, keeping plan order within each group.
+        scheduled = [s for s in scheduled if s[1] == 1] + [s for s in scheduled if s[1] != 1]
+        for state, n in scheduled:
+            if state.num_computed_tokens + n > state.num_tokens:
+                raise ValueError(f"request {state.request_id!r}: {n} tokens scheduled after "
+                                 f"{state.num_computed_tokens} computed, but only {state.num_tokens} known")
+
+        num_seqs = len(scheduled)
+        query_lens = np.fromiter((n for _, n in scheduled), dtype=np.int64, count=num_seqs)
+        context_lens = np.fromiter((s.num_computed_tokens for s, _ in scheduled), dtype=np.int64, count=num_seqs)
+        seq_lens = context_lens + query_lens
+        query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=query_start_loc[1:])
+        num_tokens = int(query_start_loc[-1])
+
+        input_ids = np.empty(num_tokens, dtype=np.int64)
+        for (state, n), start, context in zip(scheduled, query_start_loc.tolist(), context_lens.tolist()):
+            input_ids[start:start + n] = state.token_ids[context:context + n]
+
+        # Token-level arrays, vectorized: which sequence each token belongs to
+        # and how far into its query it sits.
+        seq_of_token = np.repeat(np.arange(num_seqs), query_lens)
+        positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(query_start_loc[:-1] - context_lens, query_lens)
+        block_tables = self._block_tables(scheduled, seq_lens)
+        block_ids = block_tables[seq_of_token, positions // self.block_size].astype(np.int64)
+        slot_mapping = block_ids * self.block_size + positions % self.block_size
+
+        samples = np.fromiter((s.num_computed_tokens + n == s.num_tokens for s, n in scheduled),
+                              dtype=bool, count=num_seqs)
+        logits_indices = query_start_loc[1:][samples] - 1
+        sampling_states = [state for (state, _), sample in zip(scheduled, samples.tolist()) if sample]
+
+        return StepBatch(
+            input_ids=self._to_device(input_ids),
+            positions=self._to_device(positions),
+            attn_metadata=AttentionMetadata(
+                num_decodes=int(np.count_nonzero(query_lens == 1)),
+                slot_mapping=self._to_device(slot_mapping),
+                query_start_loc=self._to_device(query_start_loc.astype(np.int32)),
+                seq_lens=self._to_device(seq_lens.astype(np.int32)),
+                block_tables=self._to_device(block_tables),
+                max_query_len=int(query_lens.max()),
+                max_seq_len=int(seq_lens.max()),
+                query_start_loc_cpu=query_start_loc.tolist(),
+                seq_lens_cpu=seq_lens.tolist(),
+            ),
+            logits_indices=self._to_device(logits_indices),
+            sampling_states=sampling_states,
+            sampling_metadata=SamplingMetadata.build(
+                [s.sampling_params for s in sampling_states],
+                [s.num_output_tokens for s in sampling_states], self.device),
+            scheduled=scheduled,
+        )
+
+    def _state(self, request_id: str) -> RequestState:
+        state = self.requests.get(request_id)
+        if state is None:
+            raise KeyError(f"scheduled request {request_id!r} is unknown to the worker")
+        return state
+
+    def _block_tables(self, scheduled: list[tuple[RequestState, int]], seq_lens: np.ndarray) -> np.ndarray:
+        """[B, max_blocks] int32 padded with block 0, holding only the blocks
+        each sequence uses this step (the scheduler may have allocated more)."""
+        blocks_needed = -(-seq_lens // self.block_size)
+        table = np.zeros((len(scheduled), int(blocks_needed.max())), dtype=np.int32)
+        for row, ((state, _), needed) in enumerate(zip(scheduled, blocks_needed.tolist())):
+            if len(state.block_ids) < needed:
+                raise ValueError(f"request {state.request_id!r} needs {needed} blocks for "
+                                 f"{int(seq_lens[row])} tokens but holds {len(state.block_ids)}")
+            table[row, :needed] = state.block_ids[:needed]
+        return table
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        tensor = torch.from_numpy(array)
+        if self.device.type == "cpu":
+            return tensor
+        return tensor.pin_memory().to(self.device, non_blocking=True)

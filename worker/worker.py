@@ -1,0 +1,83 @@
+"""The model worker: owns the model, the KV cache and per-request state, and
+executes the scheduler's step plans."""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+import torch
+
+from common.config import EngineConfig
+from common.protocol import StepPlan, StepResult, WorkerHello
+from common.tokenizer import eos_token_ids
+from worker.attention import get_attention_backend
+from worker.input_batch import InputBatch
+from worker.kv_cache import allocate_kv_caches, kv_cache_spec, num_blocks_for
+from worker.model_loader import load_model
+from worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+def available_cpu_count() -> int:
+    """Cores this process may run on (its affinity mask, not the machine's total)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, rank: int = 0):
+        self.config = config
+        self.rank = rank
+        torch.set_num_threads(available_cpu_count())
+        self.device = torch.device(config.resolved_device())
+        self.dtype_name = config.resolved_dtype()
+        self.dtype: torch.dtype = getattr(torch, self.dtype_name)
+
+        self.model, self.hf_config, self.model_dir = load_model(config, self.device, self.dtype)
+        spec = kv_cache_spec(self.hf_config, config.block_size, self.dtype)
+        self.num_blocks = num_blocks_for(config, spec, self.device)
+        self.max_model_len = config.resolve_max_model_len(
+            model_limit=_model_max_len(self.hf_config), num_blocks=self.num_blocks)
+        self.kv_caches = allocate_kv_caches(self.hf_config, self.num_blocks, config.block_size, self.dtype,
+                                            self.device, max_model_len=self.max_model_len)
+        self.backend = get_attention_backend(config.resolved_attention_backend())
+        self.runner = ModelRunner(self.model, self.kv_caches, self.backend, config.block_size,
+                                  self.device, seed=config.seed)
+        self.input_batch = InputBatch(config.block_size, self.device)
+        logger.info("Worker %d ready: %s on %s (%s), %d KV blocks, max_model_len %d, %d threads",
+                    rank, config.model, self.device, self.dtype_name, self.num_blocks, self.max_model_len,
+                    torch.get_num_threads())
+
+    def hello(self) -> WorkerHello:
+        return WorkerHello(
+            rank=self.rank, model_name=self.config.model, num_blocks=self.num_blocks,
+            block_size=self.config.block_size, max_model_len=self.max_model_len,
+            vocab_size=int(self.hf_config.vocab_size), eos_token_ids=eos_token_ids(self.model_dir),
+            dtype=self.dtype_name)
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Apply the plan's diffs, run the scheduled tokens, return the sampled ids.
+
+        A plan with nothing scheduled (only finished ids) just updates state.
+        """
+        started = time.perf_counter_ns()
+        self.input_batch.apply_plan(plan)
+        batch = self.input_batch.build(plan.num_scheduled_tokens)
+        request_ids: list[str] = []
+        sampled: list[int] = []
+        if batch is not None:
+            request_ids, sampled = self.runner.execute(batch)
+        return StepResult(step_id=plan.step_id, request_ids=request_ids, sampled_token_ids=sampled,
+                          execute_ns=time.perf_counter_ns() - started)
+
+
+def _model_max_len(hf_config: Any) -> int:
+    limit = getattr(hf_config, "max_position_embeddings", None)
+    if not limit:
+        raise ValueError("the model config has no max_position_embeddings; set max_model_len")
+    return int(limit)
