@@ -43,7 +43,12 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = skip_special_tokens
         self.spaces_between_special_tokens = spaces_between_special_tokens
         self._decode = _decode_function(tokenizer, skip_special_tokens)
-        context = list(prompt_token_ids or [])[-PROMPT_CONTEXT_TOKENS:]
+        prompt_tail = list(prompt_token_ids)[-PROMPT_CONTEXT_TOKENS:] if prompt_token_ids is not None else []
+        context = [int(i) for i in prompt_tail]
+        if self._decode(context).endswith(REPLACEMENT_CHAR):
+            # The prompt ends inside a character: output bytes cannot be split
+            # from it, so the output is decoded on its own instead.
+            context = []
         self._ids: list[int] = context  # context + every output token
         self._num_context = len(context)
         self._prefix_offset = 0

@@ -62,9 +62,9 @@ def hf_tensor_name(gguf_name: str) -> str:
 
 def unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """Undo llama.cpp's convert_hf_to_gguf `permute`, which reorders each
-    head's q/k rows from HF's half-split rotary layout to interleaved pairs:
-    it views rows as (head, 2, dim/2) and swaps the last two axes; we view
-    them as (head, dim/2, 2) and swap back."""
+    head's q/k rows (weights and biases) from HF's half-split rotary layout
+    to interleaved pairs: it views a head's rows as (2, dim/2) and transposes;
+    we view them as (dim/2, 2) and transpose back."""
     half = weight.shape[0] // num_heads // 2
     return (weight.reshape(num_heads, half, 2, *weight.shape[1:])
             .swapaxes(1, 2)
@@ -127,10 +127,15 @@ class GGUFModel:
             "pad_token_id": self.field("tokenizer.ggml.padding_token_id"),
             "torch_dtype": "float32",
         }
+        head_dim = self.arch_field("attention.key_length", hidden // heads)
+        if self.arch_field("rope.dimension_count", head_dim) != head_dim:
+            raise ConfigError(f"{self.path}: partial rotary embeddings are not supported")
         if self.arch == "llama":
-            fields["head_dim"] = self.arch_field("attention.key_length", hidden // heads)
+            fields["head_dim"] = head_dim
             fields["attention_bias"] = "blk.0.attn_q.bias" in self.tensor_names
             fields["mlp_bias"] = "blk.0.ffn_up.bias" in self.tensor_names
+        elif head_dim != hidden // heads:
+            raise ConfigError(f"{self.path}: head_dim {head_dim} != hidden_size / heads, unsupported for {self.arch}")
         if (rope_scaling := self._rope_scaling()) is not None:
             fields["rope_scaling"] = rope_scaling
         return fields
@@ -167,7 +172,7 @@ class GGUFModel:
             hf_name = hf_tensor_name(tensor.name)
             weight = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
             part = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else ""
-            if part in permuted and tensor.name.endswith(".weight"):
+            if part in permuted:  # llama.cpp permutes q/k biases exactly like the weights
                 weight = unpermute_rotary_rows(weight, permuted[part])
             yield hf_name, np.ascontiguousarray(weight)
 
@@ -236,9 +241,7 @@ def _write_tokenizer(model: GGUFModel, out_dir: str, max_len: int) -> None:
 def _write_configs(model: GGUFModel, out_dir: str, fields: dict) -> None:
     from transformers import AutoConfig
 
-    model_type = model.arch
-    config = AutoConfig.for_model(model_type, **fields)
-    config.save_pretrained(out_dir)
+    AutoConfig.for_model(model.arch, **fields).save_pretrained(out_dir)
     eos = model.eos_token_ids()
     generation = {"bos_token_id": fields["bos_token_id"], "eos_token_id": eos[0] if len(eos) == 1 else eos}
     if fields["pad_token_id"] is not None:
@@ -268,12 +271,13 @@ def convert_gguf_to_hf(gguf_path: str, out_dir: str, *, progress: bool = True,
     os.makedirs(parent, exist_ok=True)
     started = time.monotonic()
     model = GGUFModel(gguf_path)
+    fields = model.hf_config_fields()
     tmp_dir = tempfile.mkdtemp(prefix=f".{leaf}.tmp-", dir=parent)
     try:
-        fields = model.hf_config_fields()
-        _write_weights(model, tmp_dir, fields, progress=progress, max_shard_bytes=max_shard_bytes)
-        _write_tokenizer(model, tmp_dir, fields["max_position_embeddings"])
+        # Cheap parts first, so an unsupported file fails before the long tensor pass.
         _write_configs(model, tmp_dir, fields)
+        _write_tokenizer(model, tmp_dir, fields["max_position_embeddings"])
+        _write_weights(model, tmp_dir, fields, progress=progress, max_shard_bytes=max_shard_bytes)
         _write_json(os.path.join(tmp_dir, MARKER_FILE), {
             "converter_version": CONVERTER_VERSION,
             "source": os.path.abspath(gguf_path),

@@ -111,9 +111,12 @@ class WorkerHello(msgspec.Struct, **_STRUCT):
 
 
 class WorkerReady(msgspec.Struct, **_STRUCT):
-    """The scheduler's answer to WorkerHello."""
+    """The scheduler's answer to WorkerHello. A worker that sees a new
+    scheduler_id drops every request it holds: they belonged to a scheduler
+    that is gone."""
     accepted: bool
     message: str = ""
+    scheduler_id: str = ""
 
 
 class NewRequestData(msgspec.Struct, **_STRUCT):
@@ -195,6 +198,7 @@ class TokenizerReply(msgspec.Struct, **_STRUCT):
     token_ids: list[int] = []
     text: str = ""  # detokenized text, or the rendered chat prompt
     error: str | None = None
+    status: int = 400  # HTTP-style status of `error`: 4xx bad input, 503 pool unavailable
 
 
 class TokenizerReady(msgspec.Struct, **_STRUCT):

@@ -55,8 +55,9 @@ class MessageDecoder:
 
 def make_socket(ctx: zmq.Context, kind: int, *, bind: str | None = None,
                 connect: str | None = None, identity: bytes | None = None) -> zmq.Socket:
-    """A socket with the project's defaults: size limit, no linger, and
-    ROUTER_MANDATORY off so a vanished peer never blocks a sender."""
+    """A socket with the project's defaults: message size limit, no linger,
+    and ROUTER sockets that neither drop queued messages nor block on a
+    vanished peer (ROUTER_MANDATORY stays off)."""
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
     sock.setsockopt(zmq.LINGER, 0)
@@ -64,6 +65,7 @@ def make_socket(ctx: zmq.Context, kind: int, *, bind: str | None = None,
         sock.setsockopt(zmq.IDENTITY, identity)
     if kind == zmq.ROUTER:
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted peer reclaims its identity
+        sock.setsockopt(zmq.SNDHWM, 0)  # a ROUTER drops silently at the high-water mark: never drop outputs
     if bind:
         sock.bind(bind)
     if connect:

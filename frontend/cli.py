@@ -120,9 +120,12 @@ async def run_frontend(args: argparse.Namespace) -> None:
         http_socket.close()
 
 
+def build_parser() -> argparse.ArgumentParser:
+    return add_frontend_args(argparse.ArgumentParser(prog="pagedserve frontend", description=__doc__))
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="pagedserve frontend", description=__doc__)
-    args = add_frontend_args(parser).parse_args(argv)
+    args = build_parser().parse_args(argv)
     setup_logging("frontend", args.log_level)
     set_process_title("pagedserve: frontend")
     from common.errors import ConfigError

@@ -7,6 +7,7 @@ to do anything that changes state.
 from __future__ import annotations
 
 import threading
+import time
 from concurrent import futures
 from dataclasses import dataclass, field
 from typing import Callable
@@ -24,10 +25,17 @@ class ControlSnapshot:
     stats: dict = field(default_factory=dict)
 
 
+LOOP_STALL_S = 10.0  # an engine loop silent this long is reported unhealthy
+
+
 class ControlState:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._snapshot = ControlSnapshot()
+        self.loop_heartbeat = time.monotonic()  # written by the engine loop every iteration
+
+    def loop_alive(self) -> bool:
+        return time.monotonic() - self.loop_heartbeat < LOOP_STALL_S
 
     def publish(self, snapshot: ControlSnapshot) -> None:
         with self._lock:
@@ -47,6 +55,9 @@ class SchedulerControlServicer(control_pb2_grpc.SchedulerControlServicer):
 
     def Health(self, request, context):
         worker = self._state.read().worker
+        if not self._state.loop_alive():
+            return control_pb2.HealthReply(ok=False, worker_ready=worker is not None,
+                                           message="the engine loop is stalled")
         return control_pb2.HealthReply(ok=True, worker_ready=worker is not None,
                                        message="ready" if worker else "waiting for a worker")
 

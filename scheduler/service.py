@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import queue
 import time
+import uuid
 from collections import defaultdict
 from concurrent.futures import Future
 from dataclasses import asdict
@@ -56,6 +57,7 @@ class SchedulerService:
         self.frontend_seen: dict[bytes, float] = {}
         self.step_in_flight: StepPlan | None = None
         self.stats_logger = StatsLogger(enabled=log_stats)
+        self.scheduler_id = uuid.uuid4().hex
         self.running = True
 
     # --- called from other threads ------------------------------------------
@@ -78,6 +80,7 @@ class SchedulerService:
         for sock in (self.frontends, self.workers, self.wakeup):
             poller.register(sock, zmq.POLLIN)
         while self.running:
+            self.control.loop_heartbeat = time.monotonic()
             ready_to_step = self._ready_to_step()
             events = dict(poller.poll(0 if ready_to_step else IDLE_POLL_MS))
             if self.frontends in events:
@@ -194,14 +197,14 @@ class SchedulerService:
                 send(self.workers, WorkerReady(accepted=False, message="a worker is already registered"), to=peer)
                 return
             logger.warning("worker %r said hello again", peer)
-            send(self.workers, WorkerReady(accepted=True), to=peer)
+            send(self.workers, WorkerReady(accepted=True, scheduler_id=self.scheduler_id), to=peer)
             return
         self.scheduler = Scheduler(self.config, num_blocks=hello.num_blocks, max_model_len=hello.max_model_len,
                                    eos_token_ids=list(hello.eos_token_ids))
         self.worker_identity, self.worker_hello = peer, hello
         logger.info("worker %r registered: %s, %d KV blocks of %d tokens, max_model_len %d", peer,
                     hello.model_name, hello.num_blocks, hello.block_size, hello.max_model_len)
-        send(self.workers, WorkerReady(accepted=True), to=peer)
+        send(self.workers, WorkerReady(accepted=True, scheduler_id=self.scheduler_id), to=peer)
         for frontend, req in self.pending:
             self._add_request(frontend, req)
         self.pending.clear()

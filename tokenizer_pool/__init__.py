@@ -1,0 +1,8 @@
+"""The tokenizer pool: a router (`router.py`) that balances tokenize /
+chat-render / detokenize jobs over tokenizer worker processes (`worker.py`),
+run and supervised by `pool.py`, used by frontends through `client.py`.
+
+Scaling: workers join a router over its backend socket at any time, so
+`pagedserve tokenizer --join tcp://ROUTER:5557` on other hosts (or scaled
+compose containers) adds capacity to one router.
+"""

@@ -18,6 +18,7 @@ from worker.worker import Worker
 logger = logging.getLogger(__name__)
 
 HELLO_RETRY_S = 2.0
+IDLE_HELLO_S = 2.0  # while idle, re-announce so a restarted scheduler learns about us
 
 
 class WorkerService:
@@ -27,6 +28,7 @@ class WorkerService:
         self.sock = make_socket(self.ctx, zmq.DEALER, connect=scheduler_address)
         self.decoder = MessageDecoder((MessageType.WORKER_READY, MessageType.STEP_PLAN, MessageType.SHUTDOWN))
         self.handshake_timeout_s = handshake_timeout_s
+        self.scheduler_id: str | None = None
         self.running = True
 
     def handshake(self) -> None:
@@ -38,9 +40,7 @@ class WorkerService:
             if self.sock.poll(int(HELLO_RETRY_S * 1000)):
                 msg = recv(self.sock, self.decoder)
                 if isinstance(msg, WorkerReady):
-                    if not msg.accepted:
-                        raise RuntimeError(f"the scheduler refused this worker: {msg.message}")
-                    logger.info("registered with the scheduler")
+                    self._on_ready(msg)
                     return
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError("no answer from the scheduler")
@@ -48,8 +48,10 @@ class WorkerService:
 
     def run(self) -> None:
         self.handshake()
+        hello = self.worker.hello()
         while self.running:
-            if not self.sock.poll(1000):
+            if not self.sock.poll(int(IDLE_HELLO_S * 1000)):
+                send(self.sock, hello)
                 continue
             msg = recv(self.sock, self.decoder)
             if isinstance(msg, StepPlan):
@@ -58,7 +60,18 @@ class WorkerService:
                 logger.info("shutdown requested by the scheduler: %s", msg.reason)
                 return
             elif isinstance(msg, WorkerReady):
-                pass  # a late answer to a repeated hello
+                self._on_ready(msg)
+
+    def _on_ready(self, msg: WorkerReady) -> None:
+        if not msg.accepted:
+            raise RuntimeError(f"the scheduler refused this worker: {msg.message}")
+        if msg.scheduler_id != self.scheduler_id:
+            if self.scheduler_id is not None:
+                logger.warning("the scheduler restarted: dropping %d stale requests", self.worker.num_requests)
+                self.worker.reset_requests()
+            else:
+                logger.info("registered with the scheduler")
+            self.scheduler_id = msg.scheduler_id
 
     def close(self) -> None:
         self.running = False

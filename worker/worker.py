@@ -60,6 +60,14 @@ class Worker:
             vocab_size=int(self.hf_config.vocab_size), eos_token_ids=eos_token_ids(self.model_dir),
             dtype=self.dtype_name)
 
+    @property
+    def num_requests(self) -> int:
+        return len(self.input_batch)
+
+    def reset_requests(self) -> None:
+        """Forget every request (their scheduler is gone); the KV cache is simply overwritten later."""
+        self.input_batch.requests.clear()
+
     def execute(self, plan: StepPlan) -> StepResult:
         """Apply the plan's diffs, run the scheduled tokens, return the sampled ids.
 

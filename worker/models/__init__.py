@@ -1,0 +1,26 @@
+"""Our model implementations, looked up by the checkpoint's `architectures[0]`."""
+from __future__ import annotations
+
+from typing import Any
+
+from worker.models.llama import LlamaForCausalLM
+from worker.models.mistral import MistralForCausalLM
+from worker.models.qwen2 import Qwen2ForCausalLM
+
+MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+}
+
+
+def get_model_class(hf_config: Any) -> type[LlamaForCausalLM]:
+    """The class implementing `hf_config.architectures[0]`; ValueError for anything unsupported."""
+    architectures = getattr(hf_config, "architectures", None) or []
+    if not architectures:
+        raise ValueError("the model's config.json names no architecture (`architectures` is empty); "
+                         f"supported: {sorted(MODEL_REGISTRY)}")
+    name = architectures[0]
+    if name not in MODEL_REGISTRY:
+        raise ValueError(f"unsupported model architecture {name!r}; supported: {sorted(MODEL_REGISTRY)}")
+    return MODEL_REGISTRY[name]

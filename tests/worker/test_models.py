@@ -1,0 +1,226 @@
+"""Our paged models against transformers' logits, plus weight loading and KV cache sizing.
+
+Each tiny random model is saved by transformers, loaded by our loader, and run
+the way the engine runs it: two sequences sharing steps (prefill chunks into a
+paged cache with shuffled block ids, then decodes batched ahead of the other
+sequence's chunks). Every position's logits must equal transformers' logits for
+the whole sequence in one forward.
+
+Sliding windows: transformers 5 applies `sliding_window` through
+masking_utils.create_sliding_window_causal_mask for both the "sdpa" and the
+"eager" attention implementations (key kept when q - sliding_window < k <= q);
+the reference models use "sdpa", and `test_mistral_window_matters` checks the
+window really changes transformers' output.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.config import GiB, EngineConfig
+from common.errors import ConfigError
+from worker.attention.torch_backend import TorchAttentionBackend
+from worker.kv_cache import allocate_kv_caches, kv_cache_spec, num_blocks_for
+from worker.model_loader import load_model
+from worker.models import get_model_class
+
+BLOCK_SIZE = 4
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+
+# Two sequences: (prompt chunk sizes, number of decode steps, first step it runs in).
+SCHEDULE = (([7, 9, 8], 6, 0), ([5, 8], 8, 1))
+
+VARIANTS = {
+    "llama": ("LlamaForCausalLM", {}),
+    "llama3_rope_tied": ("LlamaForCausalLM", {"rope_parameters": LLAMA3_ROPE, "tie_word_embeddings": True}),
+    "llama_linear_rope_biases": ("LlamaForCausalLM", {
+        "rope_parameters": {"rope_type": "linear", "rope_theta": 500.0, "factor": 2.0},
+        "attention_bias": True, "mlp_bias": True}),
+    "mistral_window_8": ("MistralForCausalLM", {"sliding_window": 8}),
+    "qwen2_tied": ("Qwen2ForCausalLM", {"tie_word_embeddings": True}),
+    "qwen2_window_upper_layer": ("Qwen2ForCausalLM", {
+        "use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1}),
+}
+
+
+def load_ours(model_dir, dtype=torch.float32):
+    config = EngineConfig(model=str(model_dir), device="cpu", dtype="float32", seed=0)
+    model, hf_config, loaded_dir = load_model(config, "cpu", dtype)
+    assert loaded_dir == str(model_dir)
+    return model, hf_config
+
+
+def run_paged(model, hf_config, sequences: list[torch.Tensor], make_metadata, make_block_tables,
+              schedule=SCHEDULE, dtype=torch.float32) -> list[torch.Tensor]:
+    """Feed each sequence's known tokens through the schedule; its logits [len, vocab] per sequence."""
+    g = torch.Generator().manual_seed(1)
+    num_blocks = sum(len(s) for s in sequences) // BLOCK_SIZE + 8
+    tables = make_block_tables([len(s) for s in sequences], BLOCK_SIZE, num_blocks, g)
+    caches = allocate_kv_caches(hf_config, num_blocks, BLOCK_SIZE, dtype, "cpu")
+    pieces = [list(chunks) + [1] * decodes for chunks, decodes, _ in schedule]
+    for seq, tokens in enumerate(sequences):
+        assert sum(pieces[seq]) == len(tokens)
+    done = [0] * len(sequences)
+    logits: list[list[torch.Tensor]] = [[] for _ in sequences]
+    backend = TorchAttentionBackend()
+    step = 0
+    while any(pieces):
+        active = [s for s, (_, _, start) in enumerate(schedule) if pieces[s] and start <= step]
+        active.sort(key=lambda s: pieces[s][0] != 1)  # one-token pieces (decodes) first
+        lengths = [pieces[s].pop(0) for s in active]
+        meta = make_metadata([done[s] for s in active], lengths, [tables[s] for s in active],
+                             BLOCK_SIZE, num_decodes=sum(1 for n in lengths if n == 1))
+        ids = torch.cat([sequences[s][done[s]:done[s] + n] for s, n in zip(active, lengths)])
+        positions = torch.cat([torch.arange(done[s], done[s] + n) for s, n in zip(active, lengths)])
+        out = model.compute_logits(model(ids, positions, caches, meta, backend))
+        assert out.dtype == torch.float32
+        for s, piece in zip(active, out.split(lengths)):
+            logits[s].append(piece)
+            done[s] += len(piece)
+        step += 1
+    return [torch.cat(parts) for parts in logits]
+
+
+def random_sequences(vocab: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(2)
+    return [torch.randint(0, vocab, (sum(chunks) + decodes,), generator=g) for chunks, decodes, _ in SCHEDULE]
+
+
+def assert_logits_match(ours: torch.Tensor, reference: torch.Tensor) -> None:
+    scale = reference.abs().max().item()
+    assert scale > 1.0  # the random model produces a real spread of logits
+    torch.testing.assert_close(ours, reference, atol=1e-4 * scale, rtol=0)
+    assert torch.equal(ours.argmax(-1), reference.argmax(-1))
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_logits_match_transformers(variant, tiny_hf_model, make_metadata, make_block_tables) -> None:
+    architecture, overrides = VARIANTS[variant]
+    hf_model, model_dir = tiny_hf_model(architecture, **overrides)
+    model, hf_config = load_ours(model_dir)
+    assert type(model).__name__ == architecture
+    sequences = random_sequences(hf_config.vocab_size)
+    ours = run_paged(model, hf_config, sequences, make_metadata, make_block_tables)
+    with torch.no_grad():
+        for tokens, logits in zip(sequences, ours):
+            assert_logits_match(logits, hf_model(tokens[None]).logits[0])
+
+
+def test_mistral_window_matters(tiny_hf_model) -> None:
+    """The Mistral variant would pass without a window if transformers ignored it."""
+    hf_model, _ = tiny_hf_model("MistralForCausalLM", sliding_window=8)
+    tokens = random_sequences(hf_model.config.vocab_size)[0]
+    with torch.no_grad():
+        windowed = hf_model(tokens[None]).logits[0]
+        hf_model.config.sliding_window = None
+        full = hf_model(tokens[None]).logits[0]
+    torch.testing.assert_close(windowed[:8], full[:8])
+    assert (windowed[8:] - full[8:]).abs().amax(-1).min() > 1e-3
+
+
+def test_qwen2_sliding_window_rules(tiny_hf_model) -> None:
+    _, model_dir = tiny_hf_model("Qwen2ForCausalLM", sliding_window=6, num_hidden_layers=3,
+                                 use_sliding_window=True, max_window_layers=1)
+    assert load_ours(model_dir)[0].sliding_windows == [None, 6, 6]
+    _, model_dir = tiny_hf_model("Qwen2ForCausalLM", sliding_window=6, max_window_layers=0)
+    assert load_ours(model_dir)[0].sliding_windows == [None, None]  # use_sliding_window defaults to False
+
+
+def test_dynamic_rope_matches_incremental_decoding(tiny_hf_model, make_metadata, make_block_tables) -> None:
+    """Past max_position_embeddings dynamic NTK depends on the sequence length at each
+    step, so the reference is transformers decoding token by token with its cache."""
+    from transformers import DynamicCache
+
+    rope = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
+    hf_model, model_dir = tiny_hf_model("LlamaForCausalLM", rope_parameters=rope, max_position_embeddings=16)
+    model, hf_config = load_ours(model_dir)
+    schedule = (([6, 8], 14, 0),)  # prompt of 14 tokens, decoding on to position 27
+    tokens = torch.randint(0, hf_config.vocab_size, (28,), generator=torch.Generator().manual_seed(3))
+    (ours,) = run_paged(model, hf_config, [tokens], make_metadata, make_block_tables, schedule)
+    with torch.no_grad():
+        out = hf_model(tokens[None, :14], past_key_values=DynamicCache(config=hf_config), use_cache=True)
+        reference = [out.logits[0]]
+        for pos in range(14, 28):
+            out = hf_model(tokens[None, pos:pos + 1], past_key_values=out.past_key_values, use_cache=True)
+            reference.append(out.logits[0])
+    assert_logits_match(ours, torch.cat(reference))
+
+
+def test_bfloat16_matches_transformers_bfloat16(tiny_hf_model, make_metadata, make_block_tables) -> None:
+    """One whole-prompt prefill follows transformers' bf16 rounding op for op (a swapped
+    cast in RMSNorm alone moves logits by ~3% of their scale); chunked/paged runs take
+    other kernels, so there only closeness is required."""
+    from transformers import AutoModelForCausalLM
+
+    _, model_dir = tiny_hf_model("LlamaForCausalLM", tie_word_embeddings=True)
+    hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="sdpa")
+    model, hf_config = load_ours(model_dir, dtype=torch.bfloat16)
+    assert model.embed_tokens.dtype == torch.bfloat16
+    sequences = random_sequences(hf_config.vocab_size)
+    whole_prompt = tuple(([len(tokens)], 0, 0) for tokens in sequences)
+    single_pass = run_paged(model, hf_config, sequences, make_metadata, make_block_tables,
+                            whole_prompt, dtype=torch.bfloat16)
+    chunked = run_paged(model, hf_config, sequences, make_metadata, make_block_tables, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for tokens, ours_single, ours_chunked in zip(sequences, single_pass, chunked):
+            reference = hf_model(tokens[None]).logits[0].float()
+            scale = reference.abs().max()
+            assert (ours_single - reference).abs().max() <= 2e-3 * scale
+            assert (ours_chunked - reference).abs().max() <= 5e-2 * scale
+
+
+def test_unknown_architecture_is_rejected() -> None:
+    from transformers import GPT2Config
+
+    config = GPT2Config()
+    config.architectures = ["GPT2LMHeadModel"]
+    with pytest.raises(ValueError, match="unsupported model architecture 'GPT2LMHeadModel'"):
+        get_model_class(config)
+
+
+def test_load_weights_rejects_missing_and_unexpected_names(tiny_hf_model) -> None:
+    hf_model, model_dir = tiny_hf_model("LlamaForCausalLM")
+    model = get_model_class(hf_model.config)(hf_model.config)
+    weights = dict(hf_model.state_dict())
+    del weights["model.layers.1.mlp.up_proj.weight"]
+    with pytest.raises(ValueError, match=r"missing \['model.layers.1.mlp.up_proj.weight'\]"):
+        model.load_weights(weights.items())
+    weights = dict(hf_model.state_dict(), **{"model.layers.0.extra.weight": torch.zeros(2)})
+    with pytest.raises(ValueError, match=r"unexpected \['model.layers.0.extra.weight'\]"):
+        model.load_weights(weights.items())
+    weights = dict(hf_model.state_dict(), **{"model.layers.0.self_attn.rotary_emb.inv_freq": torch.zeros(8)})
+    model.load_weights(weights.items())  # old checkpoints' rotary buffers are ignored
+
+
+def test_sharded_checkpoint_loads_every_tensor(tiny_hf_model, tmp_path) -> None:
+    hf_model, _ = tiny_hf_model("Qwen2ForCausalLM")
+    sharded = tmp_path / "sharded"
+    hf_model.save_pretrained(sharded, max_shard_size="100KB")
+    assert (sharded / "model.safetensors.index.json").exists()
+    assert len(list(sharded.glob("*.safetensors"))) > 1
+    model, _ = load_ours(sharded)
+    reference = hf_model.state_dict()
+    targets = model.weight_targets()
+    assert set(targets) == set(reference)
+    for name, target in targets.items():
+        assert torch.equal(target, reference[name]), name
+
+
+def test_kv_cache_sizing(tiny_hf_model) -> None:
+    hf_model, _ = tiny_hf_model("LlamaForCausalLM")  # 2 layers, 2 KV heads, head_dim 16
+    spec = kv_cache_spec(hf_model.config, block_size=16, dtype=torch.bfloat16)
+    assert spec.bytes_per_block == 2 * 2 * 16 * 2 * 16 * 2
+    config = EngineConfig(device="cpu", kv_cache_memory=10 * spec.bytes_per_block + 5)
+    assert num_blocks_for(config, spec, "cpu") == 10
+    assert num_blocks_for(config.replace(num_gpu_blocks_override=3), spec, "cpu") == 3
+    with pytest.raises(ConfigError, match="KV cache blocks"):
+        num_blocks_for(config.replace(kv_cache_memory=spec.bytes_per_block), spec, "cpu")
+    assert num_blocks_for(EngineConfig(device="cpu", kv_cache_memory=GiB), spec, "cpu") == GiB // 4096
+
+    caches = allocate_kv_caches(hf_model.config, 7, 16, torch.bfloat16, "cpu")
+    assert len(caches) == 2
+    for k_cache, v_cache in caches:
+        assert k_cache.shape == v_cache.shape == (7, 16, 2, 16)
+        assert k_cache.dtype == torch.bfloat16 and not k_cache.any() and not v_cache.any()
+        assert k_cache.data_ptr() != v_cache.data_ptr()

@@ -1,0 +1,90 @@
+"""`pagedserve tokenizer`: the tokenizer pool.
+
+    pagedserve tokenizer [--tokenizer-pool-size K]      router + K local workers
+    pagedserve tokenizer --tokenizer-pool-size 0        router only (remote workers join it)
+    pagedserve tokenizer --join tcp://ROUTER:5557 [-K]  K workers for an existing router
+
+The join mode is how the pool scales across containers: one `tokenizer-router`
+service runs the router, and `docker compose up --scale tokenizer=3` starts
+three more containers of worker processes that join it.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+import zmq
+
+from common.errors import ConfigError
+from common.addresses import default_address
+from common.cli_args import env_default
+from common.logging_setup import setup_logging
+from tokenizer_pool.pool import DEFAULT_LIVENESS_TIMEOUT, run_join_workers, run_tokenizer_pool
+from tokenizer_pool.worker import DEFAULT_HEARTBEAT_INTERVAL
+
+logger = logging.getLogger(__name__)
+
+
+def add_tokenizer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    g = parser.add_argument_group("tokenizer pool")
+    g.add_argument("--model", default=env_default("MODEL", "smollm2-135m-instruct"),
+                   help="HF model directory, .gguf file, or alias whose tokenizer to load "
+                        "(default: smollm2-135m-instruct)")
+    g.add_argument("--tokenizer-pool-size", type=int, default=int(env_default("TOKENIZER_POOL_SIZE", 2)),
+                   help="tokenizer worker processes on this host (default 2; 0 = router only)")
+    g.add_argument("--frontend-address", default=default_address("TOKENIZER_ADDRESS"),
+                   help="where frontends reach the router (env PAGEDSERVE_TOKENIZER_ADDRESS)")
+    g.add_argument("--backend-address", default=default_address("TOKENIZER_BACKEND_ADDRESS"),
+                   help="where tokenizer workers reach the router (env PAGEDSERVE_TOKENIZER_BACKEND_ADDRESS)")
+    g.add_argument("--join", default=env_default("TOKENIZER_JOIN", None), metavar="BACKEND_ADDRESS",
+                   help="start only workers, serving the router whose backend is at this address "
+                        "(env PAGEDSERVE_TOKENIZER_JOIN)")
+    g.add_argument("--model-cache-dir", default=env_default("CACHE_DIR", None),
+                   help="where converted GGUF models are kept (default ~/.cache/pagedserve/models)")
+    g.add_argument("--heartbeat-interval", type=float, default=DEFAULT_HEARTBEAT_INTERVAL,
+                   help="seconds between a worker's heartbeats (default %(default)s)")
+    g.add_argument("--liveness-timeout", type=float, default=DEFAULT_LIVENESS_TIMEOUT,
+                   help="the router drops a worker silent this long and re-dispatches its jobs "
+                        "(default %(default)s)")
+    g.add_argument("--log-level", default=None, help="DEBUG, INFO, ... (default $PAGEDSERVE_LOG_LEVEL or INFO)")
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    setup_logging("tokenizer", args.log_level)
+    if args.tokenizer_pool_size < 0 or (args.join and args.tokenizer_pool_size == 0):
+        logger.error("--tokenizer-pool-size must be >= 0 (>= 1 with --join), got %d", args.tokenizer_pool_size)
+        return 2
+    if args.heartbeat_interval <= 0 or args.liveness_timeout <= args.heartbeat_interval:
+        logger.error("need 0 < --heartbeat-interval < --liveness-timeout")
+        return 2
+    try:
+        if args.join:
+            run_join_workers(args.model, args.join, args.tokenizer_pool_size, model_cache_dir=args.model_cache_dir,
+                             heartbeat_interval=args.heartbeat_interval, log_level=args.log_level)
+        else:
+            run_tokenizer_pool(args.model, args.frontend_address, args.backend_address, args.tokenizer_pool_size,
+                               model_cache_dir=args.model_cache_dir, heartbeat_interval=args.heartbeat_interval,
+                               liveness_timeout=args.liveness_timeout, log_level=args.log_level)
+    except ConfigError as e:
+        logger.error("%s", e)
+        return 1
+    except zmq.ZMQError as e:  # typically: the address is in use or malformed
+        logger.error("cannot start the tokenizer pool: %s", e)
+        return 1
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedserve tokenizer", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    return add_tokenizer_args(parser)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(build_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""A tokenizer worker process: one tokenizer, one job at a time.
+
+It connects a DEALER socket (identity = its worker_id) to the router's backend
+address, announces itself with TokenizerReady, and answers every job with a
+TokenizerReply. A side thread repeats TokenizerReady on its own socket every
+`heartbeat_interval` seconds, even while a long job runs, so the router can
+tell a busy worker from a dead one (ZeroMQ sockets are single-threaded, hence
+the second socket; the router reads the worker's name from the message).
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import threading
+
+import zmq
+
+from common.logging_setup import setup_logging
+from common.proctitle import set_process_title
+from common.protocol import MessageType, TokenizerReady
+from common.transport import MessageDecoder, make_socket, recv, send
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_HEARTBEAT_INTERVAL = 1.0
+JOB_TYPES = (MessageType.TOKENIZE, MessageType.RENDER_CHAT, MessageType.DETOKENIZE)
+_PR_SET_PDEATHSIG = 1
+
+
+def serve(tokenizer, backend_addr: str, worker_id: str, *,
+          heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL, ctx: zmq.Context | None = None) -> None:
+    """Answer jobs until the process is terminated."""
+    from tokenizer_pool.jobs import run_job  # imports transformers: keep it out of the router process
+
+    ctx = ctx or zmq.Context.instance()
+    sock = make_socket(ctx, zmq.DEALER, connect=backend_addr, identity=worker_id.encode())
+    send(sock, TokenizerReady(worker_id=worker_id))
+    heartbeat = Heartbeat(ctx, backend_addr, worker_id, heartbeat_interval)
+    heartbeat.start()
+    decoder = MessageDecoder(JOB_TYPES)
+    logger.info("tokenizer worker %s serving jobs from %s", worker_id, backend_addr)
+    try:
+        while True:
+            job = recv(sock, decoder)  # blocks while idle; bad frames are logged and dropped
+            send(sock, run_job(tokenizer, job))
+    finally:
+        heartbeat.stop()
+        sock.close(linger=0)
+
+
+class Heartbeat(threading.Thread):
+    """Sends TokenizerReady every `interval` seconds from its own socket."""
+
+    def __init__(self, ctx: zmq.Context, backend_addr: str, worker_id: str, interval: float):
+        super().__init__(name="tokenizer-heartbeat", daemon=True)
+        self._ctx, self._addr, self._worker_id, self._interval = ctx, backend_addr, worker_id, interval
+        self._stopped = threading.Event()
+
+    def run(self) -> None:
+        sock = make_socket(self._ctx, zmq.DEALER)
+        sock.setsockopt(zmq.IMMEDIATE, 1)  # no backlog of stale heartbeats while the router is away
+        sock.setsockopt(zmq.SNDHWM, 1)
+        sock.connect(self._addr)
+        try:
+            while not self._stopped.wait(self._interval):
+                try:
+                    send(sock, TokenizerReady(worker_id=self._worker_id), flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    pass  # not connected right now; the next beat will try again
+        finally:
+            sock.close(linger=0)
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Linux: the kernel sends SIGTERM when the parent dies, so even a SIGKILLed
+    pool leaves no orphans. Exits now if the parent is already gone."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent_pid:
+        os._exit(0)
+
+
+def worker_main(model_dir: str, backend_addr: str, worker_id: str, index: int, parent_pid: int,
+                heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL, log_level: str | None = None) -> None:
+    """Process entry point (spawned by tokenizer_pool.supervisor)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the parent stops us
+    die_with_parent(parent_pid)
+    set_process_title(f"pagedserve: tokenizer {index}")
+    setup_logging(f"tokenizer {index}", log_level)
+    from common.tokenizer import load_tokenizer  # heavy (transformers): only in the child
+
+    tokenizer = load_tokenizer(model_dir)
+    serve(tokenizer, backend_addr, worker_id, heartbeat_interval=heartbeat_interval)

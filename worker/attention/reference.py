@@ -1,0 +1,48 @@
+"""The plainest correct paged attention: the yardstick every backend is tested against.
+
+Loops over sequences, query tokens and heads in float32, reading keys one
+cache slot at a time, so each rule of the contract is visible in one line.
+Far too slow to serve with.
+"""
+from __future__ import annotations
+
+import torch
+
+from worker.attention.metadata import AttentionMetadata
+
+
+def reference_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                        *, scale: float, sliding_window: int | None) -> torch.Tensor:
+    """query [T, H, D], key/value [T, KVH, D], caches [num_blocks, block_size, KVH, D].
+
+    Writes key/value into the caches at meta.slot_mapping, then returns [T, H, D]
+    in query's dtype.
+    """
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    num_heads = query.shape[1]
+    group = num_heads // num_kv_heads  # query heads sharing one KV head (GQA)
+
+    for token, slot in enumerate(meta.slot_mapping.tolist()):
+        block, offset = divmod(slot, block_size)
+        k_cache[block, offset] = key[token]
+        v_cache[block, offset] = value[token]
+
+    output = torch.empty_like(query)
+    starts = meta.query_start_loc_cpu
+    for seq, seq_len in enumerate(meta.seq_lens_cpu):
+        query_len = starts[seq + 1] - starts[seq]
+        blocks = meta.block_tables[seq].tolist()
+        for i in range(query_len):
+            token = starts[seq] + i
+            position = seq_len - query_len + i
+            first_visible = 0 if sliding_window is None else max(0, position - sliding_window + 1)
+            visible = range(first_visible, position + 1)
+            keys = torch.stack([k_cache[blocks[p // block_size], p % block_size] for p in visible]).float()
+            values = torch.stack([v_cache[blocks[p // block_size], p % block_size] for p in visible]).float()
+            for head in range(num_heads):
+                kv_head = head // group
+                scores = keys[:, kv_head] @ query[token, head].float() * scale
+                weights = torch.softmax(scores, dim=0)
+                output[token, head] = (weights @ values[:, kv_head]).to(query.dtype)
+    return output

@@ -1,0 +1,212 @@
+"""Paged attention in plain PyTorch: the CPU backend (and a portable fallback anywhere).
+
+Decodes (one query token each) are grouped into a few length buckets; each
+bucket gathers its K/V from the cache through the block tables and runs two
+batched matmuls (faster than SDPA for one query row). Prefill/extend chunks run
+one SDPA call per sequence with a causal mask shifted by its context length.
+
+On CPU decode attention is memory-bound: the gather costs about as much as the
+matmuls, which is the price of staying in plain PyTorch (a fused C++ kernel
+reading blocks in place would avoid it).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from worker.attention.metadata import AttentionMetadata
+
+
+class TorchAttentionBackend:
+    """One instance serves every layer. It remembers the gather indices and masks it
+    derived from the last step's metadata object, so layers after the first reuse
+    them; a metadata object must therefore not be mutated once a step has begun."""
+
+    name = "torch"
+
+    def __init__(self) -> None:
+        self._plans_meta: AttentionMetadata | None = None
+        self._decode_plans: dict[tuple, DecodePlan] = {}
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                *, scale: float, sliding_window: int | None) -> torch.Tensor:
+        """query [T, H, D], key/value [T, KVH, D], caches [num_blocks, block_size, KVH, D] -> [T, H, D]."""
+        write_kv_cache(key, value, k_cache, v_cache, meta.slot_mapping)
+        output = torch.empty_like(query)
+        num_decodes = meta.num_decodes
+        if num_decodes:
+            plan = self._decode_plan(meta, k_cache, sliding_window)
+            output[:num_decodes] = plan.attend(query[:num_decodes], k_cache, v_cache, scale)
+        starts = meta.query_start_loc_cpu
+        for seq in range(num_decodes, meta.num_seqs):
+            start, end = starts[seq], starts[seq + 1]
+            output[start:end] = _prefill_attention(
+                query[start:end], key[start:end], value[start:end], k_cache, v_cache,
+                meta.block_tables[seq], meta.seq_lens_cpu[seq], scale, sliding_window)
+        return output
+
+    def _decode_plan(self, meta: AttentionMetadata, k_cache: torch.Tensor,
+                     sliding_window: int | None) -> "DecodePlan":
+        if meta is not self._plans_meta:  # a new step
+            self._plans_meta, self._decode_plans = meta, {}
+        _, block_size, num_kv_heads, _ = k_cache.shape
+        key = (block_size, num_kv_heads, sliding_window, k_cache.device)
+        plan = self._decode_plans.get(key)
+        if plan is None:
+            plan = self._decode_plans[key] = DecodePlan(meta, block_size, num_kv_heads, sliding_window,
+                                                        k_cache.device)
+        return plan
+
+
+def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Scatter the new tokens' K/V into their cache slots in one indexed copy per tensor."""
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    k_cache.view(num_slots, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+    v_cache.view(num_slots, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+
+
+MIN_BUCKET_SEQS = 8  # fewer decodes than this are not worth their own gather/matmul calls
+
+
+def bucket_by_length(seq_lens: list[int], block_size: int, sliding_window: int | None) -> list[list[int]]:
+    """Group decode indices so each group pads to at most ~2x its members' context:
+    lengths (in blocks read) fall into power-of-two classes, longest first, and a
+    group closes once it holds MIN_BUCKET_SEQS sequences."""
+    def cols(n: int) -> int:
+        full = -(-n // block_size)
+        return full if sliding_window is None else min(full, (sliding_window + block_size - 2) // block_size + 1)
+
+    order = sorted(range(len(seq_lens)), key=lambda i: cols(seq_lens[i]), reverse=True)
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    for position, index in enumerate(order):
+        current.append(index)
+        next_index = order[position + 1] if position + 1 < len(order) else None
+        same_class = (next_index is not None and
+                      (cols(seq_lens[next_index]) - 1).bit_length() == (cols(seq_lens[index]) - 1).bit_length())
+        if len(current) >= MIN_BUCKET_SEQS and not same_class:
+            buckets.append(current)
+            current = []
+    if current:
+        if buckets:
+            buckets[-1].extend(current)
+        else:
+            buckets.append(current)
+    return buckets
+
+
+class DecodePlan:
+    """A step's decodes, split into length buckets, with what does not depend on the layer."""
+
+    def __init__(self, meta: AttentionMetadata, block_size: int, num_kv_heads: int,
+                 sliding_window: int | None, device: torch.device):
+        batch = meta.num_decodes
+        groups = bucket_by_length(meta.seq_lens_cpu[:batch], block_size, sliding_window)
+        self.in_order = len(groups) == 1 and groups[0] == sorted(groups[0])
+        seq_lens = meta.seq_lens[:batch].to(device=device, dtype=torch.long)
+        block_tables = meta.block_tables[:batch].to(device=device, dtype=torch.long)
+        self.buckets = []
+        for group in groups:
+            index = torch.tensor(group, device=device)
+            self.buckets.append(DecodeBucket(
+                index, seq_lens[index], block_tables[index], max(meta.seq_lens_cpu[i] for i in group),
+                block_size, num_kv_heads, sliding_window))
+
+    def attend(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        """query [B, H, D] -> [B, H, D]."""
+        if self.in_order:
+            return self.buckets[0].attend(query, k_cache, v_cache, scale)
+        output = torch.empty_like(query)
+        for bucket in self.buckets:
+            out = bucket.attend(query.index_select(0, bucket.index), k_cache, v_cache, scale)
+            output.index_copy_(0, bucket.index, out)
+        return output
+
+
+class DecodeBucket:
+    """Decodes padded to one context length: which cache rows to gather (laid out
+    [B, KVH, context, D], so the matmuls need no transposes) and an additive mask
+    hiding padding and positions outside the window."""
+
+    def __init__(self, index: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                 max_len: int, block_size: int, num_kv_heads: int, sliding_window: int | None):
+        device = seq_lens.device
+        batch = seq_lens.shape[0]
+        if sliding_window is not None and max_len > sliding_window:
+            # Only the block columns that can hold one of a sequence's last `sliding_window` positions.
+            first_col = (seq_lens - sliding_window).clamp(min=0) // block_size
+            num_cols = (sliding_window + block_size - 2) // block_size + 1
+            cols = first_col[:, None] + torch.arange(num_cols, device=device)
+            blocks = torch.gather(block_tables, 1, cols.clamp(max=block_tables.shape[1] - 1))
+        else:
+            num_cols = (max_len + block_size - 1) // block_size
+            cols = torch.arange(num_cols, device=device).expand(batch, num_cols)
+            blocks = block_tables[:, :num_cols]
+        offsets = torch.arange(block_size, device=device)
+        positions = (cols[:, :, None] * block_size + offsets).view(batch, -1)
+        slots = (blocks[:, :, None] * block_size + offsets).view(batch, -1)
+        visible = positions < seq_lens[:, None]
+        if sliding_window is not None:
+            visible &= positions >= (seq_lens - sliding_window)[:, None]
+
+        self.index, self.num_kv_heads, self.context = index, num_kv_heads, positions.shape[1]
+        # Row r of cache.view(-1, D) is (slot r // KVH, kv head r % KVH).
+        heads = torch.arange(num_kv_heads, device=device)
+        self.rows = (slots[:, None, :] * num_kv_heads + heads[None, :, None]).reshape(-1)
+        self.bias = torch.zeros(batch, 1, 1, self.context, device=device).masked_fill_(
+            ~visible[:, None, None, :], float("-inf"))
+
+    def attend(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        """query [b, H, D] -> [b, H, D]. Scores and softmax in float32."""
+        batch, num_heads, head_dim = query.shape
+        shape = (batch, self.num_kv_heads, self.context, head_dim)
+        keys = k_cache.view(-1, head_dim).index_select(0, self.rows).view(shape).to(query.dtype)
+        values = v_cache.view(-1, head_dim).index_select(0, self.rows).view(shape).to(query.dtype)
+        # GQA without copying K/V: the query heads sharing a KV head are rows of one matmul.
+        queries = query.view(batch, self.num_kv_heads, num_heads // self.num_kv_heads, head_dim)
+        scores = torch.add(self.bias, torch.matmul(queries, keys.transpose(-1, -2)), alpha=scale)
+        probs = torch.softmax(scores, dim=-1).to(query.dtype)
+        return torch.matmul(probs, values).view(batch, num_heads, head_dim)
+
+
+def _prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                       seq_len: int, scale: float, sliding_window: int | None) -> torch.Tensor:
+    """One prefill/extend chunk: query [Q, H, D] at positions [seq_len - Q, seq_len)."""
+    query_len, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    context_len = seq_len - query_len
+    # Oldest position any query of this chunk may see.
+    first_pos = 0 if sliding_window is None else max(0, context_len - sliding_window + 1)
+
+    if first_pos >= context_len:
+        # Nothing needed from earlier steps: attend over the fresh K/V directly.
+        first_pos, keys, values = context_len, key, value
+    else:
+        first_block = first_pos // block_size
+        last_block = (seq_len + block_size - 1) // block_size
+        blocks = block_table[first_block:last_block]
+        start = first_pos - first_block * block_size
+        end = start + seq_len - first_pos
+        keys = k_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[start:end]
+        values = v_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[start:end]
+
+    q = query.transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
+    k = keys.to(query.dtype).transpose(0, 1).unsqueeze(0)  # [1, KVH, K, D]
+    v = values.to(query.dtype).transpose(0, 1).unsqueeze(0)
+    gqa = num_heads != num_kv_heads
+    if first_pos == context_len and (sliding_window is None or sliding_window >= query_len):
+        # Keys start exactly at the first query: plain top-left causal mask.
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    else:
+        q_pos = torch.arange(context_len, seq_len, device=query.device)[:, None]
+        k_pos = torch.arange(first_pos, seq_len, device=query.device)[None, :]
+        mask = k_pos <= q_pos
+        if sliding_window is not None:
+            mask &= k_pos > q_pos - sliding_window
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return out.squeeze(0).transpose(0, 1)

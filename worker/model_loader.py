@@ -1,0 +1,63 @@
+"""Build our model for a checkpoint and stream its safetensors weights in."""
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from common.config import EngineConfig
+from common.model_files import resolve_model_dir
+from worker.models import get_model_class
+from worker.models.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+def safetensors_files(model_dir: str) -> list[Path]:
+    """The checkpoint's shards: those the index names, else every *.safetensors file."""
+    root = Path(model_dir)
+    index = root / SAFETENSORS_INDEX
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [root / name for name in sorted(set(weight_map.values()))]
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
+    return files
+
+
+def iterate_weights(files: list[Path], *, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of every shard, read one at a time to bound memory."""
+    from safetensors import safe_open
+
+    handles = [safe_open(str(path), framework="pt", device="cpu") for path in files]
+    total = sum(len(handle.keys()) for handle in handles)
+    with tqdm(total=total, desc="Loading weights", unit="tensor", disable=not progress) as bar:
+        for handle in handles:
+            for name in handle.keys():
+                yield name, handle.get_tensor(name)
+                bar.update(1)
+
+
+def load_model(config: EngineConfig, device: str | torch.device, dtype: torch.dtype,
+               ) -> tuple[LlamaForCausalLM, Any, str]:
+    """(model in eval mode on `device` with `dtype`, the transformers config, the model directory)."""
+    from transformers import AutoConfig
+
+    torch.manual_seed(config.seed)
+    model_dir = resolve_model_dir(config.model, config.model_cache_dir)
+    hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    model_class = get_model_class(hf_config)
+    model = model_class(hf_config, dtype=dtype, device=device)
+    model.load_weights(iterate_weights(safetensors_files(model_dir)))
+    model.eval()
+    logger.info("Loaded %s from %s (%s, %s, %.1fM parameters)", model_class.__name__, model_dir, dtype,
+                device, sum(p.numel() for p in model.parameters()) / 1e6)
+    return model, hf_config, model_dir

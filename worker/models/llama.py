@@ -1,0 +1,193 @@
+"""Llama-family decoder (Llama 2/3, and via small subclasses Mistral and Qwen2) over a
+flattened, unpadded token batch with a paged KV cache.
+
+Numerics follow transformers' modeling code op for op (RMSNorm in float32 then
+cast back before the weight multiply, rotate_half RoPE, SiLU-gated MLP,
+residual adds in the model dtype) so float32 logits agree to rounding. q/k/v
+and gate/up are stored fused, each one matmul per layer.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.attention.metadata import AttentionMetadata
+from worker.models.rotary import RotaryEmbedding, apply_rotary
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm: normalise in float32, cast back, then scale."""
+    input_dtype = x.dtype
+    x = x.to(torch.float32)
+    variance = x.pow(2).mean(-1, keepdim=True)
+    x = x * torch.rsqrt(variance + eps)
+    return weight * x.to(input_dtype)
+
+
+def _param(*shape: int, dtype: torch.dtype | None, device: Any) -> nn.Parameter:
+    # Uninitialised: load_weights fills every parameter or fails.
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, sizes: "ModelSizes", biases: dict[str, bool], sliding_window: int | None,
+                 dtype: torch.dtype | None, device: Any):
+        super().__init__()
+        s = sizes
+        self.sizes = s
+        self.sliding_window = sliding_window
+        qkv_rows = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
+        self.input_norm = _param(s.hidden, dtype=dtype, device=device)
+        self.qkv_weight = _param(qkv_rows, s.hidden, dtype=dtype, device=device)
+        self.qkv_bias = _param(qkv_rows, dtype=dtype, device=device) if biases["qkv"] else None
+        self.o_weight = _param(s.hidden, s.num_heads * s.head_dim, dtype=dtype, device=device)
+        self.o_bias = _param(s.hidden, dtype=dtype, device=device) if biases["o"] else None
+        self.post_norm = _param(s.hidden, dtype=dtype, device=device)
+        self.gate_up_weight = _param(2 * s.intermediate, s.hidden, dtype=dtype, device=device)
+        self.gate_up_bias = _param(2 * s.intermediate, dtype=dtype, device=device) if biases["mlp"] else None
+        self.down_weight = _param(s.hidden, s.intermediate, dtype=dtype, device=device)
+        self.down_bias = _param(s.hidden, dtype=dtype, device=device) if biases["mlp"] else None
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, backend: Any) -> torch.Tensor:
+        s = self.sizes
+        num_tokens = hidden.shape[0]
+        x = rms_norm(hidden, self.input_norm, s.eps)
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        q, k, v = qkv.split([s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim,
+                             s.num_kv_heads * s.head_dim], dim=-1)
+        q = apply_rotary(q.view(num_tokens, s.num_heads, s.head_dim), cos, sin)
+        k = apply_rotary(k.view(num_tokens, s.num_kv_heads, s.head_dim), cos, sin)
+        v = v.view(num_tokens, s.num_kv_heads, s.head_dim)
+        attn = backend.forward(q, k, v, k_cache, v_cache, meta,
+                               scale=s.head_dim ** -0.5, sliding_window=self.sliding_window)
+        hidden = hidden + F.linear(attn.reshape(num_tokens, -1), self.o_weight, self.o_bias)
+
+        x = rms_norm(hidden, self.post_norm, s.eps)
+        gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
+        return hidden + F.linear(F.silu(gate).mul_(up), self.down_weight, self.down_bias)
+
+
+class ModelSizes:
+    """The shape numbers every layer needs, read once from the HF config."""
+
+    def __init__(self, hf_config: Any):
+        self.hidden: int = hf_config.hidden_size
+        self.intermediate: int = hf_config.intermediate_size
+        self.num_layers: int = hf_config.num_hidden_layers
+        self.num_heads: int = hf_config.num_attention_heads
+        self.num_kv_heads: int = getattr(hf_config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim: int = getattr(hf_config, "head_dim", None) or self.hidden // self.num_heads
+        self.vocab: int = hf_config.vocab_size
+        self.eps: float = hf_config.rms_norm_eps
+
+
+class LlamaForCausalLM(nn.Module):
+    """Subclasses change only the per-architecture rules: biases and sliding windows."""
+
+    def __init__(self, hf_config: Any, *, dtype: torch.dtype | None = None, device: Any = None):
+        super().__init__()
+        activation = getattr(hf_config, "hidden_act", "silu")
+        if activation != "silu":
+            raise ValueError(f"{type(self).__name__} supports hidden_act='silu' only, got {activation!r}")
+        self.config = hf_config
+        self.sizes = s = ModelSizes(hf_config)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.sliding_windows = self.layer_sliding_windows(hf_config)
+        biases = self.biases(hf_config)
+        self.embed_tokens = _param(s.vocab, s.hidden, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(
+            DecoderLayer(s, biases, self.sliding_windows[i], dtype, device) for i in range(s.num_layers))
+        self.norm = _param(s.hidden, dtype=dtype, device=device)
+        self.lm_head = self.embed_tokens if self.tie_word_embeddings else _param(
+            s.vocab, s.hidden, dtype=dtype, device=device)
+        self.rotary = RotaryEmbedding(hf_config, s.head_dim)
+
+    # --- architecture rules (overridden by Mistral / Qwen2) -------------------------
+    @classmethod
+    def biases(cls, hf_config: Any) -> dict[str, bool]:
+        attention_bias = bool(getattr(hf_config, "attention_bias", False))
+        return {"qkv": attention_bias, "o": attention_bias, "mlp": bool(getattr(hf_config, "mlp_bias", False))}
+
+    @classmethod
+    def layer_sliding_windows(cls, hf_config: Any) -> list[int | None]:
+        return [None] * hf_config.num_hidden_layers
+
+    # --- forward ---------------------------------------------------------------------
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+                backend: Any) -> torch.Tensor:
+        """input_ids/positions [T] -> final-norm hidden states [T, hidden]."""
+        hidden = F.embedding(input_ids, self.embed_tokens)
+        cos, sin = self.rotary.cos_sin(positions, hidden.dtype, meta.max_seq_len)
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(hidden, cos, sin, k_cache, v_cache, meta, backend)
+        return rms_norm(hidden, self.norm, self.sizes.eps)
+
+    @torch.no_grad()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> float32 logits [N, vocab] (matmul in the model dtype, like transformers)."""
+        return F.linear(hidden, self.lm_head).float()
+
+    # --- weights ---------------------------------------------------------------------
+    def weight_targets(self) -> dict[str, torch.Tensor]:
+        """HF checkpoint name -> the tensor (or fused slice of one) it is copied into."""
+        s = self.sizes
+        q_rows, kv_rows = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        targets: dict[str, torch.Tensor] = {"model.embed_tokens.weight": self.embed_tokens,
+                                            "model.norm.weight": self.norm}
+        if not self.tie_word_embeddings:
+            targets["lm_head.weight"] = self.lm_head
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            targets[p + "input_layernorm.weight"] = layer.input_norm
+            targets[p + "post_attention_layernorm.weight"] = layer.post_norm
+            fused = {"self_attn.q_proj": (0, q_rows), "self_attn.k_proj": (q_rows, q_rows + kv_rows),
+                     "self_attn.v_proj": (q_rows + kv_rows, q_rows + 2 * kv_rows),
+                     "mlp.gate_proj": (0, s.intermediate), "mlp.up_proj": (s.intermediate, 2 * s.intermediate)}
+            for name, (lo, hi) in fused.items():
+                weight, bias = ((layer.qkv_weight, layer.qkv_bias) if name.startswith("self_attn")
+                                else (layer.gate_up_weight, layer.gate_up_bias))
+                targets[p + name + ".weight"] = weight[lo:hi]
+                if bias is not None:
+                    targets[p + name + ".bias"] = bias[lo:hi]
+            for name, weight, bias in (("self_attn.o_proj", layer.o_weight, layer.o_bias),
+                                       ("mlp.down_proj", layer.down_weight, layer.down_bias)):
+                targets[p + name + ".weight"] = weight
+                if bias is not None:
+                    targets[p + name + ".bias"] = bias
+        return targets
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors in (converting dtype/device); every parameter must be
+        provided exactly once and no unknown name may appear."""
+        targets = self.weight_targets()
+        loaded: set[str] = set()
+        unexpected: list[str] = []
+        for name, tensor in weights:
+            if name.endswith("rotary_emb.inv_freq"):
+                continue  # a buffer older checkpoints saved; recomputed from the config
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue  # some tied checkpoints still store a copy of the embeddings
+            target = targets.get(name)
+            if name in loaded:
+                raise ValueError(f"weight {name} appears twice in the checkpoint")
+            if target is None:
+                unexpected.append(name)
+                continue
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise ValueError(f"weight {name}: checkpoint shape {tuple(tensor.shape)}, "
+                                 f"model expects {tuple(target.shape)}")
+            target.copy_(tensor)
+            loaded.add(name)
+        missing = sorted(set(targets) - loaded)
+        if unexpected or missing:
+            raise ValueError(f"checkpoint does not match {type(self).__name__}: "
+                             f"missing {missing[:10]}{'...' if len(missing) > 10 else ''} "
+                             f"unexpected {unexpected[:10]}{'...' if len(unexpected) > 10 else ''}")
