@@ -196,7 +196,7 @@ class SchedulerService:
             if peer != self.worker_identity:
                 send(self.workers, WorkerReady(accepted=False, message="a worker is already registered"), to=peer)
                 return
-            logger.warning("worker %r said hello again", peer)
+            logger.debug("worker %r said hello again", peer)
             send(self.workers, WorkerReady(accepted=True, scheduler_id=self.scheduler_id), to=peer)
             return
         self.scheduler = Scheduler(self.config, num_blocks=hello.num_blocks, max_model_len=hello.max_model_len,

@@ -1,0 +1,22 @@
+"""Fixtures for end-to-end tests against a real `pagedserve serve`."""
+from __future__ import annotations
+
+import pytest
+
+from serve_helpers import MODEL, Server
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = Server(tmp_path_factory.mktemp("serve"), [])
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def offline_llm():
+    from worker.llm import LLM
+    return LLM(model=MODEL, dtype="float32", kv_cache_memory=1 << 30)

@@ -1,0 +1,96 @@
+"""Run a real `pagedserve serve` (all four kinds of process, real sockets) and inspect its processes."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+MODEL = "smollm2-135m-instruct"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def descendants(pid: int) -> list[int]:
+    """All live descendants of `pid`, from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    found, stack = [], [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
+
+
+def cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+class Server:
+    def __init__(self, tmp: Path, extra_args: list[str]):
+        self.port, self.grpc_port = free_port(), free_port()
+        self.runtime_dir = tmp / "run"
+        self.log_path = tmp / "serve.log"
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "common.cli", "serve", "--dtype", "float32", "--port", str(self.port),
+             "--grpc-port", str(self.grpc_port), "--runtime-dir", str(self.runtime_dir),
+             "--kv-cache-memory", "1GiB", *extra_args],
+            cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.base_url = f"http://127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self, timeout: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if "pagedserve is ready" in self.log():
+                return
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.2)
+        raise AssertionError(f"serve did not become ready:\n{self.log()[-4000:]}")
+
+    def component_pids(self) -> dict[str, list[int]]:
+        """Descendant processes by title (`pagedserve: frontend`, ...)."""
+        found: dict[str, list[int]] = {}
+        for pid in descendants(self.proc.pid):
+            match = re.match(r"pagedserve: (\w+)", cmdline(pid))
+            if match:
+                found.setdefault(match.group(1), []).append(pid)
+        return found
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
