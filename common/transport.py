@@ -80,6 +80,21 @@ def send(sock: zmq.Socket, msg: msgspec.Struct, *, to: bytes | None = None, flag
     sock.send_multipart(frames, flags=flags, copy=False)
 
 
+def _decode_or_drop(frames: list[bytes], decoder: MessageDecoder, routed: bool):
+    """The message (or (peer, message)), or None after logging a bad frame."""
+    peer = None
+    if routed:
+        if not frames:
+            return None
+        peer, frames = frames[0], frames[1:]
+    try:
+        msg = decoder.decode(frames)
+    except BadFrame as e:
+        logger.error("dropped a bad frame%s: %s", f" from {peer!r}" if peer else "", e)
+        return None
+    return (peer, msg) if routed else msg
+
+
 def recv(sock: zmq.Socket, decoder: MessageDecoder, *, routed: bool = False, flags: int = 0):
     """Receive one valid message, dropping (and logging) bad frames.
 
@@ -87,32 +102,13 @@ def recv(sock: zmq.Socket, decoder: MessageDecoder, *, routed: bool = False, fla
     flags=zmq.NOBLOCK it raises zmq.Again once no message is waiting.
     """
     while True:
-        frames = sock.recv_multipart(flags)
-        peer = None
-        if routed:
-            if len(frames) < 1:
-                continue
-            peer, frames = frames[0], frames[1:]
-        try:
-            msg = decoder.decode(frames)
-        except BadFrame as e:
-            logger.error("dropped a bad frame%s: %s", f" from {peer!r}" if peer else "", e)
-            continue
-        return (peer, msg) if routed else msg
-
+        result = _decode_or_drop(sock.recv_multipart(flags), decoder, routed)
+        if result is not None:
+            return result
 
 async def arecv(sock, decoder: MessageDecoder, *, routed: bool = False):
     """`recv` for zmq.asyncio sockets."""
     while True:
-        frames = await sock.recv_multipart()
-        peer = None
-        if routed:
-            if len(frames) < 1:
-                continue
-            peer, frames = frames[0], frames[1:]
-        try:
-            msg = decoder.decode(frames)
-        except BadFrame as e:
-            logger.error("dropped a bad frame%s: %s", f" from {peer!r}" if peer else "", e)
-            continue
-        return (peer, msg) if routed else msg
+        result = _decode_or_drop(await sock.recv_multipart(), decoder, routed)
+        if result is not None:
+            return result

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 
 from common.addresses import default_address
 from common.cli_args import add_engine_args, engine_config_from_args
 from common.logging_setup import setup_logging
 from common.proctitle import set_process_title
+from common.signals import on_stop_signals
 
 logger = logging.getLogger(__name__)
 
@@ -43,10 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     logger.info("scheduler listening: frontends %s, workers %s, control %s", args.scheduler_address,
                 args.worker_address, args.scheduler_control_address)
 
-    def stop(signum, frame):
-        service.running = False
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
+    on_stop_signals(lambda: setattr(service, "running", False))
     try:
         service.run()
     finally:

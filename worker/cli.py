@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 
 from common.addresses import default_address
 from common.cli_args import add_engine_args, engine_config_from_args
 from common.logging_setup import setup_logging
 from common.proctitle import set_process_title
+from common.signals import on_stop_signals
 
 logger = logging.getLogger(__name__)
 
@@ -33,10 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     service = WorkerService(Worker(engine_config_from_args(args), rank=args.rank), args.worker_address,
                             handshake_timeout_s=args.handshake_timeout)
 
-    def stop(signum, frame):
-        service.running = False
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
+    on_stop_signals(lambda: setattr(service, "running", False))
     try:
         service.run()
     finally:

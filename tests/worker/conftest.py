@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import torch
 
+from tiny_models import build_tiny_hf_model
 from worker.attention.metadata import AttentionMetadata
 
 
@@ -62,41 +63,6 @@ def make_metadata() -> Callable[..., AttentionMetadata]:
 @pytest.fixture
 def make_block_tables() -> Callable[..., list[list[int]]]:
     return shuffled_block_tables
-
-
-TINY_SIZES = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                  max_position_embeddings=512, rms_norm_eps=1e-5)
-
-
-def build_tiny_hf_model(architecture: str, directory: Path, *, seed: int = 0,
-                        attn_implementation: str = "sdpa", **overrides: Any):
-    """A random float32 transformers model (`LlamaForCausalLM`, `MistralForCausalLM` or
-    `Qwen2ForCausalLM`) saved to `directory`; returns the model in eval mode.
-
-    Weights use initializer_range 0.2 (logits spread over a few units, no argmax
-    ties) and norm weights/biases are randomised too (HF initialises them to 1/0,
-    which would hide mistakes in their use).
-    """
-    import transformers
-
-    config_class = getattr(transformers, architecture.replace("ForCausalLM", "Config"))
-    settings = {**TINY_SIZES, "initializer_range": 0.2, **overrides}
-    if architecture == "Qwen2ForCausalLM":
-        settings.pop("head_dim")  # Qwen2 derives it: hidden_size // num_attention_heads
-    config = config_class(**settings)
-    config.architectures = [architecture]
-    torch.manual_seed(seed)
-    model = getattr(transformers, architecture)._from_config(
-        config, attn_implementation=attn_implementation, dtype=torch.float32)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if param.dim() == 1:
-                noise = 0.3 * torch.randn_like(param)
-                param.copy_(1.0 + noise if "norm" in name else noise)
-    model.eval()
-    model.save_pretrained(directory)
-    return model
 
 
 @pytest.fixture
