@@ -9,7 +9,6 @@ is preempted by recompute. Never imports torch.
 from __future__ import annotations
 
 import logging
-import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -42,23 +41,12 @@ class SchedulerStats:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
-def token_budget(config: EngineConfig) -> int:
-    """`config.resolved_max_num_batched_tokens()` without importing torch:
-    resolving device "auto" probes torch.cuda, which only happens here when
-    torch is already loaded (one-process engine). A standalone scheduler
-    process should get a config whose device is resolved; otherwise it falls
-    back to the CPU default."""
-    if config.max_num_batched_tokens is None and config.device == "auto" and "torch" not in sys.modules:
-        return config.replace(device="cpu").resolved_max_num_batched_tokens()
-    return config.resolved_max_num_batched_tokens()
-
-
 class Scheduler:
     def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int, eos_token_ids: list[int]):
         self.config = config
         self.block_size = config.block_size
         self.max_num_seqs = config.max_num_seqs
-        self.max_num_batched_tokens = token_budget(config)
+        self.max_num_batched_tokens = config.resolved_max_num_batched_tokens()  # torch-free
         usable_tokens = (num_blocks - 1) * config.block_size  # block 0 is reserved
         if max_model_len - 1 > usable_tokens:
             # A lone request must always fit, or it would be preempted forever.
