@@ -72,19 +72,59 @@ class FrontendHello(msgspec.Struct, **_STRUCT):
     protocol_version: int = PROTOCOL_VERSION
 
 
+class TokenLogprobs(msgspec.Struct, array_like=True, gc=False):
+    """Log-probabilities at one position, from the model's raw float32 logits
+    (log-softmax before any penalty, bias or temperature, as vLLM by default)."""
+    token_id: int  # the chosen token: the sampled one, or the actual next prompt token
+    logprob: float
+    rank: int  # of the chosen token; 1 = the most likely
+    top_token_ids: list[int] = []  # the k most likely tokens, most likely first
+    top_logprobs: list[float] = []
+
+
+class PromptLogprobs(msgspec.Struct, **_STRUCT):
+    """Logprobs of consecutive prompt tokens (the first prompt token has none)."""
+    first_token_index: int  # index in the prompt of the token positions[0] scores (>= 1)
+    positions: list[TokenLogprobs]
+
+
+def sample_request_id(request_id: str, index: int) -> str:
+    """The scheduler's id for sample `index` of a request with several samples
+    (n > 1 or best_of); the frontend aborts one sample by this id."""
+    return f"{request_id}#{index}"
+
+
+def parent_request_id(request_id: str) -> str:
+    """The request a sample id belongs to (the id itself when it is no sample id)."""
+    parent, _, index = request_id.rpartition("#")
+    return parent if parent and index.isdigit() else request_id
+
+
 class RequestOutput(msgspec.Struct, **_STRUCT):
-    """What one request produced in one step."""
+    """What one request (one sample of it, see `index`) produced in one step."""
     request_id: str
     new_token_ids: list[int]
-    finish_reason: FinishReason | None = None
+    finish_reason: FinishReason | None = None  # of this sample
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None  # set when the request was rejected (e.g. too long)
+    index: int = 0  # which sample of the request (n > 1 or best_of)
+    more_samples: bool = False  # other samples of the request still run: finish_reason ends only this one
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked
+    prompt_logprobs: list[TokenLogprobs] | None = None  # prompt tokens 1.., once, with the first output
+
+    @property
+    def request_finished(self) -> bool:
+        """Nothing more will come for this request id."""
+        return self.finish_reason is not None and not self.more_samples
 
 
 class EngineOutputs(msgspec.Struct, **_STRUCT):
     outputs: list[RequestOutput]
     timestamp: float = 0.0
+    # The scheduler's waiting queue is at --max-waiting-requests: new requests
+    # get a 429 until a message says otherwise (sent to every frontend on change).
+    queue_full: bool = False
 
 
 class EngineError(msgspec.Struct, **_STRUCT):
@@ -111,12 +151,16 @@ class WorkerHello(msgspec.Struct, **_STRUCT):
 
 
 class WorkerReady(msgspec.Struct, **_STRUCT):
-    """The scheduler's answer to WorkerHello. A worker that sees a new
-    scheduler_id drops every request it holds: they belonged to a scheduler
-    that is gone."""
+    """The scheduler's answer to WorkerHello. `scheduler_id` names the
+    registration (the scheduler process and its worker session): a worker
+    that sees a new one drops every request it holds, because they belonged
+    to a scheduler that is gone or to a session it declared lost."""
     accepted: bool
     message: str = ""
     scheduler_id: str = ""
+    # Not accepted yet: another worker is registered and alive. Keep saying
+    # hello; this worker takes over if that one is lost.
+    standby: bool = False
 
 
 class NewRequestData(msgspec.Struct, **_STRUCT):
@@ -155,6 +199,8 @@ class StepResult(msgspec.Struct, **_STRUCT):
     request_ids: list[str]  # requests that sampled this step
     sampled_token_ids: list[int]  # one per entry of request_ids
     execute_ns: int = 0
+    sampled_logprobs: dict[str, TokenLogprobs] = {}  # for the sampling requests that asked
+    prompt_logprobs: dict[str, PromptLogprobs] = {}  # prompt positions computed this step, when asked
 
 
 class Shutdown(msgspec.Struct, **_STRUCT):

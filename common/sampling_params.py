@@ -1,57 +1,145 @@
 """Per-request sampling parameters: plain data that crosses sockets as msgpack."""
 from __future__ import annotations
 
+import math
+
 import msgspec
 
 from common.errors import InvalidRequestError
 
 _GREEDY_EPS = 1e-5
+_UINT64 = 1 << 64
+MAX_SAMPLES = 128  # n and best_of
+MAX_LOGPROBS = 20  # logprobs, top_logprobs and prompt_logprobs (OpenAI's top_logprobs limit)
+MAX_LOGIT_BIAS = 100.0  # |bias|, as OpenAI
+MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty|, as OpenAI
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     """How to pick tokens for one request (field names follow vLLM's).
 
     `temperature == 0` means greedy. `max_tokens=None` means "whatever fits in
-    max_model_len" and is resolved by the scheduler on admission.
+    max_model_len" and is resolved by the scheduler on admission. The stop
+    strings and the detokenization switches are applied where text is made
+    (the frontend, or the offline LLM); everything else on the worker.
     """
 
+    n: int = 1  # samples returned
+    best_of: int | None = None  # samples generated (>= n); the n with the best cumulative logprob are returned
     temperature: float = 1.0
     top_k: int = 0  # 0 or -1: disabled
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int | None = None
+    presence_penalty: float = 0.0  # subtracted once from the logit of every token already generated
+    frequency_penalty: float = 0.0  # subtracted per occurrence among the generated tokens
+    repetition_penalty: float = 1.0  # transformers': divides positive / multiplies negative logits of seen tokens
+    logit_bias: dict[int, float] = {}  # token id -> added to its logit before sampling
     max_tokens: int | None = 16
-    min_tokens: int = 0
+    min_tokens: int = 0  # EOS and stop_token_ids cannot be sampled before this many output tokens
     ignore_eos: bool = False
     stop_token_ids: list[int] = []
+    stop: list[str] = []
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None  # alternatives per sampled token (0: only the sampled token's logprob)
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
 
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
 
-    def validate(self) -> "SamplingParams":
-        """Raise InvalidRequestError naming the offending parameter; return self."""
-        def bad(param: str, message: str) -> InvalidRequestError:
-            return InvalidRequestError(message, param=param)
+    @property
+    def num_samples(self) -> int:
+        """How many sequences are generated (best_of, else n)."""
+        return self.best_of if self.best_of is not None else self.n
 
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise bad("temperature", f"temperature must be >= 0, got {self.temperature!r}")
-        if self.temperature > 100:
-            raise bad("temperature", f"temperature must be <= 100, got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise bad("top_k", f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise bad("top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise bad("min_p", f"min_p must be in [0, 1], got {self.min_p!r}")
-        if self.seed is not None and not (-(2**63) <= self.seed < 2**64):
-            raise bad("seed", f"seed must fit in 64 bits, got {self.seed!r}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise bad("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens!r}")
-        if self.min_tokens < 0:
-            raise bad("min_tokens", f"min_tokens must be >= 0, got {self.min_tokens!r}")
+    def for_sample(self, index: int) -> "SamplingParams":
+        """The parameters sample `index` of this request runs with.
+
+        Each sample gets its own seed stream (seed + index, as vLLM); the
+        prompt's logprobs come with sample 0 only; when best_of > n every
+        sample reports its sampled tokens' logprobs, which rank them.
+        """
+        if self.num_samples == 1:
+            return self
+        changes: dict = {"n": 1, "best_of": None}
+        if self.seed is not None:
+            seed = self.seed + index
+            changes["seed"] = seed - _UINT64 if seed >= _UINT64 else seed
+        if index > 0:
+            changes["prompt_logprobs"] = None
+        if self.num_samples > self.n and self.logprobs is None:
+            changes["logprobs"] = 0
+        return msgspec.structs.replace(self, **changes)
+
+    def validate(self, vocab_size: int | None = None) -> "SamplingParams":
+        """Raise InvalidRequestError naming the offending parameter; return self.
+
+        With `vocab_size`, token ids (stop_token_ids, logit_bias keys) must
+        also lie in the vocabulary.
+        """
+        _check_int("n", self.n, 1, MAX_SAMPLES)
+        if self.best_of is not None:
+            _check_int("best_of", self.best_of, 1, MAX_SAMPLES)
+            if self.best_of < self.n:
+                raise _bad("best_of", f"best_of ({self.best_of}) must be >= n ({self.n})")
+        _check_float("temperature", self.temperature, 0.0, 100.0)
+        if (not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1
+                or self.top_k >= 2**31):  # the sampler keeps top_k in int32/int64 tensors
+            raise _bad("top_k", f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
+        _check_float("top_p", self.top_p, 0.0, 1.0)
+        if self.top_p == 0.0:
+            raise _bad("top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
+        _check_float("min_p", self.min_p, 0.0, 1.0)
+        if self.seed is not None:
+            _check_int("seed", self.seed, -(1 << 63), _UINT64 - 1)
+        _check_float("presence_penalty", self.presence_penalty, -MAX_PENALTY, MAX_PENALTY)
+        _check_float("frequency_penalty", self.frequency_penalty, -MAX_PENALTY, MAX_PENALTY)
+        _check_float("repetition_penalty", self.repetition_penalty, 0.0, math.inf)
+        if self.repetition_penalty == 0.0:
+            raise _bad("repetition_penalty", "repetition_penalty must be > 0 (1 disables it)")
+        for token_id, bias in self.logit_bias.items():
+            _check_token_id("logit_bias", token_id, vocab_size)
+            _check_float("logit_bias", bias, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, 1, None)
+        _check_int("min_tokens", self.min_tokens, 0, None)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise bad("min_tokens", f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
-        if any((not isinstance(t, int)) or t < 0 for t in self.stop_token_ids):
-            raise bad("stop_token_ids", "stop_token_ids must be non-negative integers")
+            raise _bad("min_tokens", f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        for token_id in self.stop_token_ids:
+            _check_token_id("stop_token_ids", token_id, vocab_size)
+        if any(not isinstance(s, str) for s in self.stop):
+            raise _bad("stop", "stop must be a string or a list of strings")
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
         return self
+
+
+def _bad(param: str, message: str) -> InvalidRequestError:
+    return InvalidRequestError(message, param=param)
+
+
+def _check_int(param: str, value, low: int, high: int | None) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise _bad(param, f"{param} must be an integer, got {value!r}")
+    if value < low or (high is not None and value > high):
+        limits = f"at least {low}" if high is None else f"between {low} and {high}"
+        raise _bad(param, f"{param} must be {limits}, got {value!r}")
+
+
+def _check_float(param: str, value, low: float, high: float) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value):
+        raise _bad(param, f"{param} must be a number, got {value!r}")
+    if not low <= value <= high:
+        raise _bad(param, f"{param} must be between {low:g} and {high:g}, got {value!r}")
+
+
+def _check_token_id(param: str, token_id, vocab_size: int | None) -> None:
+    if not isinstance(token_id, int) or isinstance(token_id, bool) or token_id < 0:
+        raise _bad(param, f"{param}: token ids must be non-negative integers, got {token_id!r}")
+    if vocab_size is not None and token_id >= vocab_size:
+        raise _bad(param, f"{param}: token id {token_id} is out of vocabulary (size {vocab_size})")

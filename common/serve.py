@@ -35,7 +35,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--grpc-port", type=int, default=50051)
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--tokenizer-pool-size", type=int, default=2)
-    parser.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"))
+    parser.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"),
+                        help="require this key on every /v1 route and gRPC call (env PAGEDSERVE_API_KEY; "
+                             "handed to the frontend through its environment, never its command line)")
+    parser.add_argument("--max-waiting-requests", type=int, default=None,
+                        help="refuse new requests with 429 while this many wait (scheduler default 4096; 0 = no limit)")
+    parser.add_argument("--request-timeout", type=float, default=None,
+                        help="fail and abort requests not finished after this many seconds (default: no limit)")
     parser.add_argument("--disable-log-stats", action="store_true")
     parser.add_argument("--runtime-dir", default=None, help="where internal sockets live (default: a temp dir)")
     parser.add_argument("--ready-timeout", type=float, default=600.0,
@@ -57,17 +63,22 @@ def component_commands(args: argparse.Namespace, runtime_dir: str) -> list[Compo
                 "--scheduler-control-address", addresses["control"],
                 "--tokenizer-address", addresses["tokenizer"],
                 "--served-model-name", args.served_model_name or args.model_tag or config.model]
-    if args.api_key:
-        frontend += ["--api-key", args.api_key]
+    if args.request_timeout is not None:
+        frontend += ["--request-timeout", str(args.request_timeout)]
+    scheduler = ([] if args.max_waiting_requests is None
+                 else ["--max-waiting-requests", str(args.max_waiting_requests)])
+    # The key goes through the environment: a command line is visible to every local user (ps).
+    frontend_env = {"PAGEDSERVE_API_KEY": args.api_key} if args.api_key else {}
     return [
         Component("tokenizer", ["tokenizer", *model, "--tokenizer-pool-size", str(args.tokenizer_pool_size),
                                 "--frontend-address", addresses["tokenizer"],
                                 "--backend-address", addresses["tokenizer_backend"]]),
-        Component("scheduler", ["scheduler", *engine, *stats, "--scheduler-address", addresses["scheduler"],
+        Component("scheduler", ["scheduler", *engine, *stats, *scheduler,
+                                "--scheduler-address", addresses["scheduler"],
                                 "--worker-address", addresses["worker"],
                                 "--scheduler-control-address", addresses["control"]]),
         Component("worker", ["worker", *engine, "--worker-address", addresses["worker"]]),
-        Component("frontend", ["frontend", *model, *frontend]),
+        Component("frontend", ["frontend", *model, *frontend], env=frontend_env),
     ]
 
 
@@ -93,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     set_process_title("pagedserve: serve")
     owns_runtime_dir = args.runtime_dir is None
     runtime_dir = args.runtime_dir or tempfile.mkdtemp(prefix="pagedserve-")
-    os.makedirs(runtime_dir, exist_ok=True)
+    os.makedirs(runtime_dir, mode=0o700, exist_ok=True)  # the internal sockets: this user only
     _prepare_model(args)
     supervisor = Supervisor(component_commands(args, runtime_dir))
     signal.signal(signal.SIGTERM, lambda *_: supervisor.request_stop())

@@ -26,6 +26,16 @@ def _die_with_parent() -> None:
         pass
 
 
+def describe_exit(code: int) -> str:
+    """Popen's return code in words: a negative code is the signal that killed it."""
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
 @dataclass
 class Component:
     name: str
@@ -75,7 +85,7 @@ class Supervisor:
                     c.backoff_s = 1.0
                 continue
             c.restart_at = now + c.backoff_s
-            logger.warning("%s (pid %d) exited with code %s; restarting in %.0fs", c.name, c.process.pid, code,
+            logger.warning("%s (pid %d) %s; restarting in %.0fs", c.name, c.process.pid, describe_exit(code),
                            c.backoff_s)
             c.backoff_s = min(MAX_BACKOFF_S, c.backoff_s * 2)
 

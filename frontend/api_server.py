@@ -2,7 +2,10 @@
 
 Every error, including a malformed body, answers with OpenAI's error shape
 `{"error": {"message", "type", "param", "code"}}`: 400 for bad input (never
-FastAPI's 422), 404 for an unknown model, 503 when the engine is unavailable.
+FastAPI's 422), 401 for a missing or wrong API key, 404 for an unknown model,
+413 for a body above the size limit, 429 (with Retry-After) while the
+scheduler's queue is full, 503 when the engine is unavailable, 504 when a
+request outlives --request-timeout.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common.errors import InvalidRequestError, PagedServeError
+from frontend.http_guards import RequestGuard
 from frontend.openai_protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from frontend.serving_chat import create_chat_completion
 from frontend.serving_completions import create_completion
@@ -32,7 +36,9 @@ def server_version() -> str:
 
 
 def error_response(error: PagedServeError) -> JSONResponse:
-    return JSONResponse(error.to_openai(), status_code=error.http_status)
+    retry_after = getattr(error, "retry_after_s", None)
+    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
+    return JSONResponse(error.to_openai(), status_code=error.http_status, headers=headers)
 
 
 def validation_error(exc: RequestValidationError) -> InvalidRequestError:
@@ -58,9 +64,11 @@ def _is_type_name(part: str) -> bool:
     return part in ("str", "int", "float", "bool", "dict", "list") or part.startswith(("list[", "dict[", "function-"))
 
 
-def build_app(state: FrontendState) -> FastAPI:
+def build_app(state: FrontendState, *, api_key: str | None = None, max_body_bytes: int | None = None) -> FastAPI:
+    """The API; with `api_key`, /v1 routes need it; bodies above `max_body_bytes` get 413."""
     app = FastAPI(title="pagedserve", version=server_version(), docs_url=None, redoc_url=None)
     app.state.frontend = state
+    app.add_middleware(RequestGuard, api_key=api_key, max_body_bytes=max_body_bytes)
 
     @app.exception_handler(PagedServeError)
     async def _pagedserve_error(request: Request, exc: PagedServeError) -> JSONResponse:

@@ -10,11 +10,17 @@ import os
 import socket
 
 from common.addresses import default_address
-from common.cli_args import env_default
+from common.cli_args import env_default, parse_size
 from common.logging_setup import setup_logging
 from common.proctitle import set_process_title
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_BODY = "16MiB"
+
+
+def _optional_float(value: str | None) -> float | None:
+    return None if value in (None, "") else float(value)
 
 
 def add_frontend_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -40,7 +46,16 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--model-cache-dir", default=env_default("CACHE_DIR", None),
                    help="where converted GGUF models are kept (default ~/.cache/pagedserve/models)")
     g.add_argument("--api-key", default=env_default("API_KEY", None),
-                   help="reserved: accepted, not enforced yet")
+                   help="require 'Authorization: Bearer <key>' on every /v1 route and every gRPC call "
+                        "(/health and /metrics stay open); prefer the env PAGEDSERVE_API_KEY, which `ps` "
+                        "does not show")
+    g.add_argument("--request-timeout", type=float, default=_optional_float(env_default("REQUEST_TIMEOUT", None)),
+                   help="fail a request (HTTP 504, gRPC DEADLINE_EXCEEDED) and abort it when it has not "
+                        "finished this many seconds after submission (default: no limit; env "
+                        "PAGEDSERVE_REQUEST_TIMEOUT)")
+    g.add_argument("--max-request-body-size", type=parse_size,
+                   default=env_default("MAX_REQUEST_BODY_SIZE", DEFAULT_MAX_BODY),
+                   help="refuse HTTP bodies larger than this with 413, e.g. 16MiB (default %(default)s)")
     g.add_argument("--log-level", default=None, help="DEBUG, INFO, ... (default $PAGEDSERVE_LOG_LEVEL or INFO)")
     return parser
 
@@ -62,6 +77,20 @@ def served_names(args: argparse.Namespace) -> list[str]:
     from common.model_files import model_display_name
 
     return [model_display_name(args.model)]
+
+
+def raise_open_file_limit(wanted: int = 65536) -> None:
+    """Each client connection is a file descriptor: a soft limit of 1024 would
+    refuse the 1000th concurrent stream. Raise it toward the hard limit."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError) as e:
+            logger.warning("cannot raise the open file limit from %d: %s", soft, e)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -92,24 +121,33 @@ async def run_frontend(args: argparse.Namespace) -> None:
     names = served_names(args)
     tokenizer = load_tokenizer(resolve_tokenizer_dir(args.model, args.model_cache_dir))
     control = ControlClient(args.scheduler_control_address)
-    engine = EngineClient(args.scheduler_address, health_probe=control.is_healthy)
+
+    async def scheduler_alive() -> bool:
+        # The stall watchdog's second opinion: a live engine loop keeps requests
+        # safe even while its worker is being replaced, so only a dead or hung
+        # scheduler fails them.
+        reply = await control.health()
+        return reply is not None and reply.ok
+
+    engine = EngineClient(args.scheduler_address, health_probe=scheduler_alive,
+                          request_timeout=args.request_timeout)
     tokenizer_client = TokenizerClient(args.tokenizer_address)
     state = FrontendState(served_model_names=names, model_root=args.model, engine=engine,
                           tokenizer_client=tokenizer_client, tokenizer=tokenizer, control=control,
                           metrics=FrontendMetrics(names[0]))
-    if args.api_key:
-        logger.warning("--api-key is accepted but not enforced yet")
     await engine.start()
     http_socket = bind_socket(args.host, args.port)
-    grpc_server, grpc_port = await start_grpc_server(state, args.host, args.grpc_port)
+    grpc_server, grpc_port = await start_grpc_server(state, args.host, args.grpc_port, api_key=args.api_key)
     # log_config=None: uvicorn's records go through our handler and format.
-    server = uvicorn.Server(uvicorn.Config(build_app(state), log_config=None, access_log=False,
+    app = build_app(state, api_key=args.api_key, max_body_bytes=args.max_request_body_size)
+    server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False,
                                            timeout_graceful_shutdown=5))
     http_port = http_socket.getsockname()[1]
     logger.info("frontend %s serving %s: OpenAI API on http://%s:%d/v1, gRPC on %s:%d "
-                "(scheduler %s, control %s, tokenizer pool %s)", engine.frontend_id, ", ".join(names),
+                "(scheduler %s, control %s, tokenizer pool %s)%s", engine.frontend_id, ", ".join(names),
                 args.host, http_port, args.host, grpc_port, args.scheduler_address,
-                args.scheduler_control_address, args.tokenizer_address)
+                args.scheduler_control_address, args.tokenizer_address,
+                "; API key required" if args.api_key else "")
     try:
         await server.serve(sockets=[http_socket])
     finally:
@@ -128,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging("frontend", args.log_level)
     set_process_title("pagedserve: frontend")
+    raise_open_file_limit()
     from common.errors import ConfigError
     try:
         import uvloop  # optional: faster event loop when installed

@@ -11,6 +11,11 @@ heartbeats notice a vanished host too), or when nothing has arrived for
 service) says it is not healthy either. Requests are never silently queued
 for a scheduler that is not there (ZMQ_IMMEDIATE): a restarted scheduler
 must not run requests whose clients were already told they failed.
+
+Overload: while the scheduler reports its waiting queue full, requests are
+refused up front (`ensure_connected` raises OverloadedError, HTTP 429) before
+any response starts; one that slips through is refused by the scheduler
+itself. An optional `request_timeout` bounds each request end to end.
 """
 from __future__ import annotations
 
@@ -31,7 +36,7 @@ from common.protocol import (Abort, EngineError, EngineOutputs, EngineRequest, F
                              RequestOutput)
 from common.sampling_params import SamplingParams
 from common.transport import MessageDecoder, arecv, encode, make_socket
-from frontend.errors import ServiceUnavailableError, error_with_status
+from frontend.errors import OverloadedError, RequestTimeoutError, ServiceUnavailableError, error_with_status
 
 logger = logging.getLogger(__name__)
 
@@ -54,19 +59,21 @@ class _RequestStream:
 class EngineClient:
     def __init__(self, scheduler_address: str, *, frontend_id: str | None = None,
                  health_probe: HealthProbe | None = None, heartbeat_interval: float = 1.0,
-                 stall_timeout: float = 10.0, connect_grace: float = 1.0):
+                 stall_timeout: float = 10.0, connect_grace: float = 1.0, request_timeout: float | None = None):
         self.scheduler_address = scheduler_address
         self.frontend_id = frontend_id or new_frontend_id()
         self._health_probe = health_probe
         self._heartbeat_interval = heartbeat_interval
         self._stall_timeout = stall_timeout
         self._connect_grace = connect_grace
+        self._request_timeout = request_timeout
+        self._queue_full = False  # the scheduler's latest word on its waiting queue
         self._ctx = zmq.asyncio.Context()
         self._sock: zmq.asyncio.Socket | None = None
         self._decoder = MessageDecoder([MessageType.ENGINE_OUTPUTS, MessageType.ENGINE_ERROR])
         self._streams: dict[str, _RequestStream] = {}
         self._orphans: set[str] = set()  # failed locally; the scheduler may still hold them
-        self._outbox: asyncio.Queue[msgspec.Struct] = asyncio.Queue()
+        self._outbox: asyncio.Queue[tuple[msgspec.Struct, list[bytes]]] = asyncio.Queue()  # (message, frames)
         self._connected = asyncio.Event()
         self._last_progress = time.monotonic()
         self._tasks: list[asyncio.Task] = []
@@ -98,7 +105,7 @@ class EngineClient:
             sync_sock = zmq.Socket.shadow(self._sock.underlying)
             while not self._outbox.empty():
                 try:
-                    sync_sock.send_multipart(encode(self._outbox.get_nowait()), flags=zmq.NOBLOCK, copy=False)
+                    sync_sock.send_multipart(self._outbox.get_nowait()[1], flags=zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     break
             self._sock = None
@@ -127,23 +134,31 @@ class EngineClient:
         the scheduler's own rejection (e.g. prompt too long) as a PagedServeError.
         """
         await self.ensure_connected()
+        deadline = None if self._request_timeout is None else time.monotonic() + self._request_timeout
         if request_id in self._streams:  # checked after the last await: no other task can slip in
             raise InvalidRequestError(f"request id {request_id!r} is already in flight", param="request_id")
+        request = EngineRequest(
+            request_id=request_id, prompt_token_ids=prompt_token_ids, sampling_params=sampling_params,
+            arrival_time=time.time() if arrival_time is None else arrival_time, priority=priority,
+            cache_salt=cache_salt)
+        try:
+            frames = encode(request)
+        except (OverflowError, TypeError, msgspec.EncodeError) as e:  # e.g. an integer beyond 64 bits
+            raise InvalidRequestError(f"the request holds a value that cannot be sent: {e}") from None
         stream = _RequestStream()
         if not self._streams:
             self._last_progress = time.monotonic()  # idle time is not a stall
         self._streams[request_id] = stream
         try:
-            self._outbox.put_nowait(EngineRequest(
-                request_id=request_id, prompt_token_ids=prompt_token_ids, sampling_params=sampling_params,
-                arrival_time=time.time() if arrival_time is None else arrival_time, priority=priority,
-                cache_salt=cache_salt))
+            self._outbox.put_nowait((request, frames))
             while True:
-                item = await stream.queue.get()
+                item = await (stream.queue.get() if deadline is None else self._get_before(stream, deadline))
+                if isinstance(item, RequestTimeoutError):
+                    raise item  # still running in the scheduler: the finally clause aborts it
                 if isinstance(item, Exception):
                     stream.finished = True  # the scheduler no longer has it (or is gone)
                     raise item
-                if item.finish_reason is not None:
+                if item.request_finished:  # (with n > 1, a sample's finish is not the request's)
                     stream.finished = True
                 yield item
                 if stream.finished:
@@ -153,21 +168,32 @@ class EngineClient:
             if not stream.finished:
                 self.abort([request_id])
 
+    async def _get_before(self, stream: _RequestStream, deadline: float) -> RequestOutput | Exception:
+        try:
+            return await asyncio.wait_for(stream.queue.get(), max(0.0, deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            return RequestTimeoutError(self._request_timeout)
+
     def abort(self, request_ids: list[str]) -> None:
         """Ask the scheduler to drop these requests (idempotent, never blocks)."""
         if request_ids and self._sock is not None:
-            self._outbox.put_nowait(Abort(request_ids=list(request_ids)))
+            self._post(Abort(request_ids=list(request_ids)))
+
+    def _post(self, msg: msgspec.Struct) -> None:
+        self._outbox.put_nowait((msg, encode(msg)))
 
     async def ensure_connected(self) -> None:
-        """Return once connected (waiting `connect_grace` at most), else raise
-        ServiceUnavailableError: callers check before starting a response."""
-        if self._connected.is_set():
-            return
-        try:
-            await asyncio.wait_for(self._connected.wait(), self._connect_grace)
-        except asyncio.TimeoutError:
-            raise ServiceUnavailableError(
-                f"the scheduler at {self.scheduler_address} is not reachable") from None
+        """Return once connected (waiting `connect_grace` at most) and the
+        scheduler takes new requests; else raise ServiceUnavailableError or
+        OverloadedError: callers check before starting a response."""
+        if not self._connected.is_set():
+            try:
+                await asyncio.wait_for(self._connected.wait(), self._connect_grace)
+            except asyncio.TimeoutError:
+                raise ServiceUnavailableError(
+                    f"the scheduler at {self.scheduler_address} is not reachable") from None
+        if self._queue_full:
+            raise OverloadedError()
 
     def _fail_all(self, error: Exception) -> None:
         """Fail every in-flight request; remember them so that a scheduler which
@@ -185,6 +211,7 @@ class EngineClient:
 
     def _dispatch(self, msg: EngineOutputs | EngineError) -> None:
         if isinstance(msg, EngineOutputs):
+            self._queue_full = msg.queue_full
             for output in msg.outputs:
                 stream = self._streams.get(output.request_id)
                 if stream is None:
@@ -202,9 +229,9 @@ class EngineClient:
 
     async def _send_loop(self) -> None:
         while True:
-            msg = await self._outbox.get()
+            msg, frames = await self._outbox.get()
             try:
-                await self._sock.send_multipart(encode(msg), flags=zmq.NOBLOCK, copy=False)
+                await self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 # No connected scheduler (ZMQ_IMMEDIATE): fail fast instead of queueing.
                 if isinstance(msg, EngineRequest):
@@ -216,7 +243,7 @@ class EngineClient:
         while True:
             await asyncio.sleep(self._heartbeat_interval)
             if self._connected.is_set():
-                self._outbox.put_nowait(FrontendHello(frontend_id=self.frontend_id))
+                self._post(FrontendHello(frontend_id=self.frontend_id))
 
     async def _monitor_loop(self, monitor: zmq.asyncio.Socket) -> None:
         try:
@@ -225,8 +252,9 @@ class EngineClient:
                 if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                     logger.info("connected to the scheduler at %s", self.scheduler_address)
                     self._connected.set()
+                    self._queue_full = False  # a (new) scheduler says so itself when full
                     self._last_progress = time.monotonic()
-                    self._outbox.put_nowait(FrontendHello(frontend_id=self.frontend_id))
+                    self._post(FrontendHello(frontend_id=self.frontend_id))
                     if self._orphans:
                         self.abort(sorted(self._orphans))
                         self._orphans.clear()

@@ -2,10 +2,11 @@
 
 `Generator.validate` checks a prompt before anything is sent (so errors are
 plain HTTP 400s, never half a stream). `Generator.generate` sends the request
-to the scheduler, detokenizes incrementally, applies stop strings (ending the
-request early with finish reason "stop"), records latency metrics, and
-yields one `GenerationDelta` per scheduler output. Closing the iterator early
-(client gone) aborts the request in the scheduler.
+to the scheduler, detokenizes each sample incrementally, applies stop strings
+(ending the sample early with finish reason "stop" and aborting it in the
+scheduler), records latency metrics, and yields one `GenerationDelta` per
+scheduler output. Closing the iterator early (client gone) aborts the request
+in the scheduler.
 """
 from __future__ import annotations
 
@@ -15,24 +16,22 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from common.detokenizer import IncrementalDetokenizer
 from common.errors import InvalidRequestError
-from common.protocol import FinishReason, RequestOutput
+from common.protocol import RequestOutput, TokenLogprobs, sample_request_id
 from common.sampling_params import SamplingParams
 from frontend.control_client import ControlClient
 from frontend.engine_client import EngineClient
+from frontend.logprobs_format import TokenTexts
 from frontend.metrics import FrontendMetrics, RequestTimer
-from frontend.stop_checker import StopChecker
+from frontend.output_decoder import DecodedDelta, OutputDecoder
 
 
 @dataclass(slots=True)
 class GenerationRequest:
+    """Stop strings and detokenization switches come with the sampling params."""
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    stop: list[str] = field(default_factory=list)
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0
     cache_salt: str | None = None
@@ -40,14 +39,21 @@ class GenerationRequest:
 
 @dataclass(slots=True)
 class GenerationDelta:
-    """What one scheduler output adds to a request's result."""
+    """What one scheduler output adds to one sample of a request."""
+    index: int  # the sample (n > 1 / best_of), 0 otherwise
     text: str
     token_ids: list[int]
     num_prompt_tokens: int
     num_cached_tokens: int  # prompt tokens served from the prefix cache (as reported so far)
-    num_output_tokens: int  # so far, including token_ids
-    finish_reason: str | None = None  # "stop" | "length" | "abort" on the last delta
+    num_output_tokens: int  # of every sample so far, including token_ids
+    logprobs: list[TokenLogprobs] | None = None  # for token_ids, when asked
+    finish_reason: str | None = None  # "stop" | "length" | "abort" on the sample's last delta
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    prompt_logprobs: list[TokenLogprobs] | None = None  # prompt tokens 1.., once, when asked
+    request_finished: bool = False  # the request's last delta
+
+    def decoded(self) -> DecodedDelta:
+        return DecodedDelta(self.token_ids, self.text, self.logprobs, self.finish_reason, self.stop_reason)
 
 
 class Generator:
@@ -56,6 +62,11 @@ class Generator:
         self.tokenizer = tokenizer
         self.control = control
         self.metrics = metrics
+        self.token_texts = TokenTexts(tokenizer)  # each token's text, for logprobs
+
+    async def vocab_size(self) -> int:
+        info = await self.control.model_info()
+        return info.vocab_size if info is not None and info.vocab_size else len(self.tokenizer)
 
     async def validate(self, prompt_token_ids: list[int], max_tokens: int | None, *,
                        prompt_param: str = "prompt", max_tokens_param: str = "max_tokens") -> None:
@@ -63,7 +74,7 @@ class Generator:
         if not prompt_token_ids:
             raise InvalidRequestError("The prompt is empty: at least one token is required", param=prompt_param)
         info = await self.control.model_info()
-        vocab_size = info.vocab_size if info is not None and info.vocab_size else len(self.tokenizer)
+        vocab_size = await self.vocab_size()
         bad = next((t for t in prompt_token_ids if not 0 <= t < vocab_size), None)
         if bad is not None:
             raise InvalidRequestError(f"Token id {bad} is out of vocabulary (size {vocab_size})", param=prompt_param)
@@ -84,70 +95,86 @@ class Generator:
                 code="context_length_exceeded")
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
-        decoder = _OutputDecoder(self.tokenizer, request)
+        stream = _SampleStreams(self.tokenizer, request)
         timer = RequestTimer(self.metrics, request.arrival_time)
-        num_output_tokens = num_cached_tokens = 0
         finished = False
         outputs = self.engine.generate(request.request_id, request.prompt_token_ids, request.sampling_params,
                                        priority=request.priority, cache_salt=request.cache_salt)
         try:
             async with aclosing(outputs):
                 async for output in outputs:
-                    timer.tokens_arrived(len(output.new_token_ids), time.monotonic())
-                    token_ids, text, finish_reason, stop_reason = decoder.decode(output)
-                    num_output_tokens += len(token_ids)
-                    num_cached_tokens = max(num_cached_tokens, output.num_cached_tokens)
-                    if finish_reason is not None:
-                        finished = True
-                        timer.finished(finish_reason, time.monotonic())
-                    yield GenerationDelta(text=text, token_ids=token_ids,
-                                          num_prompt_tokens=len(request.prompt_token_ids),
-                                          num_cached_tokens=num_cached_tokens,
-                                          num_output_tokens=num_output_tokens,
-                                          finish_reason=finish_reason, stop_reason=stop_reason)
+                    now = time.monotonic()
+                    timer.tokens_arrived(len(output.new_token_ids), now)
+                    for delta in stream.add(output):
+                        if delta.request_finished:
+                            finished = True
+                            timer.finished(delta.finish_reason or "abort", now)
+                        yield delta
                     if finished:
                         # Leaving the loop closes `outputs`, which aborts the
                         # request in the scheduler if it is still running there.
                         return
+                    if stream.stopped_samples:
+                        self.engine.abort([sample_request_id(request.request_id, index)
+                                           for index in stream.take_stopped_samples()])
         except (asyncio.CancelledError, GeneratorExit):
             if not finished:
                 timer.finished("abort", time.monotonic())  # the client went away
             raise
 
 
-class _OutputDecoder:
-    """Token ids to text for one request: incremental detokenization, then stop strings."""
+class _SampleStreams:
+    """A request's outputs, decoded per sample."""
 
     def __init__(self, tokenizer, request: GenerationRequest):
-        self.detokenizer = IncrementalDetokenizer(tokenizer, request.prompt_token_ids,
-                                                  skip_special_tokens=request.skip_special_tokens)
-        self.stop_checker = StopChecker(request.stop, request.include_stop_str_in_output)
-        self.include_stop_str_in_output = request.include_stop_str_in_output
-        self.stop_token_ids = request.sampling_params.stop_token_ids
+        self.tokenizer = tokenizer
+        self.request = request
+        self.num_samples = request.sampling_params.num_samples
+        self.decoders: dict[int, OutputDecoder] = {}
+        self.finished: set[int] = set()
+        self.stopped_samples: list[int] = []  # ended here by a stop string: the scheduler should drop them
+        self.num_output_tokens = 0
+        self.num_cached_tokens = 0
 
-    def decode(self, output: RequestOutput) -> tuple[list[int], str, str | None, str | int | None]:
-        """(the output's tokens that count, their text, finish reason, stop reason)."""
-        stop_checker = self.stop_checker
-        new_ids = output.new_token_ids
-        # A STOP from the scheduler means the last token is EOS or a stop token
-        # id: counted, but not part of the text (as in vLLM).
-        hidden_index = (len(new_ids) - 1 if output.finish_reason == FinishReason.STOP
-                        and not self.include_stop_str_in_output else -1)
-        token_ids: list[int] = []
-        pieces: list[str] = []
-        for index, token_id in enumerate(new_ids):
-            token_ids.append(token_id)
-            if index == hidden_index:
-                break
-            pieces.append(stop_checker.feed(self.detokenizer.add_tokens([token_id])))
-            if stop_checker.matched is not None:  # tokens after a stop string are not output
-                return token_ids, "".join(pieces), "stop", stop_checker.matched
-        if output.finish_reason is None:
-            return token_ids, "".join(pieces), None, None
-        pieces.append(stop_checker.feed(self.detokenizer.flush()))  # a last unfinished character
-        if stop_checker.matched is not None:
-            return token_ids, "".join(pieces), "stop", stop_checker.matched
-        pieces.append(stop_checker.flush())
-        stop_token = token_ids[-1] if (output.finish_reason == FinishReason.STOP and token_ids
-                                       and token_ids[-1] in self.stop_token_ids) else None
-        return token_ids, "".join(pieces), output.finish_reason.openai_name, stop_token
+    def add(self, output: RequestOutput) -> list[GenerationDelta]:
+        self.num_cached_tokens = max(self.num_cached_tokens, output.num_cached_tokens)
+        index = output.index
+        deltas = []
+        if index not in self.finished:
+            decoder = self.decoders.get(index)
+            if decoder is None:
+                decoder = self.decoders[index] = OutputDecoder(
+                    self.tokenizer, self.request.prompt_token_ids, self.request.sampling_params)
+            decoded = decoder.decode(output)
+            self.num_output_tokens += len(decoded.token_ids)
+            if decoded.finish_reason is not None:
+                self.finished.add(index)
+                if output.finish_reason is None and self.num_samples > 1:
+                    self.stopped_samples.append(index)
+            deltas.append(self._delta(index, decoded, output.prompt_logprobs))
+        elif output.prompt_logprobs is not None:
+            deltas.append(self._delta(index, DecodedDelta([], "", None), output.prompt_logprobs))
+        if output.request_finished:
+            # Samples the scheduler never started (the request was aborted early) end as aborted.
+            for missing in sorted(set(range(self.num_samples)) - self.finished):
+                self.finished.add(missing)
+                deltas.append(self._delta(missing, DecodedDelta([], "", None, "abort"), None))
+        if len(self.finished) == self.num_samples:
+            if not deltas:
+                deltas.append(self._delta(index, DecodedDelta([], "", None), None))
+            deltas[-1].request_finished = True
+        return [d for d in deltas if d.token_ids or d.text or d.finish_reason or d.prompt_logprobs is not None
+                or d.request_finished]
+
+    def take_stopped_samples(self) -> list[int]:
+        stopped, self.stopped_samples = self.stopped_samples, []
+        return stopped if len(self.finished) < self.num_samples else []
+
+    def _delta(self, index: int, decoded: DecodedDelta,
+               prompt_logprobs: list[TokenLogprobs] | None) -> GenerationDelta:
+        return GenerationDelta(
+            index=index, text=decoded.text, token_ids=decoded.token_ids,
+            num_prompt_tokens=len(self.request.prompt_token_ids), num_cached_tokens=self.num_cached_tokens,
+            num_output_tokens=self.num_output_tokens, logprobs=decoded.logprobs,
+            finish_reason=decoded.finish_reason, stop_reason=decoded.stop_reason,
+            prompt_logprobs=prompt_logprobs)

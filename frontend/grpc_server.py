@@ -3,29 +3,36 @@ frontend's engine client, tokenizer and generator with the HTTP API.
 
 Bad input answers INVALID_ARGUMENT (NOT_FOUND for an unknown model,
 UNAVAILABLE when the engine is down); a cancelled Generate stream aborts
-its request in the scheduler.
+its request in the scheduler. With an API key, every call needs the metadata
+`authorization: Bearer <key>` (UNAUTHENTICATED otherwise).
 """
 from __future__ import annotations
 
 import time
 from contextlib import aclosing
+from typing import AsyncIterator
 
 import grpc
+from google.protobuf import json_format
 
 from common.errors import InvalidRequestError, PagedServeError
 from common.grpc_gen import pagedserve_pb2 as pb
 from common.grpc_gen import pagedserve_pb2_grpc
+from common.protocol import TokenLogprobs
 from common.sampling_params import SamplingParams
-from frontend.errors import grpc_code
+from frontend.choices import SampleResult, best_samples
+from frontend.errors import AuthenticationError, grpc_code
+from frontend.http_guards import api_key_matches
 from frontend.generation import GenerationDelta, GenerationRequest
+from frontend.logprobs_format import TokenTexts
 from frontend.state import FrontendState, random_id
 
 _FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
                    "abort": pb.FINISH_REASON_ABORT}
 
 
-def sampling_params_from_proto(message: pb.SamplingParams) -> SamplingParams:
-    """Unset optional fields keep SamplingParams' defaults; max_tokens unset
+def sampling_params_from_proto(message: pb.SamplingParams, vocab_size: int | None = None) -> SamplingParams:
+    """Unset optional fields keep the HTTP API's defaults; max_tokens unset
     means "as many as fit in the context"."""
     defaults = SamplingParams()
 
@@ -33,10 +40,17 @@ def sampling_params_from_proto(message: pb.SamplingParams) -> SamplingParams:
         return getattr(message, name) if message.HasField(name) else default
 
     return SamplingParams(
+        n=get("n", defaults.n), best_of=get("best_of", None),
         temperature=get("temperature", defaults.temperature), top_p=get("top_p", defaults.top_p),
         top_k=get("top_k", defaults.top_k), min_p=get("min_p", defaults.min_p), seed=get("seed", None),
+        presence_penalty=get("presence_penalty", 0.0), frequency_penalty=get("frequency_penalty", 0.0),
+        repetition_penalty=get("repetition_penalty", 1.0), logit_bias=dict(message.logit_bias),
         max_tokens=get("max_tokens", None), min_tokens=message.min_tokens, ignore_eos=message.ignore_eos,
-        stop_token_ids=list(message.stop_token_ids)).validate()
+        stop_token_ids=list(message.stop_token_ids), stop=list(message.stop),
+        include_stop_str_in_output=message.include_stop_str_in_output,
+        logprobs=get("logprobs", None), prompt_logprobs=get("prompt_logprobs", None),
+        skip_special_tokens=get("skip_special_tokens", True),
+        spaces_between_special_tokens=get("spaces_between_special_tokens", True)).validate(vocab_size)
 
 
 class PagedServeServicer(pagedserve_pb2_grpc.PagedServeServicer):
@@ -46,14 +60,25 @@ class PagedServeServicer(pagedserve_pb2_grpc.PagedServeServicer):
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         arrival = time.monotonic()
         try:
-            generation = await self._prepare(request, arrival)
+            generation, echo = await self._prepare(request, arrival)
         except PagedServeError as e:
             await context.abort(grpc_code(e), e.message)
+        reply = _Reply(generation.request_id, self.state.generator.token_texts, request.sampling_params)
+        params = generation.sampling_params
         # A cancelled RPC cancels this task; closing the deltas aborts the request.
         async with aclosing(self.state.generator.generate(generation)) as deltas:
             try:
+                if params.num_samples > params.n:
+                    async for response in _best_of_responses(reply, deltas, params, echo):
+                        yield response
+                    return
+                echoed: set[int] = set()
                 async for delta in deltas:
-                    yield _response(generation.request_id, delta)
+                    text = delta.text if delta.index in echoed else echo + delta.text
+                    echoed.add(delta.index)
+                    yield reply.response(delta.index, delta.token_ids, text, delta.logprobs, delta.finish_reason,
+                                         delta.stop_reason, delta.prompt_logprobs,
+                                         delta if delta.request_finished else None)
             except PagedServeError as e:
                 await context.abort(grpc_code(e), e.message)
 
@@ -84,66 +109,140 @@ class PagedServeServicer(pagedserve_pb2_grpc.PagedServeServicer):
         return pb.HealthResponse(ok=healthy, message=reason)
 
     # --- helpers ----------------------------------------------------------------------
-    async def _prepare(self, request: pb.GenerateRequest, arrival: float) -> GenerationRequest:
+    async def _prepare(self, request: pb.GenerateRequest, arrival: float) -> tuple[GenerationRequest, str]:
+        """The generation request, and the text `echo` puts first."""
         state = self.state
         state.check_model(request.model or None)
-        params = sampling_params_from_proto(request.sampling_params)
+        params = sampling_params_from_proto(request.sampling_params, await state.generator.vocab_size())
         field = request.WhichOneof("prompt")
+        echo = ""
         if field == "text":
             add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
             prompt_ids = await state.tokenizer_client.encode(request.text, add_special_tokens=add_special)
+            echo = request.text
         elif field == "token_ids":
             prompt_ids = list(request.token_ids.ids)
+            echo = state.tokenizer.decode(prompt_ids) if request.echo else ""
         elif field == "chat":
             prompt_ids = await self._render_chat(request.chat)
+            last = request.chat.messages[-1]
+            echo = last.content if last.role == "assistant" else ""  # vLLM's chat echo
         else:
             raise _invalid("a prompt is required: one of text, token_ids or chat", "prompt")
         await state.generator.validate(prompt_ids, params.max_tokens, prompt_param=field)
         await state.engine.ensure_connected()
-        skip_special = (request.sampling_params.skip_special_tokens
-                        if request.sampling_params.HasField("skip_special_tokens") else True)
         return GenerationRequest(
             request_id=request.request_id or random_id("grpc"), prompt_token_ids=prompt_ids,
-            sampling_params=params, stop=list(request.sampling_params.stop),
-            include_stop_str_in_output=request.sampling_params.include_stop_str_in_output,
-            skip_special_tokens=skip_special, arrival_time=arrival, priority=request.priority,
-            cache_salt=request.cache_salt or None)
+            sampling_params=params, arrival_time=arrival, priority=request.priority,
+            cache_salt=request.cache_salt or None), echo if request.echo else ""
 
     async def _render_chat(self, chat: pb.ChatMessages) -> list[int]:
         if not chat.messages:
             raise _invalid("chat.messages must not be empty", "chat")
-        messages = [{"role": m.role, "content": m.content, **({"name": m.name} if m.name else {})}
-                    for m in chat.messages]
+        messages = [{"role": m.role, "content": m.content, **({"name": m.name} if m.name else {}),
+                     **({"tool_call_id": m.tool_call_id} if m.tool_call_id else {})} for m in chat.messages]
         add_generation_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
         if chat.continue_final_message and add_generation_prompt:
             raise _invalid("continue_final_message needs add_generation_prompt=false", "chat")
-        return await self.state.tokenizer_client.render_chat(
-            messages, add_generation_prompt=add_generation_prompt,
-            continue_final_message=chat.continue_final_message)
+        try:
+            return await self.state.tokenizer_client.render_chat(
+                messages, add_generation_prompt=add_generation_prompt,
+                continue_final_message=chat.continue_final_message,
+                chat_template_kwargs=json_format.MessageToDict(chat.chat_template_kwargs))
+        except InvalidRequestError as e:
+            e.param = e.param or "chat"
+            raise
 
 
 def _invalid(message: str, param: str) -> InvalidRequestError:
     return InvalidRequestError(message, param=param)
 
 
-def _response(request_id: str, delta: GenerationDelta) -> pb.GenerateResponse:
-    response = pb.GenerateResponse(request_id=request_id, token_ids=delta.token_ids, text=delta.text)
-    if delta.finish_reason is not None:
-        response.finish_reason = _FINISH_REASONS[delta.finish_reason]
-        if isinstance(delta.stop_reason, str):
-            response.stop_str = delta.stop_reason
-        elif isinstance(delta.stop_reason, int):
-            response.stop_token_id = delta.stop_reason
-        response.usage.CopyFrom(pb.Usage(
-            prompt_tokens=delta.num_prompt_tokens, completion_tokens=delta.num_output_tokens,
-            total_tokens=delta.num_prompt_tokens + delta.num_output_tokens,
-            cached_tokens=delta.num_cached_tokens))
-    return response
+class _Reply:
+    """Builds one request's response messages."""
+
+    def __init__(self, request_id: str, texts: TokenTexts, asked: pb.SamplingParams):
+        self.request_id = request_id
+        self.texts = texts
+        self.show_logprobs = asked.HasField("logprobs")  # best_of asks the engine for them regardless
+        self.show_prompt_logprobs = asked.HasField("prompt_logprobs")
+
+    def response(self, index: int, token_ids: list[int], text: str, logprobs: list[TokenLogprobs] | None,
+                 finish_reason: str | None, stop_reason: str | int | None,
+                 prompt_logprobs: list[TokenLogprobs] | None, usage: GenerationDelta | None) -> pb.GenerateResponse:
+        response = pb.GenerateResponse(request_id=self.request_id, token_ids=token_ids, text=text, index=index)
+        if self.show_logprobs and logprobs:
+            response.logprobs.extend(self._logprobs(logprobs))
+        if self.show_prompt_logprobs and prompt_logprobs is not None:
+            response.prompt_logprobs.extend(self._logprobs(prompt_logprobs))
+        if finish_reason is not None:
+            response.finish_reason = _FINISH_REASONS[finish_reason]
+            if isinstance(stop_reason, str):
+                response.stop_str = stop_reason
+            elif isinstance(stop_reason, int):
+                response.stop_token_id = stop_reason
+        if usage is not None:
+            response.usage.CopyFrom(pb.Usage(
+                prompt_tokens=usage.num_prompt_tokens, completion_tokens=usage.num_output_tokens,
+                total_tokens=usage.num_prompt_tokens + usage.num_output_tokens,
+                cached_tokens=usage.num_cached_tokens))
+        return response
+
+    def _logprobs(self, entries: list[TokenLogprobs]) -> list[pb.TokenLogprob]:
+        text = self.texts.text
+        return [pb.TokenLogprob(token_id=e.token_id, logprob=e.logprob, rank=e.rank, token=text(e.token_id),
+                                top_logprobs=[pb.TopLogprob(token_id=t, logprob=lp, token=text(t))
+                                              for t, lp in zip(e.top_token_ids, e.top_logprobs)])
+                for e in entries]
 
 
-async def start_grpc_server(state: FrontendState, host: str, port: int) -> tuple[grpc.aio.Server, int]:
+async def _best_of_responses(reply: _Reply, deltas: AsyncIterator[GenerationDelta], params: SamplingParams,
+                             echo: str) -> AsyncIterator[pb.GenerateResponse]:
+    """best_of > n: the best samples are known only at the end; one message each."""
+    samples = [SampleResult(i) for i in range(params.num_samples)]
+    last = prompt_logprobs = None
+    async for delta in deltas:
+        samples[delta.index].add(delta.decoded())
+        last = delta
+        prompt_logprobs = delta.prompt_logprobs if delta.prompt_logprobs is not None else prompt_logprobs
+    chosen = best_samples(samples, params.n)
+    for rank, sample in enumerate(chosen):
+        final = rank == len(chosen) - 1
+        yield reply.response(rank, sample.token_ids, echo + sample.text, sample.logprobs, sample.finish_reason,
+                             sample.stop_reason, prompt_logprobs if rank == 0 else None, last if final else None)
+
+
+class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+    """With --api-key, every call needs `authorization: Bearer <key>` metadata."""
+
+    def __init__(self, api_key: str):
+        self.api_key = api_key
+
+    async def intercept_service(self, continuation, handler_call_details):
+        metadata = dict(handler_call_details.invocation_metadata or ())
+        if api_key_matches(metadata.get("authorization"), self.api_key):
+            return await continuation(handler_call_details)
+        handler = await continuation(handler_call_details)
+        message = AuthenticationError().message
+
+        async def deny_unary(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+        async def deny_stream(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+            yield  # pragma: no cover (makes this an async generator)
+
+        if handler is not None and handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(deny_stream, handler.request_deserializer,
+                                                        handler.response_serializer)
+        return grpc.unary_unary_rpc_method_handler(deny_unary, handler.request_deserializer if handler else None,
+                                                   handler.response_serializer if handler else None)
+
+
+async def start_grpc_server(state: FrontendState, host: str, port: int, *,
+                            api_key: str | None = None) -> tuple[grpc.aio.Server, int]:
     """Start serving; returns the server and the bound port (useful with port 0)."""
-    server = grpc.aio.server()
+    server = grpc.aio.server(interceptors=[ApiKeyInterceptor(api_key)] if api_key else None)
     pagedserve_pb2_grpc.add_PagedServeServicer_to_server(PagedServeServicer(state), server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:

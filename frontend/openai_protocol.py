@@ -1,24 +1,27 @@
-"""Request and response bodies of the OpenAI API (pydantic), with vLLM's extra
-sampling fields (top_k, min_p, min_tokens, ignore_eos, stop_token_ids, ...).
+"""Request bodies of the OpenAI API (pydantic), with vLLM's extra sampling
+fields (top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
+stop_token_ids, prompt_logprobs, ...). Response bodies are in
+`frontend.openai_responses`.
 
-Unknown fields are accepted (clients send vendor fields freely). Fields this
-server does not implement yet are rejected with a 400 naming them as soon as
-they ask for something other than the default, never silently ignored.
+Unknown fields are accepted (clients send vendor fields freely). Types are
+checked by pydantic (a 400 naming the field, see api_server), values by
+`SamplingParams.validate` (a 400 naming the parameter as the client spelled
+it). Fields this server does not implement (tools, structured output,
+suffix) are rejected with a 400 naming them as soon as they ask for
+something other than the default, never silently ignored.
 """
 from __future__ import annotations
 
-import time
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+import msgspec
+from pydantic import Field
 
 from common.errors import InvalidRequestError
 from common.sampling_params import SamplingParams
+from common.tokenizer import _RESERVED_TEMPLATE_KWARGS as RESERVED_TEMPLATE_KWARGS
 from frontend.errors import NotSupportedError
-
-
-class OpenAIBaseModel(BaseModel):
-    model_config = ConfigDict(extra="allow")
+from frontend.openai_responses import ModelCard, ModelList, OpenAIBaseModel  # noqa: F401 (api_server's imports)
 
 
 class StreamOptions(OpenAIBaseModel):
@@ -30,6 +33,7 @@ class SamplingRequest(OpenAIBaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
     model: str | None = None
     n: int = 1
+    best_of: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float | None = None
@@ -37,20 +41,22 @@ class SamplingRequest(OpenAIBaseModel):
     top_k: int | None = None
     min_p: float | None = None
     seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    best_of: int | None = None
-    priority: int = 0
+    spaces_between_special_tokens: bool = True
+    prompt_logprobs: int | None = None
+    echo: bool = False
+    priority: int = 0  # lower runs first
     cache_salt: str | None = None
-    user: str | None = None
+    user: str | None = None  # accepted, not used
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -58,56 +64,79 @@ class SamplingRequest(OpenAIBaseModel):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
     def check_supported(self) -> None:
-        """400 for what the engine cannot do yet (rather than silently ignoring it)."""
-        if self.n != 1:
-            if self.n < 1:
-                raise InvalidRequestError(f"n must be at least 1, got {self.n}", param="n")
-            raise NotSupportedError("n", "n > 1 (several choices per prompt)")
-        if self.best_of not in (None, 1):
-            raise NotSupportedError("best_of", "best_of > 1")
-        for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
-            value = getattr(self, name)
-            if value is not None and value != neutral:
-                raise NotSupportedError(name)
-        if self.logit_bias:
-            raise NotSupportedError("logit_bias")
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options is only allowed when stream is true", param="stream_options")
+        if self.stream and self.best_of is not None and self.best_of > self.n:
+            raise InvalidRequestError("best_of > n cannot be streamed: the best samples are only known at the end",
+                                      param="best_of")
 
-    def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
+    def to_sampling_params(self, max_tokens: int | None, logprobs: int | None, vocab_size: int | None = None,
+                           param_names: dict[str, str] | None = None) -> SamplingParams:
+        """Validated engine parameters. `param_names` maps a SamplingParams
+        field to the name the client used (e.g. logprobs -> top_logprobs)."""
         defaults = SamplingParams()
-        params = SamplingParams(
-            temperature=defaults.temperature if self.temperature is None else self.temperature,
-            top_p=defaults.top_p if self.top_p is None else self.top_p,
-            top_k=defaults.top_k if self.top_k is None else self.top_k,
-            min_p=defaults.min_p if self.min_p is None else self.min_p,
-            seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
-            stop_token_ids=list(self.stop_token_ids or []))
-        return params.validate()
+
+        def pick(value, default):
+            return default if value is None else value
+
+        try:
+            params = SamplingParams(
+                n=self.n, best_of=self.best_of,
+                temperature=pick(self.temperature, defaults.temperature), top_p=pick(self.top_p, defaults.top_p),
+                top_k=pick(self.top_k, defaults.top_k), min_p=pick(self.min_p, defaults.min_p), seed=self.seed,
+                presence_penalty=pick(self.presence_penalty, 0.0),
+                frequency_penalty=pick(self.frequency_penalty, 0.0),
+                repetition_penalty=pick(self.repetition_penalty, 1.0), logit_bias=self._logit_bias(),
+                max_tokens=max_tokens, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
+                stop_token_ids=list(self.stop_token_ids or []), stop=self.stop_strings(),
+                include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
+                prompt_logprobs=self.prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
+                spaces_between_special_tokens=self.spaces_between_special_tokens)
+            return params.validate(vocab_size)
+        except InvalidRequestError as e:  # name the field the client actually sent
+            e.param = (param_names or {}).get(e.param, e.param)
+            raise
+
+    def _logit_bias(self) -> dict[int, float]:
+        bias = {}
+        for key, value in (self.logit_bias or {}).items():
+            try:
+                bias[int(key)] = value
+            except ValueError:
+                raise InvalidRequestError(f"logit_bias keys must be token ids, got {key!r}",
+                                          param="logit_bias") from None
+        return bias
 
     def include_usage_chunk(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def continuous_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.continuous_usage_stats)
 
 
 # --- /v1/completions ---------------------------------------------------------------
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = 16
-    echo: bool = False
+    max_tokens: int | None = None  # as many as fit in the context
     logprobs: int | None = None
     suffix: str | None = None
     add_special_tokens: bool = True
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.logprobs is not None:
-            raise NotSupportedError("logprobs")
         if self.suffix:
             raise NotSupportedError("suffix")
 
+    def sampling_params(self, vocab_size: int | None = None) -> SamplingParams:
+        params = self.to_sampling_params(self.max_tokens, self.logprobs, vocab_size)
+        if self.echo and self.logprobs is not None and self.prompt_logprobs is None:
+            # The legacy logprobs of an echoed prompt cover its tokens too.
+            params = msgspec.structs.replace(params, prompt_logprobs=self.logprobs)
+        return params
+
     def prompts(self) -> list[str | list[int]]:
-        """The prompt(s) as a list: one entry per choice."""
+        """The prompt(s) as a list: one choice set per entry."""
         prompt = self.prompt
         if isinstance(prompt, str):
             return [prompt]
@@ -115,41 +144,10 @@ class CompletionRequest(SamplingRequest):
             raise InvalidRequestError("prompt must not be empty", param="prompt")
         if all(isinstance(p, int) for p in prompt):
             return [list(prompt)]
+        if any(isinstance(p, list) and not p for p in prompt):
+            raise InvalidRequestError("prompt must not contain an empty list of token ids", param="prompt")
         return list(prompt)
 
-
-class UsageInfo(OpenAIBaseModel):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
-    prompt_tokens_details: dict[str, int] | None = None
-
-    @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> "UsageInfo":
-        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens,
-                   prompt_tokens_details={"cached_tokens": cached_tokens})
-
-
-class CompletionChoice(OpenAIBaseModel):
-    index: int
-    text: str
-    logprobs: None = None
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-
-
-class CompletionResponse(OpenAIBaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    system_fingerprint: str | None = None
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
-
-
-# Stream chunks of /v1/completions reuse CompletionResponse (same object name).
 
 # --- /v1/chat/completions ----------------------------------------------------------
 
@@ -186,14 +184,11 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
-    echo: bool = False
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise NotSupportedError("echo", "echo for chat completions")
-        if self.logprobs or self.top_logprobs:
-            raise NotSupportedError("logprobs" if self.logprobs else "top_logprobs")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequestError("top_logprobs needs logprobs to be true", param="top_logprobs")
         if self.tools:
             raise NotSupportedError("tools", "tool calling")
         if self.response_format is not None and self.response_format.get("type", "text") != "text":
@@ -201,12 +196,21 @@ class ChatCompletionRequest(SamplingRequest):
         if self.continue_final_message and self.add_generation_prompt:
             raise InvalidRequestError("continue_final_message and add_generation_prompt cannot both be true",
                                       param="continue_final_message")
+        # The tokenizer pool refuses these too, but its reply cannot name the parameter.
+        if reserved := sorted(RESERVED_TEMPLATE_KWARGS & (self.chat_template_kwargs or {}).keys()):
+            raise InvalidRequestError(f"chat_template_kwargs may not set {reserved}", param="chat_template_kwargs")
 
     def requested_max_tokens(self) -> tuple[int | None, str]:
         """(max tokens, the parameter that set it)."""
         if self.max_completion_tokens is not None:
             return self.max_completion_tokens, "max_completion_tokens"
         return self.max_tokens, "max_tokens"
+
+    def sampling_params(self, vocab_size: int | None = None) -> SamplingParams:
+        max_tokens, max_tokens_param = self.requested_max_tokens()
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self.to_sampling_params(max_tokens, logprobs, vocab_size,
+                                       {"max_tokens": max_tokens_param, "logprobs": "top_logprobs"})
 
     def template_messages(self) -> list[dict[str, Any]]:
         messages = []
@@ -218,69 +222,9 @@ class ChatCompletionRequest(SamplingRequest):
             messages.append(entry)
         return messages
 
-
-class ChatMessage(OpenAIBaseModel):
-    role: str = "assistant"
-    content: str | None = None
-
-
-class ChatChoice(OpenAIBaseModel):
-    index: int
-    message: ChatMessage
-    logprobs: None = None
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-
-
-class ChatCompletionResponse(OpenAIBaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    system_fingerprint: str | None = None
-    choices: list[ChatChoice]
-    usage: UsageInfo
-
-
-class DeltaMessage(OpenAIBaseModel):
-    role: str | None = None
-    content: str | None = None
-
-    @model_serializer(mode="wrap")
-    def _omit_unset_fields(self, handler) -> dict[str, Any]:
-        # OpenAI deltas hold only what changed: {"content": "x"}, or {} at the end.
-        return {k: v for k, v in handler(self).items() if v is not None}
-
-
-class ChatStreamChoice(OpenAIBaseModel):
-    index: int
-    delta: DeltaMessage
-    logprobs: None = None
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-
-
-class ChatCompletionChunk(OpenAIBaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    system_fingerprint: str | None = None
-    choices: list[ChatStreamChoice]
-    usage: UsageInfo | None = None
-
-
-# --- /v1/models ---------------------------------------------------------------------
-
-class ModelCard(OpenAIBaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "pagedserve"
-    root: str | None = None
-    max_model_len: int | None = None
-
-
-class ModelList(OpenAIBaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
+    def echoed_text(self, role: str) -> str:
+        """vLLM's chat echo: the last message's content, when it has the reply's role."""
+        if not self.echo:
+            return ""
+        last = self.messages[-1]
+        return (last.text_content(len(self.messages) - 1) or "") if last.role == role else ""

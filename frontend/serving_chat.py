@@ -1,20 +1,24 @@
-"""POST /v1/chat/completions: messages rendered by the tokenizer pool, one choice."""
+"""POST /v1/chat/completions: messages rendered by the tokenizer pool, `n` choices."""
 from __future__ import annotations
 
 import time
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from common.errors import InvalidRequestError
+from common.protocol import TokenLogprobs
 from frontend import sse
 from frontend.async_utils import cancel_on_disconnect
+from frontend.choices import SampleResult, best_samples
 from frontend.generation import GenerationDelta, GenerationRequest
-from frontend.openai_protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
-                                      ChatMessage, ChatStreamChoice, DeltaMessage, UsageInfo)
+from frontend.logprobs_format import TokenTexts, chat_logprobs, prompt_logprobs_json
+from frontend.openai_protocol import ChatCompletionRequest
+from frontend.openai_responses import (ChatChoice, ChatCompletionChunk, ChatCompletionResponse, ChatMessage,
+                                       ChatStreamChoice, DeltaMessage, UsageInfo)
 from frontend.state import SYSTEM_FINGERPRINT, FrontendState, request_base_id
 
 ROLE = "assistant"
@@ -25,29 +29,38 @@ class _Reply:
     id: str
     created: int
     model: str
+    body: ChatCompletionRequest
+    texts: TokenTexts
+    num_prompt_tokens: int
+    last: GenerationDelta | None = None  # carries the running usage counts
 
-    def chunk(self, choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
+    def chunk(self, choices: list[ChatStreamChoice], usage: UsageInfo | None = None,
+              prompt_logprobs: list[TokenLogprobs] | None = None) -> str:
         return sse.event(ChatCompletionChunk(id=self.id, created=self.created, model=self.model,
-                                             system_fingerprint=SYSTEM_FINGERPRINT, choices=choices, usage=usage))
+                                             system_fingerprint=SYSTEM_FINGERPRINT, choices=choices, usage=usage,
+                                             prompt_logprobs=self.prompt_logprobs(prompt_logprobs)))
 
+    def usage(self) -> UsageInfo:
+        last = self.last
+        return UsageInfo.of(self.num_prompt_tokens, last.num_output_tokens if last else 0,
+                            last.num_cached_tokens if last else 0)
 
-def _usage(delta: GenerationDelta | None) -> UsageInfo:
-    if delta is None:
-        return UsageInfo.of(0, 0, 0)
-    return UsageInfo.of(delta.num_prompt_tokens, delta.num_output_tokens, delta.num_cached_tokens)
+    def logprobs(self, entries: list[TokenLogprobs] | None):
+        return chat_logprobs(entries or [], self.texts) if self.body.logprobs else None
+
+    def prompt_logprobs(self, entries: list[TokenLogprobs] | None):
+        if self.body.prompt_logprobs is None or entries is None:
+            return None
+        return prompt_logprobs_json(entries, self.texts)
 
 
 async def create_chat_completion(state: FrontendState, body: ChatCompletionRequest, raw_request: Request) -> Response:
     arrival = time.monotonic()
     state.check_model(body.model)
     body.check_supported()
+    generator = state.generator
+    params = body.sampling_params(await generator.vocab_size())
     max_tokens, max_tokens_param = body.requested_max_tokens()
-    try:
-        params = body.to_sampling_params(max_tokens)
-    except InvalidRequestError as e:  # name the field the client actually sent
-        if e.param == "max_tokens":
-            e.param = max_tokens_param
-        raise
     try:
         prompt_ids = await state.tokenizer_client.render_chat(
             body.template_messages(), add_generation_prompt=body.add_generation_prompt,
@@ -55,55 +68,69 @@ async def create_chat_completion(state: FrontendState, body: ChatCompletionReque
     except InvalidRequestError as e:  # the pool's reply names no parameter; the messages are at fault
         e.param = e.param or "messages"
         raise
-    await state.generator.validate(prompt_ids, max_tokens, prompt_param="messages",
-                                   max_tokens_param=max_tokens_param)
+    await generator.validate(prompt_ids, max_tokens, prompt_param="messages", max_tokens_param=max_tokens_param)
     await state.engine.ensure_connected()
 
-    reply = _Reply(id=request_base_id(raw_request, "chatcmpl"), created=int(time.time()), model=state.model_name)
-    request = GenerationRequest(
-        request_id=reply.id, prompt_token_ids=prompt_ids, sampling_params=params, stop=body.stop_strings(),
-        include_stop_str_in_output=body.include_stop_str_in_output, skip_special_tokens=body.skip_special_tokens,
-        arrival_time=arrival, priority=body.priority, cache_salt=body.cache_salt)
-    deltas = state.generator.generate(request)
+    reply = _Reply(id=request_base_id(raw_request, "chatcmpl"), created=int(time.time()), model=state.model_name,
+                   body=body, texts=generator.token_texts, num_prompt_tokens=len(prompt_ids))
+    request = GenerationRequest(request_id=reply.id, prompt_token_ids=prompt_ids, sampling_params=params,
+                                arrival_time=arrival, priority=body.priority, cache_salt=body.cache_salt)
+    deltas = generator.generate(request)
 
     if body.stream:
-        events = _stream(reply, deltas, body.include_usage_chunk(),
-                         bool(body.stream_options and body.stream_options.continuous_usage_stats))
-        return StreamingResponse(sse.with_error_events(events), media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)
-    completed, response = await cancel_on_disconnect(raw_request, _collect(reply, deltas))
+        return StreamingResponse(sse.with_error_events(_stream(reply, deltas)), media_type=sse.MEDIA_TYPE,
+                                 headers=sse.HEADERS)
+    completed, response = await cancel_on_disconnect(raw_request, _collect(reply, deltas, params.num_samples))
     if not completed:
         return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
     return JSONResponse(response.model_dump())
 
 
-async def _collect(reply: _Reply, deltas: AsyncIterator[GenerationDelta]) -> ChatCompletionResponse:
-    texts: list[str] = []
-    last: GenerationDelta | None = None
+async def _collect(reply: _Reply, deltas: AsyncIterator[GenerationDelta], num_samples: int) -> ChatCompletionResponse:
+    samples = [SampleResult(i) for i in range(num_samples)]
+    prompt_logprobs = None
     async with aclosing(deltas):
         async for delta in deltas:
-            texts.append(delta.text)
-            last = delta
-    choice = ChatChoice(index=0, message=ChatMessage(role=ROLE, content="".join(texts)),
-                        finish_reason=last.finish_reason if last else None,
-                        stop_reason=last.stop_reason if last else None)
+            reply.last = delta
+            prompt_logprobs = delta.prompt_logprobs if delta.prompt_logprobs is not None else prompt_logprobs
+            samples[delta.index].add(delta.decoded())
+    echo = reply.body.echoed_text(ROLE)
+    choices = [ChatChoice(index=rank, message=ChatMessage(role=ROLE, content=echo + sample.text),
+                          logprobs=reply.logprobs(sample.logprobs), finish_reason=sample.finish_reason,
+                          stop_reason=sample.stop_reason)
+               for rank, sample in enumerate(best_samples(samples, reply.body.n))]
     return ChatCompletionResponse(id=reply.id, created=reply.created, model=reply.model,
-                                  system_fingerprint=SYSTEM_FINGERPRINT, choices=[choice], usage=_usage(last))
+                                  system_fingerprint=SYSTEM_FINGERPRINT, choices=choices, usage=reply.usage(),
+                                  prompt_logprobs=reply.prompt_logprobs(prompt_logprobs))
 
 
-async def _stream(reply: _Reply, deltas: AsyncIterator[GenerationDelta], include_usage: bool,
-                  continuous_usage: bool) -> AsyncIterator[str]:
-    last: GenerationDelta | None = None
-    # The first chunk carries the role, as OpenAI's does.
-    yield reply.chunk([ChatStreamChoice(index=0, delta=DeltaMessage(role=ROLE, content=""))],
-                      _usage(None) if continuous_usage else None)
+@dataclass(slots=True)
+class _Held:
+    """Logprobs of tokens whose text is not sent yet (held back, or no text)."""
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+
+async def _stream(reply: _Reply, deltas: AsyncIterator[GenerationDelta]) -> AsyncIterator[str]:
+    body = reply.body
+    continuous = body.continuous_usage()
+    # Each choice's first chunk carries the role (and vLLM's echo), as OpenAI's does.
+    echo = body.echoed_text(ROLE)
+    for index in range(body.n):
+        yield reply.chunk([ChatStreamChoice(index=index, delta=DeltaMessage(role=ROLE, content=echo))],
+                          reply.usage() if continuous else None)
+    held = [_Held() for _ in range(body.n)]
     async with aclosing(deltas):
         async for delta in deltas:
-            last = delta
-            if not delta.text and delta.finish_reason is None:
+            reply.last = delta
+            pending = held[delta.index]
+            pending.logprobs += delta.logprobs or []
+            if not delta.text and delta.finish_reason is None and delta.prompt_logprobs is None:
                 continue  # e.g. text held back while it may begin a stop string
-            choice = ChatStreamChoice(index=0, delta=DeltaMessage(content=delta.text or None),
+            choice = ChatStreamChoice(index=delta.index, delta=DeltaMessage(content=delta.text or None),
+                                      logprobs=reply.logprobs(pending.logprobs) if pending.logprobs else None,
                                       finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)
-            yield reply.chunk([choice], _usage(delta) if continuous_usage else None)
-    if include_usage:
-        yield reply.chunk([], _usage(last))
+            pending.logprobs = []
+            yield reply.chunk([choice], reply.usage() if continuous else None, delta.prompt_logprobs)
+    if body.include_usage_chunk():
+        yield reply.chunk([], reply.usage())
     yield sse.DONE

@@ -1,20 +1,35 @@
-"""POST /v1/completions: one choice per prompt (a string, token ids, or a list of either)."""
+"""POST /v1/completions: `n` choices per prompt (a string, token ids, or a list
+of either), numbered as OpenAI does: prompt_index * n + sample_index."""
 from __future__ import annotations
 
 import asyncio
 import time
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from common.protocol import TokenLogprobs
 from frontend import sse
 from frontend.async_utils import cancel_on_disconnect, merge_async_iterators
+from frontend.choices import SampleResult, best_samples
 from frontend.generation import GenerationDelta, GenerationRequest
-from frontend.openai_protocol import CompletionChoice, CompletionRequest, CompletionResponse, UsageInfo
+from frontend.logprobs_format import TokenTexts, completion_logprobs, prompt_logprobs_json
+from frontend.openai_protocol import CompletionRequest
+from frontend.openai_responses import CompletionChoice, CompletionResponse, UsageInfo
 from frontend.state import SYSTEM_FINGERPRINT, FrontendState, request_base_id
+
+
+@dataclass(slots=True)
+class _Prompt:
+    """One prompt of the request and what its samples report."""
+    token_ids: list[int]
+    echo: str | None  # the prompt text, when echo is on
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    last: GenerationDelta | None = None  # carries the running usage counts
+    samples: list[SampleResult] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -23,51 +38,63 @@ class _Reply:
     id: str
     created: int
     model: str
+    body: CompletionRequest
+    texts: TokenTexts
+    prompts: list[_Prompt]
 
     def response(self, choices: list[CompletionChoice], usage: UsageInfo | None = None) -> CompletionResponse:
         return CompletionResponse(id=self.id, created=self.created, model=self.model,
                                   system_fingerprint=SYSTEM_FINGERPRINT, choices=choices, usage=usage)
 
+    def usage(self, prompts: list[_Prompt] | None = None) -> UsageInfo:
+        seen = [p.last for p in (prompts or self.prompts) if p.last is not None]
+        return UsageInfo.of(sum(len(p.token_ids) for p in (prompts or self.prompts)),
+                            sum(d.num_output_tokens for d in seen), sum(d.num_cached_tokens for d in seen))
 
-class _UsageTally:
-    def __init__(self, num_choices: int):
-        self.last: list[GenerationDelta | None] = [None] * num_choices
+    def logprobs(self, prompt: _Prompt, token_ids: list[int], entries: list[TokenLogprobs] | None,
+                 with_echo: bool, text_offset: int = 0):
+        """The legacy logprobs object of a choice (or of one stream chunk)."""
+        if self.body.logprobs is None:
+            return None
+        entries = list(entries or [])
+        if with_echo:  # the echoed prompt's tokens come first; its first token has no logprob
+            token_ids = prompt.token_ids + token_ids
+            entries = [None, *(prompt.prompt_logprobs or [])] + entries
+        return completion_logprobs(token_ids, entries, self.texts, text_offset)
 
-    def add(self, index: int, delta: GenerationDelta) -> None:
-        self.last[index] = delta
-
-    def usage(self, index: int | None = None) -> UsageInfo:
-        deltas = [d for d in (self.last if index is None else [self.last[index]]) if d is not None]
-        return UsageInfo.of(sum(d.num_prompt_tokens for d in deltas), sum(d.num_output_tokens for d in deltas),
-                            sum(d.num_cached_tokens for d in deltas))
+    def prompt_logprobs(self, prompt: _Prompt):
+        if self.body.prompt_logprobs is None or prompt.prompt_logprobs is None:
+            return None
+        return prompt_logprobs_json(prompt.prompt_logprobs, self.texts)
 
 
 async def create_completion(state: FrontendState, body: CompletionRequest, raw_request: Request) -> Response:
     arrival = time.monotonic()
     state.check_model(body.model)
     body.check_supported()
-    params = body.to_sampling_params(body.max_tokens)
+    generator = state.generator
+    params = body.sampling_params(await generator.vocab_size())
     prompts = body.prompts()
     prompt_ids = await asyncio.gather(*(_prompt_token_ids(state, p, body.add_special_tokens) for p in prompts))
     for ids in prompt_ids:
-        await state.generator.validate(ids, body.max_tokens)
+        await generator.validate(ids, body.max_tokens)
     await state.engine.ensure_connected()
 
-    reply = _Reply(id=request_base_id(raw_request, "cmpl"), created=int(time.time()), model=state.model_name)
+    base_id = request_base_id(raw_request, "cmpl")
+    reply = _Reply(id=base_id, created=int(time.time()), model=state.model_name, body=body,
+                   texts=generator.token_texts, prompts=[
+                       _Prompt(ids, (p if isinstance(p, str) else state.tokenizer.decode(ids)) if body.echo else None,
+                               samples=[SampleResult(i) for i in range(params.num_samples)])
+                       for p, ids in zip(prompts, prompt_ids)])
     requests = [GenerationRequest(
-        request_id=f"{reply.id}-{i}", prompt_token_ids=ids, sampling_params=params, stop=body.stop_strings(),
-        include_stop_str_in_output=body.include_stop_str_in_output,
-        skip_special_tokens=body.skip_special_tokens, arrival_time=arrival, priority=body.priority,
-        cache_salt=body.cache_salt) for i, ids in enumerate(prompt_ids)]
-    echo = [p if isinstance(p, str) else state.tokenizer.decode(ids)
-            for p, ids in zip(prompts, prompt_ids)] if body.echo else None
-    merged = merge_async_iterators([state.generator.generate(r) for r in requests])
+        request_id=f"{base_id}-{i}", prompt_token_ids=ids, sampling_params=params, arrival_time=arrival,
+        priority=body.priority, cache_salt=body.cache_salt) for i, ids in enumerate(prompt_ids)]
+    merged = merge_async_iterators([generator.generate(r) for r in requests])
 
     if body.stream:
-        events = _stream(reply, merged, len(requests), echo, body.include_usage_chunk(),
-                         bool(body.stream_options and body.stream_options.continuous_usage_stats))
-        return StreamingResponse(sse.with_error_events(events), media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)
-    completed, response = await cancel_on_disconnect(raw_request, _collect(reply, merged, len(requests), echo))
+        return StreamingResponse(sse.with_error_events(_stream(reply, merged)), media_type=sse.MEDIA_TYPE,
+                                 headers=sse.HEADERS)
+    completed, response = await cancel_on_disconnect(raw_request, _collect(reply, merged))
     if not completed:
         return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
     return JSONResponse(response.model_dump())
@@ -79,33 +106,62 @@ async def _prompt_token_ids(state: FrontendState, prompt: str | list[int], add_s
     return list(prompt)
 
 
-async def _collect(reply: _Reply, merged: AsyncIterator[tuple[int, GenerationDelta]], num_choices: int,
-                   echo: list[str] | None) -> CompletionResponse:
-    texts: list[list[str]] = [[echo[i]] if echo else [] for i in range(num_choices)]
-    tally = _UsageTally(num_choices)
-    async with aclosing(merged):
-        async for index, delta in merged:
-            texts[index].append(delta.text)
-            tally.add(index, delta)
-    choices = [CompletionChoice(index=i, text="".join(texts[i]), finish_reason=last.finish_reason,
-                                stop_reason=last.stop_reason) for i, last in enumerate(tally.last)]
-    return reply.response(choices, tally.usage())
+def _note(prompt: _Prompt, delta: GenerationDelta) -> None:
+    prompt.last = delta
+    if delta.prompt_logprobs is not None:
+        prompt.prompt_logprobs = delta.prompt_logprobs
 
 
-async def _stream(reply: _Reply, merged: AsyncIterator[tuple[int, GenerationDelta]], num_choices: int,
-                  echo: list[str] | None, include_usage: bool, continuous_usage: bool) -> AsyncIterator[str]:
-    tally = _UsageTally(num_choices)
-    pending_echo = list(echo) if echo else [""] * num_choices
+async def _collect(reply: _Reply, merged: AsyncIterator[tuple[int, GenerationDelta]]) -> CompletionResponse:
     async with aclosing(merged):
-        async for index, delta in merged:
-            tally.add(index, delta)
-            text = pending_echo[index] + delta.text
-            pending_echo[index] = ""
+        async for prompt_index, delta in merged:
+            prompt = reply.prompts[prompt_index]
+            _note(prompt, delta)
+            prompt.samples[delta.index].add(delta.decoded())
+    n = reply.body.n
+    choices = []
+    for prompt_index, prompt in enumerate(reply.prompts):
+        for rank, sample in enumerate(best_samples(prompt.samples, n)):
+            echo = prompt.echo or ""
+            choices.append(CompletionChoice(
+                index=prompt_index * n + rank, text=echo + sample.text, finish_reason=sample.finish_reason,
+                stop_reason=sample.stop_reason, prompt_logprobs=reply.prompt_logprobs(prompt),
+                logprobs=reply.logprobs(prompt, sample.token_ids, sample.logprobs, prompt.echo is not None)))
+    return reply.response(choices, reply.usage())
+
+
+@dataclass(slots=True)
+class _ChoiceStream:
+    """A streamed choice: text sent so far, and tokens whose text is held back."""
+    sent_chars: int = 0
+    started: bool = False
+    held_token_ids: list[int] = field(default_factory=list)
+    held_logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+
+async def _stream(reply: _Reply, merged: AsyncIterator[tuple[int, GenerationDelta]]) -> AsyncIterator[str]:
+    n = reply.body.n
+    streams = [_ChoiceStream() for _ in range(len(reply.prompts) * n)]
+    async with aclosing(merged):
+        async for prompt_index, delta in merged:
+            prompt = reply.prompts[prompt_index]
+            _note(prompt, delta)
+            choice = streams[prompt_index * n + delta.index]
+            choice.held_token_ids += delta.token_ids
+            choice.held_logprobs += delta.logprobs or []
+            with_echo = prompt.echo is not None and not choice.started
+            text = (prompt.echo if with_echo else "") + delta.text
             if not text and delta.finish_reason is None:
                 continue  # e.g. text held back while it may begin a stop string
-            choice = CompletionChoice(index=index, text=text, finish_reason=delta.finish_reason,
-                                      stop_reason=delta.stop_reason)
-            yield sse.event(reply.response([choice], tally.usage(index) if continuous_usage else None))
-    if include_usage:
-        yield sse.event(reply.response([], tally.usage()))
+            logprobs = reply.logprobs(prompt, choice.held_token_ids, choice.held_logprobs, with_echo,
+                                      choice.sent_chars)
+            body = CompletionChoice(
+                index=prompt_index * n + delta.index, text=text, logprobs=logprobs,
+                finish_reason=delta.finish_reason, stop_reason=delta.stop_reason,
+                prompt_logprobs=reply.prompt_logprobs(prompt) if not choice.started else None)
+            choice.started, choice.sent_chars = True, choice.sent_chars + len(text)
+            choice.held_token_ids, choice.held_logprobs = [], []
+            yield sse.event(reply.response([body], reply.usage([prompt]) if reply.body.continuous_usage() else None))
+    if reply.body.include_usage_chunk():
+        yield sse.event(reply.response([], reply.usage()))
     yield sse.DONE

@@ -21,7 +21,9 @@ from common.protocol import WorkerHello
 @dataclass
 class ControlSnapshot:
     """What the control service may read; replaced wholesale by the engine loop."""
-    worker: WorkerHello | None = None
+    worker: WorkerHello | None = None  # the model's shape; kept while a lost worker is replaced
+    worker_ready: bool = False  # a worker is registered right now
+    status: str = "waiting for a worker"
     stats: dict = field(default_factory=dict)
 
 
@@ -54,12 +56,13 @@ class SchedulerControlServicer(control_pb2_grpc.SchedulerControlServicer):
         self._request_reset = request_reset
 
     def Health(self, request, context):
-        worker = self._state.read().worker
+        """ok: the engine loop runs (requests in its hands are safe, even while
+        no worker is registered); worker_ready: it can make progress now."""
+        snapshot = self._state.read()
         if not self._state.loop_alive():
-            return control_pb2.HealthReply(ok=False, worker_ready=worker is not None,
+            return control_pb2.HealthReply(ok=False, worker_ready=snapshot.worker_ready,
                                            message="the engine loop is stalled")
-        return control_pb2.HealthReply(ok=True, worker_ready=worker is not None,
-                                       message="ready" if worker else "waiting for a worker")
+        return control_pb2.HealthReply(ok=True, worker_ready=snapshot.worker_ready, message=snapshot.status)
 
     def GetModelInfo(self, request, context):
         worker = self._state.read().worker

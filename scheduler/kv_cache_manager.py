@@ -32,7 +32,8 @@ class KVCacheManager:
         and the number of tokens they hold. At most `num_tokens - 1` tokens
         are served from the cache: the last known token must be computed to
         produce the logits the next token is sampled from."""
-        if not self.enable_caching:
+        if not self.enable_caching or request.collecting_prompt_logprobs:
+            # Prompt logprobs need the logits of every prompt position.
             return [], 0
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVBlock] = []
@@ -77,6 +78,23 @@ class KVCacheManager:
         added = list(new_computed_blocks) + self.block_pool.get_new_blocks(num_fresh)
         blocks.extend(added)
         return [block.block_id for block in added]
+
+    def fork(self, parent: Request, child: Request) -> int:
+        """Give `child`, a new sample of the parent's prompt, read-only shares
+        (by ref count) of the parent's computed full blocks, leaving at least
+        its last prompt token to compute (its first token is sampled from
+        those logits). Returns the number of tokens shared."""
+        parent_blocks = self.req_to_blocks[parent.request_id]
+        num_shared = min((child.num_tokens - 1) // self.block_size,
+                         parent.num_computed_tokens // self.block_size, len(parent_blocks))
+        if child.request_id in self.req_to_blocks:
+            raise ValueError(f"{child.request_id} already holds blocks")
+        shared = parent_blocks[:num_shared]
+        self.block_pool.touch(shared)
+        self.req_to_blocks[child.request_id] = list(shared)
+        # The parent registered them already (if caching is on); never again by the child.
+        self.num_cached_blocks[child.request_id] = num_shared
+        return num_shared * self.block_size
 
     def cache_blocks(self, request: Request) -> None:
         """Register the request's full blocks whose tokens are all computed.

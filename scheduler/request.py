@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import enum
 
-from common.protocol import EngineRequest, FinishReason
+import msgspec
+
+from common.protocol import EngineRequest, FinishReason, PromptLogprobs, TokenLogprobs, sample_request_id
 from common.sampling_params import SamplingParams
 from scheduler.prefix_hash import BlockHash, extend_block_hashes
 
@@ -25,12 +27,22 @@ class Request:
     """
 
     def __init__(self, engine_request: EngineRequest, arrival_order: int, max_model_len: int,
-                 block_size: int, enable_caching: bool):
-        self.request_id = engine_request.request_id
+                 block_size: int, enable_caching: bool, sample_index: int = 0):
+        """`sample_index`: which sample of a request with several (n > 1 or
+        best_of); each sample is a Request of its own, with its own id."""
+        params = engine_request.sampling_params
+        self.external_id = engine_request.request_id  # what outputs report
+        self.sample_index = sample_index
+        self.request_id = (engine_request.request_id if params.num_samples == 1
+                           else sample_request_id(engine_request.request_id, sample_index))
         self.prompt_token_ids = list(engine_request.prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.all_token_ids = list(self.prompt_token_ids)
-        self.sampling_params: SamplingParams = engine_request.sampling_params
+        self.sampling_params: SamplingParams = params.for_sample(sample_index)
+        # Logprobs of prompt tokens 1.., gathered over the prefill chunks; sent with the first output.
+        self.prompt_logprobs: list[TokenLogprobs] | None = (
+            [] if self.sampling_params.prompt_logprobs is not None else None)
+        self.prompt_logprobs_sent = False
         self.priority = engine_request.priority
         self.arrival_order = arrival_order  # ties between equal priorities
         self.cache_salt = engine_request.cache_salt
@@ -64,6 +76,39 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    @property
+    def collecting_prompt_logprobs(self) -> bool:
+        """Prompt logprobs are wanted and not all sent: every prompt position
+        must then be computed (no prefix-cache hits)."""
+        return self.prompt_logprobs is not None and not self.prompt_logprobs_sent
+
+    @property
+    def worker_params(self) -> SamplingParams:
+        """What the worker samples with (a re-admitted request whose prompt
+        logprobs went out already does not score its prompt again)."""
+        if self.prompt_logprobs_sent and self.sampling_params.prompt_logprobs is not None:
+            return msgspec.structs.replace(self.sampling_params, prompt_logprobs=None)
+        return self.sampling_params
+
+    def add_prompt_logprobs(self, chunk: PromptLogprobs) -> None:
+        """Keep the positions not gathered yet (a recomputed chunk repeats some)."""
+        if not self.collecting_prompt_logprobs:
+            return
+        gathered = self.prompt_logprobs
+        skip = len(gathered) + 1 - chunk.first_token_index
+        if skip < 0:
+            raise ValueError(f"{self.request_id}: prompt logprobs from token {chunk.first_token_index}, "
+                             f"but only {len(gathered)} gathered")
+        gathered.extend(chunk.positions[skip:])
+
+    def take_prompt_logprobs(self) -> list[TokenLogprobs] | None:
+        """The prompt logprobs, the first time they are complete (else None)."""
+        if not self.collecting_prompt_logprobs or len(self.prompt_logprobs) < self.num_prompt_tokens - 1:
+            return None
+        self.prompt_logprobs_sent = True
+        gathered, self.prompt_logprobs = self.prompt_logprobs, []
+        return gathered
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

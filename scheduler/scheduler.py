@@ -4,7 +4,9 @@ Each step serves running requests in admission order (one decode token, or
 the next prefill chunk), then admits waiting requests, all within
 `max_num_batched_tokens` tokens and `max_num_seqs` running requests. When a
 running request cannot get blocks, the most recently admitted running request
-is preempted by recompute. Never imports torch.
+is preempted by recompute. A request with several samples (n > 1, best_of)
+prefills its prompt once and forks (see `scheduler.sample_group`). Never
+imports torch.
 """
 from __future__ import annotations
 
@@ -15,10 +17,11 @@ from dataclasses import dataclass
 from common.config import EngineConfig
 from common.errors import InvalidRequestError
 from common.protocol import (CachedRequestData, EngineRequest, FinishReason, NewRequestData, RequestOutput,
-                             StepPlan, StepResult)
+                             StepPlan, StepResult, TokenLogprobs, parent_request_id, sample_request_id)
 from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.queues import WaitingQueue
 from scheduler.request import Request, RequestStatus
+from scheduler.sample_group import SampleGroup
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +63,8 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
 
-        self._requests: dict[str, Request] = {}  # every unfinished request
+        self._requests: dict[str, Request] = {}  # every unfinished request (each sample of one)
+        self._groups: dict[str, SampleGroup] = {}  # requests with several samples, by request id
         self.waiting = WaitingQueue()
         self.running: list[Request] = []  # admission order; the last one is preempted first
         self._finished_ids: dict[str, None] = {}  # for the next plan (ordered set)
@@ -83,29 +87,47 @@ class Scheduler:
                 f"The prompt has {num_prompt} tokens, but the maximum context length (max_model_len) is "
                 f"{self.max_model_len} tokens, which leaves no room for an output token; shorten the prompt",
                 param="prompt", code="context_length_exceeded")
-        if request_id in self._requests:
+        num_samples = engine_request.sampling_params.num_samples
+        ids = [request_id] + [sample_request_id(request_id, i) for i in range(num_samples if num_samples > 1 else 0)]
+        if any(i in self._requests or i in self._groups or self._is_future_sample(i) for i in ids):
             raise InvalidRequestError(f"Request id {request_id!r} is already in flight", param="request_id")
-        request = Request(engine_request, self._next_arrival, self.max_model_len, self.block_size,
-                          self.kv_cache_manager.enable_caching)
+        request = self._new_request(engine_request, 0, self._next_arrival)
         self._next_arrival += 1
-        self._requests[request_id] = request
+        if num_samples > 1:
+            self._groups[request_id] = SampleGroup(engine_request, num_samples, {0: request})
+        self._requests[request.request_id] = request
         self.waiting.push(request)
 
+    def _is_future_sample(self, request_id: str) -> bool:
+        """Whether the id is that of a sample an in-flight request has yet to fork."""
+        group = self._groups.get(parent_request_id(request_id))
+        return group is not None and any(request_id == sample_request_id(group.request_id, i)
+                                         for i in range(group.num_samples))
+
+    def _new_request(self, engine_request: EngineRequest, sample_index: int, arrival_order: int) -> Request:
+        return Request(engine_request, arrival_order, self.max_model_len, self.block_size,
+                       self.kv_cache_manager.enable_caching, sample_index)
+
     def abort_requests(self, request_ids: Iterable[str]) -> list[RequestOutput]:
-        """Finish the given requests as ABORT; unknown or finished ids are ignored."""
+        """Finish the given requests as ABORT; unknown or finished ids are
+        ignored. A request id aborts all its samples, a sample id just that one."""
         if isinstance(request_ids, str):
             request_ids = [request_ids]
         outputs = []
         for request_id in request_ids:
-            request = self._requests.get(request_id)
-            if request is None:
-                continue
-            if request.status is RequestStatus.RUNNING:
-                self.running.remove(request)
+            group = self._groups.get(request_id)
+            if group is not None:
+                group.drop_unforked()
+                targets = group.live_samples()
             else:
-                self.waiting.remove(request)
-            self._finish(request, FinishReason.ABORT)
-            outputs.append(self._output(request, []))
+                targets = [self._requests[request_id]] if request_id in self._requests else []
+            for request in targets:
+                if request.status is RequestStatus.RUNNING:
+                    self.running.remove(request)
+                else:
+                    self.waiting.remove(request)
+                self._finish(request, FinishReason.ABORT)
+                outputs.append(self._output(request, []))
         return outputs
 
     def has_unfinished_requests(self) -> bool:
@@ -153,10 +175,12 @@ class Scheduler:
                     request_id=request.request_id, new_block_ids=new_block_ids,
                     num_computed_tokens=request.num_computed_tokens))
             else:
+                # All its blocks: a forked sample arrives holding its shared prompt blocks.
                 new_requests.append(NewRequestData(
                     request_id=request.request_id, token_ids=list(request.all_token_ids),
-                    num_prompt_tokens=request.num_prompt_tokens, sampling_params=request.sampling_params,
-                    block_ids=new_block_ids, num_computed_tokens=request.num_computed_tokens))
+                    num_prompt_tokens=request.num_prompt_tokens, sampling_params=request.worker_params,
+                    block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+                    num_computed_tokens=request.num_computed_tokens))
                 request.sent_to_worker = True
             num_scheduled_tokens[request.request_id] = num_new
             # Advanced now, like vLLM: the next step continues after this chunk.
@@ -216,6 +240,11 @@ class Scheduler:
             if request is not None and request.status is RequestStatus.RUNNING:
                 self.kv_cache_manager.cache_blocks(request)
 
+        for request_id, chunk in result.prompt_logprobs.items():
+            request = self._requests.get(request_id)
+            if request is not None and request.status is RequestStatus.RUNNING:
+                request.add_prompt_logprobs(chunk)
+
         outputs = []
         num_finished = 0
         for request_id, token_id in zip(result.request_ids, result.sampled_token_ids, strict=True):
@@ -226,18 +255,45 @@ class Scheduler:
                 logger.error("Ignoring a token sampled for %s, which has %d of %d tokens computed",
                              request_id, request.num_computed_tokens, request.num_tokens)
                 continue
-            if request.num_output_tokens == 0:
-                self.num_prompt_tokens += request.num_prompt_tokens
+            if request.num_output_tokens == 0 and request.sample_index == 0:
+                self.num_prompt_tokens += request.num_prompt_tokens  # once, however many samples
             request.append_output_token(token_id)
             self.num_generation_tokens += 1
+            if request.num_output_tokens == 1 and request.sample_index == 0:
+                group = self._groups.get(request.external_id)
+                if group is not None and group.num_unforked:
+                    self._fork(group, request)  # before a finish could free the prompt blocks
+            prompt_logprobs = request.take_prompt_logprobs()
             reason = request.check_stop(self.eos_token_ids, self.max_model_len)
             if reason is not None:
                 self._finish(request, reason)
                 num_finished += 1
-            outputs.append(self._output(request, [token_id]))
+            logprobs = result.sampled_logprobs.get(request_id)
+            outputs.append(self._output(request, [token_id], None if logprobs is None else [logprobs],
+                                        prompt_logprobs))
         if num_finished:
             self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
         return outputs
+
+    def _fork(self, group: SampleGroup, parent: Request) -> None:
+        """Create the other samples now that the parent's prompt is computed.
+        Each shares the parent's full prompt blocks and runs right away; when
+        max_num_seqs is reached it waits instead (and finds the prompt in the
+        prefix cache, if enabled, on admission)."""
+        kv = self.kv_cache_manager
+        for index in range(1, group.num_samples):
+            child = self._new_request(group.engine_request, index, parent.arrival_order)
+            child.num_cached_tokens = parent.num_cached_tokens  # usage reports the request's prompt once
+            group.samples[index] = child
+            self._requests[child.request_id] = child
+            if len(self.running) < self.max_num_seqs:
+                child.num_computed_tokens = kv.fork(parent, child)
+                kv.record_prefix_lookup(child.num_tokens, child.num_computed_tokens)
+                child.status = RequestStatus.RUNNING
+                self.running.append(child)
+            else:
+                self.waiting.push(child)
+        group.num_unforked = 0
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         request.status = RequestStatus.FINISHED
@@ -246,11 +302,20 @@ class Scheduler:
         del self._requests[request.request_id]
         if request.sent_to_worker:
             self._finished_ids[request.request_id] = None
+        group = self._groups.get(request.external_id)
+        if group is not None:
+            group.sample_finished(request)
+            if group.finished:
+                del self._groups[request.external_id]
 
-    def _output(self, request: Request, new_token_ids: list[int]) -> RequestOutput:
-        return RequestOutput(request_id=request.request_id, new_token_ids=new_token_ids,
+    def _output(self, request: Request, new_token_ids: list[int], logprobs: list[TokenLogprobs] | None = None,
+                prompt_logprobs: list[TokenLogprobs] | None = None) -> RequestOutput:
+        group = self._groups.get(request.external_id)
+        return RequestOutput(request_id=request.external_id, new_token_ids=new_token_ids,
                              finish_reason=request.finish_reason, num_prompt_tokens=request.num_prompt_tokens,
-                             num_cached_tokens=request.num_cached_tokens or 0)
+                             num_cached_tokens=request.num_cached_tokens or 0, index=request.sample_index,
+                             more_samples=request.is_finished and group is not None and not group.finished,
+                             logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
     # --- introspection and control -------------------------------------------
     def stats(self) -> SchedulerStats:
@@ -265,3 +330,26 @@ class Scheduler:
     def reset_prefix_cache(self) -> bool:
         """Drop every cached prefix; False (nothing changed) while requests hold blocks."""
         return self.kv_cache_manager.reset_prefix_cache()
+
+    # --- worker replacement ---------------------------------------------------
+    def requeue_running(self) -> int:
+        """The worker (and its KV cache) is gone: every running request goes
+        back to the front of the waiting queue, in admission order, keeping
+        its generated tokens, to be recomputed by the next worker. Not counted
+        as preemptions. Returns how many requests were moved."""
+        moved = self.running
+        for request in reversed(moved):  # push_front reverses, so the oldest ends first
+            self.kv_cache_manager.free(request)
+            request.num_computed_tokens = 0
+            request.status = RequestStatus.PREEMPTED
+            request.sent_to_worker = False
+            self.waiting.push_front(request)
+        self.running = []
+        self._finished_ids.clear()  # a fresh worker holds no request state to drop
+        return len(moved)
+
+    def reset_prefix_cache_for_new_worker(self) -> None:
+        """A fresh worker's KV cache is empty, so no cached hash may survive.
+        Call after `requeue_running`: then no block is in use."""
+        if not self.kv_cache_manager.reset_prefix_cache():
+            raise RuntimeError("KV blocks are still in use; call requeue_running first")

@@ -6,6 +6,19 @@ takes requests and aborts from any number of frontends, sends each step's
 plan to the worker, applies the result and sends every frontend the outputs
 of its own requests, batched per step. The gRPC control service reads a
 snapshot the loop publishes and hands state changes to the loop.
+
+Failures it survives (see docs/operations.md):
+- a worker whose connection closes (process died), goes silent (ZMTP
+  heartbeats) or, with `worker_step_timeout_s`, takes longer than that for a
+  step (hung): its running requests go back to the waiting queue with their
+  tokens, the prefix cache is cleared, and the next worker to say hello
+  takes over and recomputes them; clients only see a pause;
+- a frontend that disconnects or stops its heartbeat: its requests are
+  aborted and their KV blocks freed;
+- too many waiting requests (`max_waiting_requests`): new ones are refused
+  with status 429, and every frontend is told while the queue is full;
+- a request that was in the step of two worker deaths: it is failed (status
+  500) instead of being handed to the next worker.
 """
 from __future__ import annotations
 
@@ -22,42 +35,58 @@ import zmq
 from common.config import EngineConfig
 from common.errors import InvalidRequestError
 from common.protocol import (Abort, EngineError, EngineOutputs, EngineRequest, FrontendHello, MessageType,
-                             RequestOutput, StepPlan, StepResult, WorkerHello, WorkerReady, PROTOCOL_VERSION)
-from common.transport import MessageDecoder, make_socket, recv, send
+                             RequestOutput, StepPlan, StepResult, WorkerHello, WorkerReady, PROTOCOL_VERSION,
+                             parent_request_id)
+from common.transport import MessageDecoder, make_socket, send
+from scheduler.connections import PeerTracker, enable_heartbeats
 from scheduler.control import ControlSnapshot, ControlState
 from scheduler.scheduler import Scheduler
 from scheduler.stats_logger import StatsLogger
+from scheduler.worker_registry import CrashLedger, Verdict, WorkerRegistry, peer_name as _name
 
 logger = logging.getLogger(__name__)
 
 FRONTEND_TYPES = (MessageType.ENGINE_REQUEST, MessageType.ABORT, MessageType.FRONTEND_HELLO)
 WORKER_TYPES = (MessageType.WORKER_HELLO, MessageType.STEP_RESULT)
 IDLE_POLL_MS = 1000
+OVERLOADED_STATUS = 429
 
 
 class SchedulerService:
     def __init__(self, config: EngineConfig, frontend_address: str, worker_address: str,
-                 control: ControlState, *, frontend_timeout_s: float = 5.0, log_stats: bool = True):
+                 control: ControlState, *, frontend_timeout_s: float = 5.0, log_stats: bool = True,
+                 max_waiting_requests: int | None = None, worker_step_timeout_s: float | None = None):
         self.config = config
         self.control = control
+        self.worker_step_timeout_s = worker_step_timeout_s
         self.frontend_timeout_s = frontend_timeout_s
+        self.max_waiting_requests = max_waiting_requests
         self.ctx = zmq.Context.instance()
-        self.frontends = make_socket(self.ctx, zmq.ROUTER, bind=frontend_address)
-        self.workers = make_socket(self.ctx, zmq.ROUTER, bind=worker_address)
-        self.wakeup = make_socket(self.ctx, zmq.PULL, bind=f"inproc://scheduler-wakeup-{id(self)}")
+        self.frontends = make_socket(self.ctx, zmq.ROUTER)
+        enable_heartbeats(self.frontends)
+        self.frontends.bind(frontend_address)
+        self.workers = make_socket(self.ctx, zmq.ROUTER)
+        enable_heartbeats(self.workers)
+        self.workers.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a plan sent to a vanished worker raises
+        self.workers.bind(worker_address)
+        self.frontend_peers = PeerTracker(self.frontends)
+        self.worker_peers = PeerTracker(self.workers)
         self._wakeup_address = f"inproc://scheduler-wakeup-{id(self)}"
+        self.wakeup = make_socket(self.ctx, zmq.PULL, bind=self._wakeup_address)
         self.commands: queue.Queue[tuple[str, Future]] = queue.Queue()
         self.frontend_decoder = MessageDecoder(FRONTEND_TYPES)
         self.worker_decoder = MessageDecoder(WORKER_TYPES)
         self.scheduler: Scheduler | None = None
-        self.worker_identity: bytes | None = None
-        self.worker_hello: WorkerHello | None = None
+        self.scheduler_id = uuid.uuid4().hex
+        self.registry = WorkerRegistry(self.scheduler_id)
         self.pending: list[tuple[bytes, EngineRequest]] = []  # arrived before any worker registered
         self.owner: dict[str, bytes] = {}  # request id -> frontend identity
         self.frontend_seen: dict[bytes, float] = {}
         self.step_in_flight: StepPlan | None = None
+        self.step_sent_at = 0.0
+        self.crashes = CrashLedger(limit=2)  # a request in the step of two worker deaths is failed
+        self.queue_full = False
         self.stats_logger = StatsLogger(enabled=log_stats)
-        self.scheduler_id = uuid.uuid4().hex
         self.running = True
 
     # --- called from other threads ------------------------------------------
@@ -77,39 +106,56 @@ class SchedulerService:
     # --- the engine loop --------------------------------------------------------
     def run(self) -> None:
         poller = zmq.Poller()
-        for sock in (self.frontends, self.workers, self.wakeup):
+        for sock in (self.frontends, self.workers, self.wakeup, self.frontend_peers.monitor,
+                     self.worker_peers.monitor):
             poller.register(sock, zmq.POLLIN)
         while self.running:
             self.control.loop_heartbeat = time.monotonic()
-            ready_to_step = self._ready_to_step()
-            events = dict(poller.poll(0 if ready_to_step else IDLE_POLL_MS))
+            events = dict(poller.poll(0 if self._ready_to_step() else IDLE_POLL_MS))
+            # Messages first: a result sent just before a worker died still counts.
             if self.frontends in events:
-                self._drain(self.frontends, self.frontend_decoder, self._on_frontend_message)
+                self._drain(self.frontend_peers, self.frontend_decoder, self._on_frontend_message)
             if self.workers in events:
-                self._drain(self.workers, self.worker_decoder, self._on_worker_message)
+                self._drain(self.worker_peers, self.worker_decoder, self._on_worker_message)
+            if self.worker_peers.monitor in events:
+                for peer in self.worker_peers.disconnected_peers():
+                    self.registry.standby.pop(peer, None)
+                    if peer == self.registry.identity:
+                        self._on_worker_lost("its connection closed")
+            if self.frontend_peers.monitor in events:
+                for peer in self.frontend_peers.disconnected_peers():
+                    self._frontend_gone(peer, "disconnected")
             if self.wakeup in events:
                 self._drain_commands()
             self._expire_silent_frontends()
+            self._check_step_timeout()
             if self._ready_to_step():
                 self._start_step()
+            self._announce_queue_state()
+            self._publish_snapshot()
             self.stats_logger.maybe_log(self.scheduler)
 
     def close(self) -> None:
         self.running = False
+        self.frontend_peers.close()
+        self.worker_peers.close()
         for sock in (self.frontends, self.workers, self.wakeup):
             sock.close(linger=0)
 
     def _ready_to_step(self) -> bool:
-        return (self.scheduler is not None and self.step_in_flight is None
+        return (self.registry.identity is not None and self.step_in_flight is None
                 and self.scheduler.has_unfinished_requests())
 
     @staticmethod
-    def _drain(sock: zmq.Socket, decoder: MessageDecoder, handler, limit: int = 1024) -> None:
+    def _drain(peers: PeerTracker, decoder: MessageDecoder, handler, limit: int = 1024) -> None:
         for _ in range(limit):
             try:
-                peer, msg = recv(sock, decoder, routed=True, flags=zmq.NOBLOCK)
+                received = peers.recv(decoder)
             except zmq.Again:
                 return
+            if received is None:
+                continue
+            peer, msg = received
             try:
                 handler(peer, msg)
             except Exception:  # one bad message must never take the scheduler down
@@ -117,14 +163,25 @@ class SchedulerService:
 
     # --- frontends ----------------------------------------------------------------
     def _on_frontend_message(self, peer: bytes, msg) -> None:
+        is_new = peer not in self.frontend_seen
         self.frontend_seen[peer] = time.monotonic()
+        if is_new:
+            logger.info("frontend %s connected", _name(peer))
+            if self.queue_full:
+                send(self.frontends, EngineOutputs(outputs=[], timestamp=time.time(), queue_full=True), to=peer)
         if isinstance(msg, EngineRequest):
-            if self.scheduler is None:
+            if self._queue_is_full():
+                send(self.frontends, EngineError(
+                    request_id=msg.request_id, status=OVERLOADED_STATUS,
+                    message=f"The server is overloaded: {self._num_waiting()} requests are waiting already "
+                            f"(max_waiting_requests={self.max_waiting_requests}); retry later"), to=peer)
+            elif self.scheduler is None:
                 self.pending.append((peer, msg))
             else:
                 self._add_request(peer, msg)
         elif isinstance(msg, Abort):
-            self._abort([rid for rid in msg.request_ids if self.owner.get(rid) == peer])
+            # A sample id (n > 1) belongs to its request's owner.
+            self._abort([rid for rid in msg.request_ids if self.owner.get(parent_request_id(rid)) == peer])
         elif isinstance(msg, FrontendHello):
             if msg.protocol_version != PROTOCOL_VERSION:
                 logger.error("frontend %r speaks protocol %d, we speak %d", peer, msg.protocol_version,
@@ -147,17 +204,45 @@ class SchedulerService:
         if request_ids and self.scheduler is not None:
             self._publish_outputs(self.scheduler.abort_requests(request_ids))
 
+    def _frontend_gone(self, peer: bytes, reason: str) -> None:
+        """Abort everything the frontend asked for: nobody is left to read it."""
+        self.frontend_seen.pop(peer, None)
+        self.frontend_peers.forget(peer)
+        self.pending = [(owner, req) for owner, req in self.pending if owner != peer]
+        orphans = [rid for rid, owner in self.owner.items() if owner == peer]
+        if orphans:
+            logger.warning("frontend %s %s: aborting its %d requests", _name(peer), reason, len(orphans))
+            self._abort(orphans)
+        else:
+            logger.info("frontend %s %s", _name(peer), reason)
+
     def _expire_silent_frontends(self) -> None:
         now = time.monotonic()
         for peer, seen in list(self.frontend_seen.items()):
-            if now - seen <= self.frontend_timeout_s:
-                continue
-            del self.frontend_seen[peer]
-            orphans = [rid for rid, owner in self.owner.items() if owner == peer]
-            if orphans:
-                logger.warning("frontend %r silent for %.0fs: aborting its %d requests", peer,
-                               now - seen, len(orphans))
-                self._abort(orphans)
+            if now - seen > self.frontend_timeout_s:
+                self._frontend_gone(peer, f"silent for {now - seen:.0f}s")
+
+    def _num_waiting(self) -> int:
+        return len(self.pending) + (len(self.scheduler.waiting) if self.scheduler is not None else 0)
+
+    def _queue_is_full(self) -> bool:
+        return self.max_waiting_requests is not None and self._num_waiting() >= self.max_waiting_requests
+
+    def _announce_queue_state(self) -> None:
+        """Tell every frontend when the queue fills or drains, so they answer
+        429 before starting a response instead of after."""
+        full = self._queue_is_full()
+        if full == self.queue_full:
+            return
+        self.queue_full = full
+        if full:
+            logger.warning("waiting queue full (%d requests): new requests get 429 until it drains",
+                           self._num_waiting())
+        else:
+            logger.info("waiting queue below its limit again: accepting new requests")
+        message = EngineOutputs(outputs=[], timestamp=time.time(), queue_full=full)
+        for peer in self.frontend_seen:
+            send(self.frontends, message, to=peer)
 
     def _publish_outputs(self, outputs: list[RequestOutput]) -> None:
         by_frontend: dict[bytes, list[RequestOutput]] = defaultdict(list)
@@ -166,11 +251,12 @@ class SchedulerService:
             if peer is None:
                 continue
             by_frontend[peer].append(out)
-            if out.finish_reason is not None:
+            if out.request_finished:  # (with n > 1, a sample's finish is not the request's)
                 del self.owner[out.request_id]
+                self.crashes.forget(out.request_id)
         now = time.time()
         for peer, outs in by_frontend.items():
-            send(self.frontends, EngineOutputs(outputs=outs, timestamp=now), to=peer)
+            send(self.frontends, EngineOutputs(outputs=outs, timestamp=now, queue_full=self.queue_full), to=peer)
 
     # --- workers ------------------------------------------------------------------
     def _on_worker_message(self, peer: bytes, msg) -> None:
@@ -178,44 +264,104 @@ class SchedulerService:
             self._on_worker_hello(peer, msg)
         elif isinstance(msg, StepResult):
             plan = self.step_in_flight
-            if plan is None or peer != self.worker_identity or msg.step_id != plan.step_id:
-                logger.warning("ignoring a stale step result (step %d) from %r", msg.step_id, peer)
+            if plan is None or peer != self.registry.identity or msg.step_id != plan.step_id:
+                logger.warning("ignoring a stale step result (step %d) from %s", msg.step_id, _name(peer))
                 return
             self.step_in_flight = None
             outputs = self.scheduler.update(plan, msg)
             self._publish_outputs(outputs)
             self.stats_logger.record_step(plan, outputs)
-            self._publish_snapshot()
+
+    def _reply_worker(self, peer: bytes, reply: WorkerReady) -> bool:
+        try:
+            send(self.workers, reply, to=peer)
+            return True
+        except zmq.ZMQError as e:  # gone again already
+            logger.warning("cannot answer worker %s: %s", _name(peer), e)
+            return False
 
     def _on_worker_hello(self, peer: bytes, hello: WorkerHello) -> None:
-        if hello.protocol_version != PROTOCOL_VERSION:
-            send(self.workers, WorkerReady(accepted=False, message="protocol version mismatch"), to=peer)
+        has_requests = self.scheduler is not None and self.scheduler.has_unfinished_requests()
+        decision = self.registry.judge(peer, hello, has_requests)
+        if decision.verdict is Verdict.SAME:
+            self._reply_worker(peer, WorkerReady(accepted=True, scheduler_id=self.registry.session_id))
             return
-        if self.scheduler is not None:
-            # A second worker for the same replica (tensor parallel) is not supported yet.
-            if peer != self.worker_identity:
-                send(self.workers, WorkerReady(accepted=False, message="a worker is already registered"), to=peer)
-                return
-            logger.debug("worker %r said hello again", peer)
-            send(self.workers, WorkerReady(accepted=True, scheduler_id=self.scheduler_id), to=peer)
+        if decision.verdict in (Verdict.STANDBY, Verdict.REFUSED):
+            standby = decision.verdict is Verdict.STANDBY
+            if not standby:
+                self.registry.standby.pop(peer, None)
+                logger.error("refusing worker %s: %s", _name(peer), decision.message)
+            elif peer not in self.registry.standby:
+                self.registry.standby[peer] = hello
+                logger.warning("worker %s stands by: %s", _name(peer), decision.message)
+            self._reply_worker(peer, WorkerReady(accepted=False, standby=standby, message=decision.message))
             return
-        self.scheduler = Scheduler(self.config, num_blocks=hello.num_blocks, max_model_len=hello.max_model_len,
-                                   eos_token_ids=list(hello.eos_token_ids))
-        self.worker_identity, self.worker_hello = peer, hello
-        logger.info("worker %r registered: %s, %d KV blocks of %d tokens, max_model_len %d", peer,
-                    hello.model_name, hello.num_blocks, hello.block_size, hello.max_model_len)
-        send(self.workers, WorkerReady(accepted=True, scheduler_id=self.scheduler_id), to=peer)
+        if decision.verdict is Verdict.REPLACEMENT:
+            self.scheduler.reset_prefix_cache_for_new_worker()  # its KV cache holds nothing of ours
+            logger.warning("worker %s registered and replaces the lost worker: resuming %d requests", _name(peer),
+                           len(self.scheduler.waiting))
+        else:
+            self.scheduler = Scheduler(self.config, num_blocks=hello.num_blocks, max_model_len=hello.max_model_len,
+                                       eos_token_ids=list(hello.eos_token_ids))
+            logger.info("worker %s registered: %s, %d KV blocks of %d tokens, max_model_len %d", _name(peer),
+                        hello.model_name, hello.num_blocks, hello.block_size, hello.max_model_len)
+        self.registry.register(peer, hello)
+        if not self._reply_worker(peer, WorkerReady(accepted=True, scheduler_id=self.registry.session_id)):
+            self._on_worker_lost("unreachable right after its hello")
+            return
         for frontend, req in self.pending:
             self._add_request(frontend, req)
         self.pending.clear()
-        self._publish_snapshot()
+
+    def _on_worker_lost(self, reason: str) -> None:
+        """Keep every request: back to waiting with its tokens, recomputed by the next worker."""
+        peer = self.registry.lose()
+        self.worker_peers.forget(peer)
+        plan, self.step_in_flight = self.step_in_flight, None  # its result will never come
+        moved = self.scheduler.requeue_running()
+        self.scheduler.reset_prefix_cache_for_new_worker()
+        logger.error("worker %s lost (%s): %d running requests moved back to the waiting queue with their "
+                     "tokens; %d requests wait for a worker to register", _name(peer), reason, moved,
+                     len(self.scheduler.waiting))
+        if plan is not None:
+            self._fail_suspects(list(plan.num_scheduled_tokens))
+        for standby, hello in list(self.registry.standby.items()):
+            self._on_worker_hello(standby, hello)  # the longest-waiting standby worker takes over at once
+            if self.registry.identity is not None:
+                break
+
+    def _fail_suspects(self, request_ids: list[str]) -> None:
+        """Charge a worker death to every request of the lost step; fail the
+        ones charged twice rather than feed them to the next worker."""
+        suspects = [rid for rid in self.crashes.charge(request_ids) if rid in self.owner]
+        for request_id in suspects:
+            deaths = self.crashes.deaths[request_id]
+            logger.error("request %s was running when %d workers died: failing it", request_id, deaths)
+            send(self.frontends, EngineError(request_id=request_id, status=500, message=(
+                f"the model worker died {deaths} times while running this request; it was failed so that it "
+                f"cannot take down the next one")), to=self.owner[request_id])
+        self._abort(suspects)
 
     def _start_step(self) -> None:
         plan = self.scheduler.schedule()
         if plan is None:
             return
-        send(self.workers, plan, to=self.worker_identity)
+        try:
+            send(self.workers, plan, to=self.registry.identity)
+        except zmq.ZMQError as e:  # EHOSTUNREACH: the worker's connection is gone
+            self._on_worker_lost(f"unreachable: {e}")
+            return
         self.step_in_flight = plan
+        self.step_sent_at = time.monotonic()
+
+    def _check_step_timeout(self) -> None:
+        """A worker that is alive (its connection and heartbeats are fine) but
+        returns no result is hung: treat it as lost (off unless configured)."""
+        if self.step_in_flight is None or not self.worker_step_timeout_s:
+            return
+        waited = time.monotonic() - self.step_sent_at
+        if waited > self.worker_step_timeout_s:
+            self._on_worker_lost(f"no result for step {self.step_in_flight.step_id} after {waited:.0f}s")
 
     # --- control -----------------------------------------------------------------
     def _drain_commands(self) -> None:
@@ -231,6 +377,14 @@ class SchedulerService:
 
     def _publish_snapshot(self) -> None:
         stats = asdict(self.scheduler.stats()) if self.scheduler else {}
-        if self.worker_hello:
-            stats["num_blocks"] = self.worker_hello.num_blocks
-        self.control.publish(ControlSnapshot(worker=self.worker_hello, stats=stats))
+        hello, ready = self.registry.hello, self.registry.identity is not None
+        if hello:
+            stats["num_blocks"] = hello.num_blocks
+        if ready:
+            status = "ready"
+        elif hello is not None:
+            status = f"waiting for a worker to replace the lost one ({len(self.scheduler.waiting)} requests paused)"
+        else:
+            status = "waiting for a worker"
+        self.control.publish(ControlSnapshot(worker=hello, worker_ready=ready, status=status, stats=stats))
+

@@ -73,11 +73,14 @@ class TokenizerClient:
     async def submit(self, job: Job) -> TokenizerReply:
         """Send a job and wait for its reply; worker errors raise InvalidRequestError,
         a pool that cannot answer raises TokenizerUnavailableError."""
+        try:
+            frames = encode(job)
+        except (OverflowError, TypeError, msgspec.EncodeError) as e:  # e.g. an integer beyond 64 bits
+            raise InvalidRequestError(f"the request holds a value that cannot be sent: {e}") from None
         self._start()
         loop = asyncio.get_running_loop()
         reply_future = loop.create_future()
         self._waiting[job.job_id] = reply_future
-        frames = encode(job)
         deadline = loop.time() + self.timeout
         try:
             while True:

@@ -6,7 +6,8 @@ decode step needs nothing from the scheduler but the token count.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -14,6 +15,7 @@ import torch
 from common.protocol import StepPlan
 from common.sampling_params import SamplingParams
 from worker.attention.metadata import AttentionMetadata
+from worker.logprobs import PromptLogprobsRequest, plan_prompt_logprobs
 from worker.sampler import SamplingMetadata
 
 
@@ -46,6 +48,8 @@ class StepBatch:
     sampling_states: list[RequestState]  # the S requests that sample, in logits order
     sampling_metadata: SamplingMetadata
     scheduled: list[tuple[RequestState, int]]  # every request that runs, with its token count
+    # Requests scoring prompt tokens this step (prompt_logprobs), with their batch positions.
+    prompt_logprobs: list[PromptLogprobsRequest] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -71,9 +75,10 @@ class InputBatch:
     """Holds the state of every request the scheduler has handed this worker
     and turns each StepPlan into a StepBatch."""
 
-    def __init__(self, block_size: int, device: torch.device | str = "cpu"):
+    def __init__(self, block_size: int, device: torch.device | str = "cpu", eos_token_ids: Sequence[int] = ()):
         self.block_size = block_size
         self.device = torch.device(device)
+        self.eos_token_ids = list(eos_token_ids)  # min_tokens keeps them from being sampled
         self.requests: dict[str, RequestState] = {}
 
     def __len__(self) -> int:
@@ -154,8 +159,12 @@ class InputBatch:
             sampling_states=sampling_states,
             sampling_metadata=SamplingMetadata.build(
                 [s.sampling_params for s in sampling_states],
-                [s.num_output_tokens for s in sampling_states], self.device),
+                [s.num_output_tokens for s in sampling_states], self.device,
+                token_ids=[s.token_ids for s in sampling_states],
+                num_prompt_tokens=[s.num_prompt_tokens for s in sampling_states],
+                eos_token_ids=self.eos_token_ids),
             scheduled=scheduled,
+            prompt_logprobs=plan_prompt_logprobs(scheduled, query_start_loc[:-1].tolist()),
         )
 
     def _state(self, request_id: str) -> RequestState:

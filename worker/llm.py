@@ -8,40 +8,39 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Sequence, Union
 
 from tqdm.auto import tqdm
 
 from common.config import EngineConfig
 from common.errors import InvalidRequestError
-from common.protocol import EngineRequest, FinishReason
+from common.protocol import EngineRequest
 from common.sampling_params import SamplingParams
 from common.tokenizer import apply_chat_template, load_tokenizer
 from scheduler.scheduler import Scheduler
+from worker.offline_outputs import CompletionOutput, GenerationOutput, OfflineRequest
 from worker.worker import Worker
+
+__all__ = ["LLM", "CompletionOutput", "GenerationOutput"]
 
 PromptInput = Union[str, list[int], dict]
 
 
 @dataclass(slots=True)
-class CompletionOutput:
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None  # "stop", "length", "abort"
+class EngineLoopStats:
+    """Where the offline loop's time went during the last `generate` call."""
+    steps: int = 0
+    scheduled_tokens: int = 0
+    schedule_ns: int = 0  # Scheduler.schedule
+    update_ns: int = 0  # Scheduler.update (applying sampled tokens, finishing requests)
+    execute_ns: int = 0  # Worker.execute (input prep, model, sampling)
+    outputs_ns: int = 0  # turning outputs into results (detokenization, stop strings)
+    peak_used_blocks: int = 0  # KV blocks held by requests at the fullest step
 
-
-@dataclass(slots=True)
-class GenerationOutput:
-    """One prompt's result, shaped like vLLM's RequestOutput."""
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    num_cached_tokens: int = 0
-    finished: bool = True
-    metrics: dict[str, float] = field(default_factory=dict)
+    @property
+    def scheduler_ms_per_step(self) -> float:
+        return (self.schedule_ns + self.update_ns) / 1e6 / max(self.steps, 1)
 
 
 class LLM:
@@ -53,10 +52,12 @@ class LLM:
         self.worker = Worker(self.config)
         hello = self.worker.hello()
         self.max_model_len = hello.max_model_len
+        self.vocab_size = hello.vocab_size
         self.scheduler = Scheduler(self.config, num_blocks=hello.num_blocks,
                                    max_model_len=hello.max_model_len, eos_token_ids=list(hello.eos_token_ids))
         self.tokenizer = None if skip_tokenizer_init else load_tokenizer(self.worker.model_dir)
         self._ids = itertools.count()
+        self.loop_stats = EngineLoopStats()
 
     # --- public API -------------------------------------------------------
     def generate(self, prompts: PromptInput | Sequence[PromptInput],
@@ -97,46 +98,60 @@ class LLM:
 
     def _run(self, encoded: list[tuple[str | None, list[int]]], params_list: list[SamplingParams],
              use_tqdm: bool) -> list[GenerationOutput]:
-        results: dict[str, GenerationOutput] = {}
-        order: list[str] = []
-        for (text, token_ids), params in zip(encoded, params_list):
-            request_id = str(next(self._ids))
-            params.validate()
-            # Raises InvalidRequestError (e.g. prompt too long) before any work starts.
-            self.scheduler.add_request(EngineRequest(request_id=request_id, prompt_token_ids=token_ids,
-                                                     sampling_params=params, arrival_time=time.time()))
-            order.append(request_id)
-            results[request_id] = GenerationOutput(request_id, text, token_ids,
-                                                   [CompletionOutput(0, "", [], None)], finished=False)
-        bar = tqdm(total=len(order), desc="Generating", unit="req", disable=not use_tqdm, dynamic_ncols=True)
+        for params in params_list:
+            params.validate(self.vocab_size)
+        requests: dict[str, OfflineRequest] = {}
+        try:
+            for (text, token_ids), params in zip(encoded, params_list):
+                request_id = str(next(self._ids))
+                # Raises InvalidRequestError (e.g. prompt too long) before any work starts.
+                self.scheduler.add_request(EngineRequest(request_id=request_id, prompt_token_ids=token_ids,
+                                                         sampling_params=params, arrival_time=time.time()))
+                requests[request_id] = OfflineRequest(request_id, text, token_ids, params, self.tokenizer)
+            self._loop(requests, use_tqdm)
+        except BaseException:
+            self.scheduler.abort_requests([r for r, req in requests.items() if not req.finished])
+            raise
+        return [req.result for req in requests.values()]
+
+    def _loop(self, requests: dict[str, OfflineRequest], use_tqdm: bool) -> None:
+        bar = tqdm(total=len(requests), desc="Generating", unit="req", disable=not use_tqdm, dynamic_ncols=True)
         started, generated = time.perf_counter(), 0
+        stats = self.loop_stats = EngineLoopStats()
+        clock = time.perf_counter_ns
         try:
             while self.scheduler.has_unfinished_requests():
+                t0 = clock()
                 plan = self.scheduler.schedule()
+                t1 = clock()
+                stats.schedule_ns += t1 - t0
                 if plan is None:
                     continue
-                outputs = self.scheduler.update(plan, self.worker.execute(plan))
+                kv = self.scheduler.stats()  # blocks are fullest right after scheduling
+                stats.peak_used_blocks = max(stats.peak_used_blocks, kv.num_total_blocks - kv.num_free_blocks)
+                t1 = clock()
+                result = self.worker.execute(plan)
+                t2 = clock()
+                outputs = self.scheduler.update(plan, result)
+                t3 = clock()
+                stats.execute_ns += t2 - t1
+                stats.update_ns += t3 - t2
+                stats.steps += 1
+                stats.scheduled_tokens += sum(plan.num_scheduled_tokens.values())
                 for out in outputs:
-                    result = results[out.request_id]
-                    completion = result.outputs[0]
-                    completion.token_ids.extend(out.new_token_ids)
+                    request = requests[out.request_id]
+                    if request.finished:
+                        continue
                     generated += len(out.new_token_ids)
-                    result.num_cached_tokens = max(result.num_cached_tokens, out.num_cached_tokens)
-                    if out.finish_reason is not None:
-                        completion.finish_reason = FinishReason(out.finish_reason).openai_name
-                        result.finished = True
+                    to_abort = request.add(out)
+                    if to_abort:  # stop strings: outputs of the aborted samples are not needed
+                        self.scheduler.abort_requests(to_abort)
+                    if request.finished:
                         bar.update(1)
                         bar.set_postfix(tok_s=f"{generated / (time.perf_counter() - started):.1f}")
-        except BaseException:
-            self.scheduler.abort_requests([r for r in order if not results[r].finished])
-            raise
+                stats.outputs_ns += clock() - t3
         finally:
             bar.close()
-        if self.tokenizer is not None:
-            for result in results.values():
-                completion = result.outputs[0]
-                completion.text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
-        return [results[r] for r in order]
 
 
 def _as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:

@@ -1,34 +1,52 @@
 """One engine step on the device: forward, logits for sampling rows only, sample."""
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from common.protocol import PromptLogprobs, TokenLogprobs
+from worker.compiled_forward import ModelForward
 from worker.input_batch import StepBatch
+from worker.logprobs import compute_prompt_logprobs
 from worker.sampler import Sampler
+
+
+@dataclass(slots=True)
+class RunnerOutput:
+    request_ids: list[str]  # the requests that sampled, in logits order
+    sampled_token_ids: list[int]
+    sampled_logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # rows that asked
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
 
 
 class ModelRunner:
     def __init__(self, model: Any, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], backend: Any,
-                 block_size: int, device: torch.device | str = "cpu", seed: int = 0):
+                 block_size: int, device: torch.device | str = "cpu", seed: int = 0,
+                 forward: ModelForward | None = None):
+        """`forward`: how the model runs (compiled or eager, see ModelForward); eager by default."""
         self.model = model
         self.kv_caches = kv_caches
         self.backend = backend
         self.block_size = block_size
         self.device = torch.device(device)
         self.sampler = Sampler(seed, self.device)
+        self.forward = forward or ModelForward(model, kv_caches, backend, max_model_len=0, compile=False)
 
-    def execute(self, batch: StepBatch) -> tuple[list[str], list[int]]:
-        """Run the batch; return the ids of the requests that sampled and their tokens.
+    def execute(self, batch: StepBatch) -> RunnerOutput:
+        """Run the batch; return the ids of the requests that sampled, their
+        tokens, and any logprobs the requests asked for.
 
         Side effects on the request states (so the next step needs no resend
         from the scheduler): every scheduled request's num_computed_tokens
         advances by its chunk, and each sampled token is appended.
         """
         with torch.inference_mode():
-            hidden = self.model.forward(batch.input_ids, batch.positions, self.kv_caches,
-                                        batch.attn_metadata, self.backend)
+            hidden = self.forward(batch.input_ids, batch.positions, batch.attn_metadata)
+            prompt_logprobs = (compute_prompt_logprobs(self.model, hidden, batch.prompt_logprobs)
+                               if batch.prompt_logprobs else {})
+            sampled_logprobs: dict[str, TokenLogprobs] = {}
             if batch.logits_indices.numel() == 0:
                 sampled: list[int] = []
             else:
@@ -36,6 +54,10 @@ class ModelRunner:
                 if batch.logits_indices.numel() != hidden.shape[0]:  # else every token samples (all decodes)
                     hidden = hidden.index_select(0, batch.logits_indices)
                 logits = self.model.compute_logits(hidden)
-                sampled = self.sampler(logits, batch.sampling_metadata).tolist()
+                output = self.sampler.sample(logits, batch.sampling_metadata)
+                sampled = output.token_ids.tolist()
+                if output.logprobs is not None:
+                    sampled_logprobs = {state.request_id: entry for state, entry
+                                        in zip(batch.sampling_states, output.logprobs) if entry is not None}
         batch.commit(sampled)
-        return batch.sampling_request_ids, sampled
+        return RunnerOutput(batch.sampling_request_ids, sampled, sampled_logprobs, prompt_logprobs)

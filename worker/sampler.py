@@ -8,15 +8,22 @@ lets each seeded request own its noise, so its output does not depend on
 which other requests share the batch.
 
 Filter order follows vLLM: temperature, then min-p, top-k, and last top-p on
-the distribution the earlier filters left (renormalized).
+the distribution the earlier filters left (renormalized). Before all of them
+the logits adjustments (min_tokens, logit_bias, penalties; see
+`worker.logits_processors`) apply to greedy and random rows alike, and
+requested logprobs are taken from the raw logits, before any adjustment.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from common.protocol import TokenLogprobs
 from common.sampling_params import SamplingParams
+from worker.logits_processors import LogitsAdjustments
+from worker.logprobs import select_logprobs
 
 _MASK_64 = (1 << 64) - 1
 
@@ -52,6 +59,8 @@ class SamplingMetadata:
     top_p: torch.Tensor | None  # [R] float32, 1.0 = disabled
     min_p: torch.Tensor | None  # [R] float32, 0.0 = disabled
     seeds: dict[int, int]  # index among random rows -> generator seed for this step
+    adjustments: LogitsAdjustments | None = None  # over all rows, before sampling
+    num_logprobs: list[int | None] | None = None  # per row: top-k logprobs wanted (None: none); None: no row
 
     @property
     def all_greedy(self) -> bool:
@@ -59,13 +68,23 @@ class SamplingMetadata:
 
     @classmethod
     def build(cls, params: list[SamplingParams], num_output_tokens: list[int] | None = None,
-              device: torch.device | str = "cpu") -> "SamplingMetadata":
+              device: torch.device | str = "cpu", *, token_ids: Sequence[Sequence[int]] | None = None,
+              num_prompt_tokens: Sequence[int] | None = None,
+              eos_token_ids: Sequence[int] = ()) -> "SamplingMetadata":
         """`num_output_tokens[row]`: how many tokens that request generated
-        before this step (it picks a seeded request's noise, see `step_seed`)."""
+        before this step (it picks a seeded request's noise, see `step_seed`).
+        `token_ids[row]` (prompt + outputs) and `num_prompt_tokens[row]` feed
+        the logits adjustments; without them none is applied."""
         num_rows = len(params)
+        adjustments = None
+        if token_ids is not None and num_prompt_tokens is not None:
+            adjustments = LogitsAdjustments.build(params, token_ids, num_prompt_tokens, eos_token_ids, device)
+        num_logprobs = [p.logprobs for p in params]
+        extras = dict(adjustments=adjustments,
+                      num_logprobs=num_logprobs if any(k is not None for k in num_logprobs) else None)
         random = [row for row, p in enumerate(params) if not p.greedy]
         if not random:
-            return cls(num_rows, None, None, None, None, None, {})
+            return cls(num_rows, None, None, None, None, None, {}, **extras)
         chosen = [params[row] for row in random]
         top_k = [max(p.top_k, 0) for p in chosen]
         top_p = [float(p.top_p) for p in chosen]
@@ -85,7 +104,14 @@ class SamplingMetadata:
             top_p=tensor(top_p, torch.float32) if any(v < 1.0 for v in top_p) else None,
             min_p=tensor(min_p, torch.float32) if any(min_p) else None,
             seeds=seeds,
+            **extras,
         )
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: torch.Tensor  # [N] int64
+    logprobs: list[TokenLogprobs | None] | None  # per row, for the rows that asked; None: no row asked
 
 
 class Sampler:
@@ -99,9 +125,32 @@ class Sampler:
         self.seeded_generator = torch.Generator(device=device)
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        """Sampled token ids [N] int64."""
+        """Sampled token ids [N] int64 (the logits may be adjusted in place)."""
+        return self.sample(logits, meta).token_ids
+
+    def sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        """Sampled token ids, and the logprobs the rows asked for."""
         if logits.shape[0] != meta.num_rows:
             raise ValueError(f"logits have {logits.shape[0]} rows, sampling metadata {meta.num_rows}")
+        wanted = meta.num_logprobs
+        raw_logprobs = rows = None
+        if wanted is not None:  # from the raw logits, before the adjustments change them
+            rows = [row for row, k in enumerate(wanted) if k is not None]
+            raw_logprobs = logits.index_select(0, torch.tensor(rows, device=logits.device)).float()
+            raw_logprobs = raw_logprobs.log_softmax(dim=-1)
+        if meta.adjustments is not None:
+            logits = meta.adjustments.apply(logits)
+        token_ids = self._sample(logits, meta)
+        if raw_logprobs is None:
+            return SamplerOutput(token_ids, None)
+        chosen = token_ids.index_select(0, torch.tensor(rows, device=token_ids.device))
+        selected = select_logprobs(raw_logprobs, chosen, [wanted[row] for row in rows])
+        per_row: list[TokenLogprobs | None] = [None] * meta.num_rows
+        for row, entry in zip(rows, selected):
+            per_row[row] = entry
+        return SamplerOutput(token_ids, per_row)
+
+    def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         # Greedy is exactly argmax of the float32 logits, so it matches transformers.
         if meta.all_greedy:
             return logits.argmax(dim=-1)

@@ -3,17 +3,26 @@
 The handshake (WorkerHello -> WorkerReady) is retried until the scheduler
 answers, so either side may start first or restart. Afterwards the worker
 blocks on its socket: it computes only when the scheduler sends a plan.
+
+A worker started while another one is registered stands by (the scheduler
+answers `standby`) and keeps listening: when the registered worker dies, the
+scheduler promotes it at once and it carries on the lost worker's requests.
 """
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import time
+from typing import TYPE_CHECKING
 
 import zmq
 
 from common.protocol import MessageType, Shutdown, StepPlan, WorkerReady
 from common.transport import MessageDecoder, make_socket, recv, send
-from worker.worker import Worker
+
+if TYPE_CHECKING:  # torch-free at import: test doubles drive this service too
+    from worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -21,14 +30,23 @@ HELLO_RETRY_S = 2.0
 IDLE_HELLO_S = 2.0  # while idle, re-announce so a restarted scheduler learns about us
 
 
+def worker_identity(rank: int) -> bytes:
+    """A readable, unique socket identity: the scheduler's logs name workers by it."""
+    return f"worker{rank}-{socket.gethostname()}-{os.getpid()}".encode()
+
+
 class WorkerService:
-    def __init__(self, worker: Worker, scheduler_address: str, *, handshake_timeout_s: float | None = None):
+    def __init__(self, worker: "Worker", scheduler_address: str, *, handshake_timeout_s: float | None = None):
         self.worker = worker
         self.ctx = zmq.Context.instance()
-        self.sock = make_socket(self.ctx, zmq.DEALER, connect=scheduler_address)
+        self.sock = make_socket(self.ctx, zmq.DEALER, identity=worker_identity(getattr(worker, "rank", 0)))
+        self.sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)  # notice a vanished scheduler host, then reconnect
+        self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
+        self.sock.connect(scheduler_address)
         self.decoder = MessageDecoder((MessageType.WORKER_READY, MessageType.STEP_PLAN, MessageType.SHUTDOWN))
         self.handshake_timeout_s = handshake_timeout_s
         self.scheduler_id: str | None = None
+        self.standing_by = False
         self.running = True
 
     def handshake(self) -> None:
@@ -37,11 +55,17 @@ class WorkerService:
         deadline = None if self.handshake_timeout_s is None else time.monotonic() + self.handshake_timeout_s
         while self.running:
             send(self.sock, hello)
-            if self.sock.poll(int(HELLO_RETRY_S * 1000)):
+            answered = False
+            # Keep listening until the next hello: a standby worker is promoted by a message.
+            retry_at = time.monotonic() + HELLO_RETRY_S
+            while (wait := retry_at - time.monotonic()) > 0 and self.sock.poll(max(1, int(wait * 1000))):
                 msg = recv(self.sock, self.decoder)
                 if isinstance(msg, WorkerReady):
-                    self._on_ready(msg)
-                    return
+                    answered = True
+                    if self._on_ready(msg):
+                        return
+            if answered:
+                continue
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError("no answer from the scheduler")
             logger.info("waiting for the scheduler...")
@@ -62,16 +86,32 @@ class WorkerService:
             elif isinstance(msg, WorkerReady):
                 self._on_ready(msg)
 
-    def _on_ready(self, msg: WorkerReady) -> None:
+    def _on_ready(self, msg: WorkerReady) -> bool:
+        """Apply the scheduler's answer; True once registered."""
+        if msg.standby:
+            if not self.standing_by:
+                logger.warning("standing by: %s", msg.message)
+            self.standing_by = True
+            self._drop_requests()
+            self.scheduler_id = None
+            return False
         if not msg.accepted:
             raise RuntimeError(f"the scheduler refused this worker: {msg.message}")
         if msg.scheduler_id != self.scheduler_id:
             if self.scheduler_id is not None:
-                logger.warning("the scheduler restarted: dropping %d stale requests", self.worker.num_requests)
-                self.worker.reset_requests()
+                # A restarted scheduler, or one that gave us up for lost: what we hold is stale.
+                logger.warning("new session with the scheduler: dropping %d stale requests",
+                               self.worker.num_requests)
+                self._drop_requests()
             else:
                 logger.info("registered with the scheduler")
             self.scheduler_id = msg.scheduler_id
+            self.standing_by = False
+        return True
+
+    def _drop_requests(self) -> None:
+        if self.worker.num_requests:
+            self.worker.reset_requests()
 
     def close(self) -> None:
         self.running = False

@@ -13,6 +13,7 @@ from common.config import EngineConfig
 from common.protocol import StepPlan, StepResult, WorkerHello
 from common.tokenizer import eos_token_ids
 from worker.attention import get_attention_backend
+from worker.compiled_forward import ModelForward
 from worker.input_batch import InputBatch
 from worker.kv_cache import allocate_kv_caches, kv_cache_spec, num_blocks_for
 from worker.model_loader import load_model
@@ -46,12 +47,18 @@ class Worker:
         self.kv_caches = allocate_kv_caches(self.hf_config, self.num_blocks, config.block_size, self.dtype,
                                             self.device, max_model_len=self.max_model_len)
         self.backend = get_attention_backend(config.resolved_attention_backend())
+        # Compiled on CPU unless --enforce-eager (CUDA runs eager: its compile path is untested).
+        self.forward = ModelForward(self.model, self.kv_caches, self.backend, max_model_len=self.max_model_len,
+                                    compile=not config.enforce_eager and self.device.type == "cpu")
+        self.forward.warm_up(config.block_size)
         self.runner = ModelRunner(self.model, self.kv_caches, self.backend, config.block_size,
-                                  self.device, seed=config.seed)
-        self.input_batch = InputBatch(config.block_size, self.device)
-        logger.info("Worker %d ready: %s on %s (%s), %d KV blocks, max_model_len %d, %d threads",
-                    rank, config.model, self.device, self.dtype_name, self.num_blocks, self.max_model_len,
-                    torch.get_num_threads())
+                                  self.device, seed=config.seed, forward=self.forward)
+        self.input_batch = InputBatch(config.block_size, self.device,
+                                      eos_token_ids=eos_token_ids(self.model_dir))
+        logger.info("Worker %d ready: %s on %s (%s, %s), %d KV blocks, max_model_len %d, %d threads",
+                    rank, config.model, self.device, self.dtype_name,
+                    f"compiled in {self.forward.compile_seconds:.1f} s" if self.forward.compiled else "eager",
+                    self.num_blocks, self.max_model_len, torch.get_num_threads())
 
     def hello(self) -> WorkerHello:
         return WorkerHello(
@@ -76,12 +83,13 @@ class Worker:
         started = time.perf_counter_ns()
         self.input_batch.apply_plan(plan)
         batch = self.input_batch.build(plan.num_scheduled_tokens)
-        request_ids: list[str] = []
-        sampled: list[int] = []
-        if batch is not None:
-            request_ids, sampled = self.runner.execute(batch)
-        return StepResult(step_id=plan.step_id, request_ids=request_ids, sampled_token_ids=sampled,
-                          execute_ns=time.perf_counter_ns() - started)
+        if batch is None:
+            return StepResult(step_id=plan.step_id, request_ids=[], sampled_token_ids=[],
+                              execute_ns=time.perf_counter_ns() - started)
+        output = self.runner.execute(batch)
+        return StepResult(step_id=plan.step_id, request_ids=output.request_ids,
+                          sampled_token_ids=output.sampled_token_ids, execute_ns=time.perf_counter_ns() - started,
+                          sampled_logprobs=output.sampled_logprobs, prompt_logprobs=output.prompt_logprobs)
 
 
 def _model_max_len(hf_config: Any) -> int:

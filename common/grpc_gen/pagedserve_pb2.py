@@ -22,45 +22,54 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10pagedserve.proto\x12\rpagedserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\":\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\"\x9a\x01\n\x0c\x43hatMessages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.pagedserve.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x1e\n\x16\x63ontinue_final_message\x18\x03 \x01(\x08\x42\x18\n\x16_add_generation_prompt\"\x84\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x06 \x01(\rH\x05\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x07 \x01(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x16\n\x0estop_token_ids\x18\n \x03(\r\x12\"\n\x1ainclude_stop_str_in_output\x18\x0b \x01(\x08\x12 \n\x13skip_special_tokens\x18\x0c \x01(\x08H\x06\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x16\n\x14_skip_special_tokens\"\xbf\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x17.pagedserve.v1.TokenIdsH\x00\x12+\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x1b.pagedserve.v1.ChatMessagesH\x00\x12\x36\n\x0fsampling_params\x18\x06 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x07 \x01(\x08H\x01\x88\x01\x01\x12\x10\n\x08priority\x18\x08 \x01(\x05\x12\x12\n\ncache_salt\x18\t \x01(\tB\x08\n\x06promptB\x15\n\x13_add_special_tokens\"f\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\"\xdc\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.pagedserve.v1.FinishReason\x12\x12\n\x08stop_str\x18\x05 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x06 \x01(\rH\x00\x12#\n\x05usage\x18\x07 \x01(\x0b\x32\x14.pagedserve.v1.UsageB\r\n\x0bstop_reason\"\x9e\x01\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x1b.pagedserve.v1.ChatMessagesH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokens\"K\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\r\n\x05\x63ount\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\"\x13\n\x11ListModelsRequest\"[\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12\x10\n\x08owned_by\x18\x02 \x01(\t\x12\x0f\n\x07\x63reated\x18\x03 \x01(\x03\x12\x0c\n\x04root\x18\x04 \x01(\t\x12\x15\n\rmax_model_len\x18\x05 \x01(\r\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.pagedserve.v1.Model\"\x0f\n\rHealthRequest\"-\n\x0eHealthResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xc2\x02\n\nPagedServe\x12M\n\x08Generate\x12\x1e.pagedserve.v1.GenerateRequest\x1a\x1f.pagedserve.v1.GenerateResponse0\x01\x12K\n\x08Tokenize\x12\x1e.pagedserve.v1.TokenizeRequest\x1a\x1f.pagedserve.v1.TokenizeResponse\x12Q\n\nListModels\x12 .pagedserve.v1.ListModelsRequest\x1a!.pagedserve.v1.ListModelsResponse\x12\x45\n\x06Health\x12\x1c.pagedserve.v1.HealthRequest\x1a\x1d.pagedserve.v1.HealthResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10pagedserve.proto\x12\rpagedserve.v1\x1a\x1cgoogle/protobuf/struct.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"P\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"\xd1\x01\n\x0c\x43hatMessages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.pagedserve.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x1e\n\x16\x63ontinue_final_message\x18\x03 \x01(\x08\x12\x35\n\x14\x63hat_template_kwargs\x18\x04 \x01(\x0b\x32\x17.google.protobuf.StructB\x18\n\x16_add_generation_prompt\"\xf6\x06\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x06 \x01(\rH\x05\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x07 \x01(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x16\n\x0estop_token_ids\x18\n \x03(\r\x12\"\n\x1ainclude_stop_str_in_output\x18\x0b \x01(\x08\x12 \n\x13skip_special_tokens\x18\x0c \x01(\x08H\x06\x88\x01\x01\x12\x0e\n\x01n\x18\r \x01(\x05H\x07\x88\x01\x01\x12\x14\n\x07\x62\x65st_of\x18\x0e \x01(\x05H\x08\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0f \x01(\x02H\t\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x10 \x01(\x02H\n\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x11 \x01(\x02H\x0b\x88\x01\x01\x12@\n\nlogit_bias\x18\x12 \x03(\x0b\x32,.pagedserve.v1.SamplingParams.LogitBiasEntry\x12\x15\n\x08logprobs\x18\x13 \x01(\x05H\x0c\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x14 \x01(\x05H\r\x88\x01\x01\x12*\n\x1dspaces_between_special_tokens\x18\x15 \x01(\x08H\x0e\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x16\n\x14_skip_special_tokensB\x04\n\x02_nB\n\n\x08_best_ofB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB \n\x1e_spaces_between_special_tokens\"\xdb\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x17.pagedserve.v1.TokenIdsH\x00\x12+\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x1b.pagedserve.v1.ChatMessagesH\x00\x12\x36\n\x0fsampling_params\x18\x06 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x07 \x01(\x08H\x01\x88\x01\x01\x12\x10\n\x08priority\x18\x08 \x01(\x05\x12\x12\n\ncache_salt\x18\t \x01(\t\x12\x0c\n\x04\x65\x63ho\x18\n \x01(\x08\x12\x0c\n\x04user\x18\x0b \x01(\tB\x08\n\x06promptB\x15\n\x13_add_special_tokens\"f\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\r\n\x05token\x18\x03 \x01(\t\"\x7f\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\r\n\x05token\x18\x04 \x01(\t\x12/\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x19.pagedserve.v1.TopLogprob\"\xd0\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.pagedserve.v1.FinishReason\x12\x12\n\x08stop_str\x18\x05 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x06 \x01(\rH\x00\x12#\n\x05usage\x18\x07 \x01(\x0b\x32\x14.pagedserve.v1.Usage\x12\r\n\x05index\x18\x08 \x01(\r\x12-\n\x08logprobs\x18\t \x03(\x0b\x32\x1b.pagedserve.v1.TokenLogprob\x12\x34\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x1b.pagedserve.v1.TokenLogprobB\r\n\x0bstop_reason\"\x9e\x01\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x1b.pagedserve.v1.ChatMessagesH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokens\"K\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\r\n\x05\x63ount\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\"\x13\n\x11ListModelsRequest\"[\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12\x10\n\x08owned_by\x18\x02 \x01(\t\x12\x0f\n\x07\x63reated\x18\x03 \x01(\x03\x12\x0c\n\x04root\x18\x04 \x01(\t\x12\x15\n\rmax_model_len\x18\x05 \x01(\r\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.pagedserve.v1.Model\"\x0f\n\rHealthRequest\"-\n\x0eHealthResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xc2\x02\n\nPagedServe\x12M\n\x08Generate\x12\x1e.pagedserve.v1.GenerateRequest\x1a\x1f.pagedserve.v1.GenerateResponse0\x01\x12K\n\x08Tokenize\x12\x1e.pagedserve.v1.TokenizeRequest\x1a\x1f.pagedserve.v1.TokenizeResponse\x12Q\n\nListModels\x12 .pagedserve.v1.ListModelsRequest\x1a!.pagedserve.v1.ListModelsResponse\x12\x45\n\x06Health\x12\x1c.pagedserve.v1.HealthRequest\x1a\x1d.pagedserve.v1.HealthResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pagedserve_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1793
-  _globals['_FINISHREASON']._serialized_end=1913
-  _globals['_TOKENIDS']._serialized_start=35
-  _globals['_TOKENIDS']._serialized_end=58
-  _globals['_CHATMESSAGE']._serialized_start=60
-  _globals['_CHATMESSAGE']._serialized_end=118
-  _globals['_CHATMESSAGES']._serialized_start=121
-  _globals['_CHATMESSAGES']._serialized_end=275
-  _globals['_SAMPLINGPARAMS']._serialized_start=278
-  _globals['_SAMPLINGPARAMS']._serialized_end=666
-  _globals['_GENERATEREQUEST']._serialized_start=669
-  _globals['_GENERATEREQUEST']._serialized_end=988
-  _globals['_USAGE']._serialized_start=990
-  _globals['_USAGE']._serialized_end=1092
-  _globals['_GENERATERESPONSE']._serialized_start=1095
-  _globals['_GENERATERESPONSE']._serialized_end=1315
-  _globals['_TOKENIZEREQUEST']._serialized_start=1318
-  _globals['_TOKENIZEREQUEST']._serialized_end=1476
-  _globals['_TOKENIZERESPONSE']._serialized_start=1478
-  _globals['_TOKENIZERESPONSE']._serialized_end=1553
-  _globals['_LISTMODELSREQUEST']._serialized_start=1555
-  _globals['_LISTMODELSREQUEST']._serialized_end=1574
-  _globals['_MODEL']._serialized_start=1576
-  _globals['_MODEL']._serialized_end=1667
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1669
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1727
-  _globals['_HEALTHREQUEST']._serialized_start=1729
-  _globals['_HEALTHREQUEST']._serialized_end=1744
-  _globals['_HEALTHRESPONSE']._serialized_start=1746
-  _globals['_HEALTHRESPONSE']._serialized_end=1791
-  _globals['_PAGEDSERVE']._serialized_start=1916
-  _globals['_PAGEDSERVE']._serialized_end=2238
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_FINISHREASON']._serialized_start=2735
+  _globals['_FINISHREASON']._serialized_end=2855
+  _globals['_TOKENIDS']._serialized_start=65
+  _globals['_TOKENIDS']._serialized_end=88
+  _globals['_CHATMESSAGE']._serialized_start=90
+  _globals['_CHATMESSAGE']._serialized_end=170
+  _globals['_CHATMESSAGES']._serialized_start=173
+  _globals['_CHATMESSAGES']._serialized_end=382
+  _globals['_SAMPLINGPARAMS']._serialized_start=385
+  _globals['_SAMPLINGPARAMS']._serialized_end=1271
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=978
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1026
+  _globals['_GENERATEREQUEST']._serialized_start=1274
+  _globals['_GENERATEREQUEST']._serialized_end=1621
+  _globals['_USAGE']._serialized_start=1623
+  _globals['_USAGE']._serialized_end=1725
+  _globals['_TOPLOGPROB']._serialized_start=1727
+  _globals['_TOPLOGPROB']._serialized_end=1789
+  _globals['_TOKENLOGPROB']._serialized_start=1791
+  _globals['_TOKENLOGPROB']._serialized_end=1918
+  _globals['_GENERATERESPONSE']._serialized_start=1921
+  _globals['_GENERATERESPONSE']._serialized_end=2257
+  _globals['_TOKENIZEREQUEST']._serialized_start=2260
+  _globals['_TOKENIZEREQUEST']._serialized_end=2418
+  _globals['_TOKENIZERESPONSE']._serialized_start=2420
+  _globals['_TOKENIZERESPONSE']._serialized_end=2495
+  _globals['_LISTMODELSREQUEST']._serialized_start=2497
+  _globals['_LISTMODELSREQUEST']._serialized_end=2516
+  _globals['_MODEL']._serialized_start=2518
+  _globals['_MODEL']._serialized_end=2609
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2611
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2669
+  _globals['_HEALTHREQUEST']._serialized_start=2671
+  _globals['_HEALTHREQUEST']._serialized_end=2686
+  _globals['_HEALTHRESPONSE']._serialized_start=2688
+  _globals['_HEALTHRESPONSE']._serialized_end=2733
+  _globals['_PAGEDSERVE']._serialized_start=2858
+  _globals['_PAGEDSERVE']._serialized_end=3180
 # @@protoc_insertion_point(module_scope)

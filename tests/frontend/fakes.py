@@ -20,7 +20,7 @@ import zmq
 
 from common.grpc_gen import control_pb2, control_pb2_grpc
 from common.protocol import (Abort, EngineError, EngineOutputs, EngineRequest, FinishReason, FrontendHello,
-                             MessageType, RequestOutput)
+                             MessageType, RequestOutput, TokenLogprobs)
 from common.transport import MessageDecoder, make_socket, recv, send
 
 def free_port() -> int:
@@ -161,9 +161,17 @@ class FakeScheduler:
 
     @staticmethod
     def _publish(sock, running: _Running, tokens: list[int], finish: FinishReason | None) -> None:
+        """Logprobs, when asked, are made up: -0.5 for each token, -1.0 for each prompt token."""
         prompt = running.request.prompt_token_ids
+        params = running.request.sampling_params
+        logprobs = prompt_logprobs = None
+        if params.logprobs is not None:
+            logprobs = [TokenLogprobs(t, -0.5, 1, [t][:params.logprobs], [-0.5][:params.logprobs]) for t in tokens]
+        if params.prompt_logprobs is not None and running.sent == len(tokens):  # with the first output
+            prompt_logprobs = [TokenLogprobs(t, -1.0, 1) for t in prompt[1:]]
         output = RequestOutput(request_id=running.request.request_id, new_token_ids=tokens, finish_reason=finish,
-                               num_prompt_tokens=len(prompt), num_cached_tokens=len(prompt) // 2)
+                               num_prompt_tokens=len(prompt), num_cached_tokens=len(prompt) // 2,
+                               logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         send(sock, EngineOutputs(outputs=[output], timestamp=time.time()), to=running.peer)
 
 

@@ -42,15 +42,13 @@ def test_bad_sampling_values_are_400s_naming_the_parameter(server, field, value,
     assert error["type"] == "invalid_request_error"
 
 
-@pytest.mark.parametrize("field, value", [("n", 2), ("logprobs", 1), ("best_of", 3), ("presence_penalty", 0.5),
-                                          ("suffix", "end"), ("logit_bias", {"5": 1.0})])
+@pytest.mark.parametrize("field, value", [("suffix", "end")])
 def test_unsupported_completion_options_are_400s(server, field, value):
     body = {"model": "tiny-model", "prompt": "Hi", field: value}
     assert_error(post(server, "/completions", body), 400, field, "not supported")
 
 
-@pytest.mark.parametrize("field, value", [("logprobs", True), ("top_logprobs", 2), ("n", 3), ("echo", True),
-                                          ("tools", [{"type": "function", "function": {"name": "f"}}]),
+@pytest.mark.parametrize("field, value", [("tools", [{"type": "function", "function": {"name": "f"}}]),
                                           ("response_format", {"type": "json_object"})])
 def test_unsupported_chat_options_are_400s(server, field, value):
     body = {"model": "tiny-model", "messages": CHAT, field: value}
@@ -116,7 +114,7 @@ def test_scheduler_rejection_becomes_a_400(server):
 def test_bad_params_never_reach_the_scheduler(server):
     before = len(server.scheduler.snapshot().requests)
     post(server, "/completions", {"prompt": "Hi", "temperature": -1})
-    post(server, "/chat/completions", {"messages": CHAT, "n": 2})
+    post(server, "/chat/completions", {"messages": CHAT, "n": 0})
     assert len(server.scheduler.snapshot().requests) == before
 
 

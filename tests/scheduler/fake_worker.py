@@ -17,7 +17,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from common.protocol import EngineRequest, RequestOutput, StepPlan, StepResult
+from common.protocol import EngineRequest, RequestOutput, StepPlan, StepResult, sample_request_id
 from common.sampling_params import SamplingParams
 
 SampleFn = Callable[[str, list[int]], int]  # (request_id, token ids so far) -> next token
@@ -118,12 +118,15 @@ def step(scheduler, worker: FakeWorker, result: RunResult | None = None) -> list
 
 
 def record(result: RunResult, outputs: list[RequestOutput]) -> None:
+    """Tokens and finish reasons by request id (sample i > 0 of a request with
+    several: by its sample id)."""
     for out in outputs:
         result.outputs.append(out)
-        result.tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        key = out.request_id if out.index == 0 else sample_request_id(out.request_id, out.index)
+        result.tokens.setdefault(key, []).extend(out.new_token_ids)
         if out.finish_reason is not None:
-            assert out.request_id not in result.finish_reasons, f"{out.request_id} finished twice"
-            result.finish_reasons[out.request_id] = out.finish_reason
+            assert key not in result.finish_reasons, f"{key} finished twice"
+            result.finish_reasons[key] = out.finish_reason
 
 
 def run_to_completion(scheduler, worker: FakeWorker, max_steps: int = 10_000,

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from common.errors import InvalidRequestError
-from common.protocol import FinishReason
+from common.protocol import FinishReason, parent_request_id
 from scheduler.kv_cache_manager import cdiv
 from scheduler.request import RequestStatus
 from tests.scheduler.fake_worker import (FakeWorker, RunResult, assert_no_leaked_blocks, deterministic_sample,
@@ -31,7 +31,8 @@ add_op = st.tuples(st.just("add"), st.integers(0, 7),  # request id number (ids 
                    st.integers(0, 3),  # min_tokens
                    st.booleans(),  # ignore_eos
                    st.integers(0, 2),  # priority
-                   st.sampled_from([None, None, "s1"]))  # cache salt
+                   st.sampled_from([None, None, "s1"]),  # cache salt
+                   st.sampled_from([1, 1, 1, 2, 3]))  # n: samples fork from one prefill
 step_op = st.tuples(st.just("step"), st.integers(1, 4),  # how many steps
                     st.none() | st.none() | st.integers(0, 7))  # maybe abort one id in the middle of the first
 abort_op = st.tuples(st.just("abort"), st.integers(0, 7))
@@ -60,16 +61,22 @@ def check_invariants(scheduler) -> None:
         assert (block.ref_cnt == 0) == (block.block_id in free)
     for block_hash, block in pool.cached_block_hash_to_block.items():
         assert block.block_hash == block_hash
-    # A block held by two requests is a cached full block at the same position of both.
+    # A block held by two requests is a full, computed block at the same
+    # position of both, holding the same tokens: a cached prefix block, or a
+    # prompt block a sample forked from (read-only either way).
     by_id = {r.request_id: r for r in scheduler.running}
+    contents: dict[int, tuple[int, list[int]]] = {}
     for request_id, blocks in kv.req_to_blocks.items():
         request = by_id[request_id]
         assert len(blocks) == cdiv(request.num_computed_tokens, kv.block_size)
         for index, block in enumerate(blocks):
             if block.ref_cnt > 1:
-                assert block.block_hash is not None
-                assert pool.cached_block_hash_to_block[block.block_hash] is block
-                assert request.block_hashes[index] == block.block_hash
+                assert (index + 1) * kv.block_size <= request.num_computed_tokens
+                tokens = request.all_token_ids[index * kv.block_size:(index + 1) * kv.block_size]
+                assert contents.setdefault(block.block_id, (index, tokens)) == (index, tokens)
+                if block.block_hash is not None:
+                    assert pool.cached_block_hash_to_block[block.block_hash] is block
+                    assert request.block_hashes[index] == block.block_hash
     assert len(scheduler.running) <= scheduler.max_num_seqs
     for request in scheduler.waiting:
         assert request.num_computed_tokens == 0 and request.status is not RequestStatus.RUNNING
@@ -104,19 +111,20 @@ def test_random_workloads_keep_the_block_pool_consistent(num_blocks, block_size,
 
     for op in ops:
         if op[0] == "add":
-            _, number, prompt, max_tokens, min_tokens, ignore_eos, priority, salt = op
+            _, number, prompt, max_tokens, min_tokens, ignore_eos, priority, salt, n = op
             request_id = f"r{number}"
             request = make_request(request_id, prompt, max_tokens=max_tokens, min_tokens=min(min_tokens, max_tokens),
-                                   ignore_eos=ignore_eos, priority=priority, cache_salt=salt)
-            in_flight = scheduler._requests.get(request_id) is not None
+                                   ignore_eos=ignore_eos, priority=priority, cache_salt=salt, n=n)
+            in_flight = any(parent_request_id(r) == request_id for r in scheduler._requests)
             try:
                 scheduler.add_request(request)
             except InvalidRequestError:
                 assert in_flight or not prompt or len(prompt) + 1 > scheduler.max_model_len
                 continue
             assert not in_flight
-            result.tokens.pop(request_id, None)
-            result.finish_reasons.pop(request_id, None)
+            for key in [k for k in result.tokens if parent_request_id(k) == request_id]:
+                result.tokens.pop(key)
+                result.finish_reasons.pop(key, None)
             submitted[request_id] = request
             num_accepted += 1
         elif op[0] == "step":
@@ -140,11 +148,12 @@ def test_random_workloads_keep_the_block_pool_consistent(num_blocks, block_size,
     event(f"prefix hits: {'yes' if stats.prefix_cache_hits else 'no'}")
     event(f"accepted requests: {min(num_accepted, 6)}+")
     event(f"stops: {'yes' if FinishReason.STOP in result.finish_reasons.values() else 'no'}")
+    event(f"forked samples: {'yes' if any(out.index > 0 for out in result.outputs) else 'no'}")
 
-    for request_id, reason in result.finish_reasons.items():
-        tokens = result.tokens.get(request_id, [])
-        params = submitted[request_id].sampling_params
-        prompt_len = len(submitted[request_id].prompt_token_ids)
+    for key, reason in result.finish_reasons.items():
+        tokens = result.tokens.get(key, [])
+        params = submitted[parent_request_id(key)].sampling_params
+        prompt_len = len(submitted[parent_request_id(key)].prompt_token_ids)
         assert len(tokens) <= params.max_tokens and prompt_len + len(tokens) <= scheduler.max_model_len
         if reason is FinishReason.LENGTH:
             assert len(tokens) == params.max_tokens or prompt_len + len(tokens) == scheduler.max_model_len

@@ -52,7 +52,7 @@ def load_ours(model_dir, dtype=torch.float32):
 
 
 def run_paged(model, hf_config, sequences: list[torch.Tensor], make_metadata, make_block_tables,
-              schedule=SCHEDULE, dtype=torch.float32) -> list[torch.Tensor]:
+              schedule=SCHEDULE, dtype=torch.float32, backend=None) -> list[torch.Tensor]:
     """Feed each sequence's known tokens through the schedule; its logits [len, vocab] per sequence."""
     g = torch.Generator().manual_seed(1)
     num_blocks = sum(len(s) for s in sequences) // BLOCK_SIZE + 8
@@ -63,7 +63,7 @@ def run_paged(model, hf_config, sequences: list[torch.Tensor], make_metadata, ma
         assert sum(pieces[seq]) == len(tokens)
     done = [0] * len(sequences)
     logits: list[list[torch.Tensor]] = [[] for _ in sequences]
-    backend = TorchAttentionBackend()
+    backend = backend or TorchAttentionBackend()
     step = 0
     while any(pieces):
         active = [s for s, (_, _, start) in enumerate(schedule) if pieces[s] and start <= step]
@@ -159,8 +159,11 @@ def test_bfloat16_matches_transformers_bfloat16(tiny_hf_model, make_metadata, ma
     assert model.embed_tokens.dtype == torch.bfloat16
     sequences = random_sequences(hf_config.vocab_size)
     whole_prompt = tuple(([len(tokens)], 0, 0) for tokens in sequences)
+    # SDPA attention (the PyTorch path), as transformers uses: the C++ kernel rounds
+    # differently (float32 throughout), which this op-for-op check would not tell apart
+    # from a model bug; it is held to the chunked tolerance below.
     single_pass = run_paged(model, hf_config, sequences, make_metadata, make_block_tables,
-                            whole_prompt, dtype=torch.bfloat16)
+                            whole_prompt, dtype=torch.bfloat16, backend=TorchAttentionBackend(use_cpu_kernel=False))
     chunked = run_paged(model, hf_config, sequences, make_metadata, make_block_tables, dtype=torch.bfloat16)
     with torch.no_grad():
         for tokens, ours_single, ours_chunked in zip(sequences, single_pass, chunked):

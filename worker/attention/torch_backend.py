@@ -1,6 +1,7 @@
-"""Paged attention in plain PyTorch: the CPU backend (and a portable fallback anywhere).
+"""Paged attention on CPU: the compiled C++ kernel when it is available (see
+`worker.attention.cpu_kernels`), else plain PyTorch, which also serves other devices.
 
-Decodes (one query token each) are grouped into a few length buckets; each
+PyTorch path: decodes (one query token each) are grouped into a few length buckets; each
 bucket gathers its K/V from the cache through the block tables and runs two
 batched matmuls (faster than SDPA for one query row). Prefill/extend chunks run
 one SDPA call per sequence with a causal mask shifted by its context length.
@@ -14,25 +15,37 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from worker.attention import cpu_kernels
 from worker.attention.metadata import AttentionMetadata
 
 
 class TorchAttentionBackend:
     """One instance serves every layer. It remembers the gather indices and masks it
     derived from the last step's metadata object, so layers after the first reuse
-    them; a metadata object must therefore not be mutated once a step has begun."""
+    them; a metadata object must therefore not be mutated once a step has begun.
+
+    `use_cpu_kernel`: None (default) uses the C++ kernel for CPU tensors when it
+    builds, True insists on it (raises if it cannot be built), False never uses it."""
 
     name = "torch"
 
-    def __init__(self) -> None:
+    def __init__(self, use_cpu_kernel: bool | None = None) -> None:
         self._plans_meta: AttentionMetadata | None = None
         self._decode_plans: dict[tuple, DecodePlan] = {}
+        self.use_cpu_kernel = use_cpu_kernel is not False and cpu_kernels.load() is not None
+        if use_cpu_kernel and not self.use_cpu_kernel:
+            raise RuntimeError("the CPU paged attention kernel is unavailable (see the log for why)")
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 *, scale: float, sliding_window: int | None) -> torch.Tensor:
         """query [T, H, D], key/value [T, KVH, D], caches [num_blocks, block_size, KVH, D] -> [T, H, D]."""
         write_kv_cache(key, value, k_cache, v_cache, meta.slot_mapping)
+        if self.use_cpu_kernel and query.device.type == "cpu" and query.dtype == k_cache.dtype:
+            output = torch.empty(query.shape, dtype=query.dtype)
+            cpu_kernels.paged_attention(output, query.contiguous(), k_cache, v_cache, meta.block_tables,
+                                        meta.query_start_loc, meta.seq_lens, scale, sliding_window)
+            return output
         output = torch.empty_like(query)
         num_decodes = meta.num_decodes
         if num_decodes:

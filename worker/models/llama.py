@@ -8,7 +8,7 @@ and gate/up are stored fused, each one matmul per layer.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.attention.metadata import AttentionMetadata
+from worker.attention.step_context import paged_attention, step_context
 from worker.models.rotary import RotaryEmbedding, apply_rotary
 
 
@@ -35,11 +36,12 @@ def _param(*shape: int, dtype: torch.dtype | None, device: Any) -> nn.Parameter:
 
 class DecoderLayer(nn.Module):
     def __init__(self, sizes: "ModelSizes", biases: dict[str, bool], sliding_window: int | None,
-                 dtype: torch.dtype | None, device: Any):
+                 dtype: torch.dtype | None, device: Any, layer_index: int = 0):
         super().__init__()
         s = sizes
         self.sizes = s
         self.sliding_window = sliding_window
+        self.layer_index = layer_index  # which KV cache the attention call writes and reads
         qkv_rows = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
         self.input_norm = _param(s.hidden, dtype=dtype, device=device)
         self.qkv_weight = _param(qkv_rows, s.hidden, dtype=dtype, device=device)
@@ -52,24 +54,32 @@ class DecoderLayer(nn.Module):
         self.down_weight = _param(s.hidden, s.intermediate, dtype=dtype, device=device)
         self.down_bias = _param(s.hidden, dtype=dtype, device=device) if biases["mlp"] else None
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, backend: Any) -> torch.Tensor:
-        s = self.sizes
-        num_tokens = hidden.shape[0]
-        x = rms_norm(hidden, self.input_norm, s.eps)
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
-        q, k, v = qkv.split([s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim,
-                             s.num_kv_heads * s.head_dim], dim=-1)
-        q = apply_rotary(q.view(num_tokens, s.num_heads, s.head_dim), cos, sin)
-        k = apply_rotary(k.view(num_tokens, s.num_kv_heads, s.head_dim), cos, sin)
-        v = v.view(num_tokens, s.num_kv_heads, s.head_dim)
-        attn = backend.forward(q, k, v, k_cache, v_cache, meta,
-                               scale=s.head_dim ** -0.5, sliding_window=self.sliding_window)
-        hidden = hidden + F.linear(attn.reshape(num_tokens, -1), self.o_weight, self.o_bias)
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return decoder_layer(self, hidden, cos, sin, self.layer_index)
 
-        x = rms_norm(hidden, self.post_norm, s.eps)
-        gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
-        return hidden + F.linear(F.silu(gate).mul_(up), self.down_weight, self.down_bias)
+
+def decoder_layer(layer: DecoderLayer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  layer_index: int) -> torch.Tensor:
+    """One layer over the batch; attention state comes from the step context (see step_context).
+
+    A free function of the layer (its index an argument, not an attribute) so that
+    one torch.compile graph serves every layer of the model: compiling one layer
+    instead of the whole stack cuts the compile time about thirtyfold."""
+    s = layer.sizes
+    num_tokens = hidden.shape[0]
+    x = rms_norm(hidden, layer.input_norm, s.eps)
+    qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias)
+    q, k, v = qkv.split([s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim,
+                         s.num_kv_heads * s.head_dim], dim=-1)
+    q = apply_rotary(q.view(num_tokens, s.num_heads, s.head_dim), cos, sin)
+    k = apply_rotary(k.view(num_tokens, s.num_kv_heads, s.head_dim), cos, sin)
+    v = v.view(num_tokens, s.num_kv_heads, s.head_dim)
+    attn = paged_attention(q, k, v, layer_index, s.head_dim ** -0.5, layer.sliding_window)
+    hidden = hidden + F.linear(attn.reshape(num_tokens, -1), layer.o_weight, layer.o_bias)
+
+    x = rms_norm(hidden, layer.post_norm, s.eps)
+    gate, up = F.linear(x, layer.gate_up_weight, layer.gate_up_bias).chunk(2, dim=-1)
+    return hidden + F.linear(F.silu(gate).mul_(up), layer.down_weight, layer.down_bias)
 
 
 class ModelSizes:
@@ -101,7 +111,8 @@ class LlamaForCausalLM(nn.Module):
         biases = self.biases(hf_config)
         self.embed_tokens = _param(s.vocab, s.hidden, dtype=dtype, device=device)
         self.layers = nn.ModuleList(
-            DecoderLayer(s, biases, self.sliding_windows[i], dtype, device) for i in range(s.num_layers))
+            DecoderLayer(s, biases, self.sliding_windows[i], dtype, device, layer_index=i)
+            for i in range(s.num_layers))
         self.norm = _param(s.hidden, dtype=dtype, device=device)
         self.lm_head = self.embed_tokens if self.tie_word_embeddings else _param(
             s.vocab, s.hidden, dtype=dtype, device=device)
@@ -123,10 +134,21 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
                 backend: Any) -> torch.Tensor:
         """input_ids/positions [T] -> final-norm hidden states [T, hidden]."""
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"{len(kv_caches)} KV caches for {len(self.layers)} layers")
+        self.rotary.reserve(meta.max_seq_len, self.embed_tokens.dtype, input_ids.device)
+        with step_context(backend, meta, kv_caches, int(input_ids.shape[0])):
+            return self.forward_tokens(input_ids, positions)
+
+    def forward_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                       layer_fn: Callable[..., torch.Tensor] = decoder_layer) -> torch.Tensor:
+        """The pure tensor part of `forward`: needs an open step context and a rotary
+        table covering every position (`rotary.reserve`). `layer_fn` runs each layer
+        (`decoder_layer`, or a compiled version of it)."""
         hidden = F.embedding(input_ids, self.embed_tokens)
-        cos, sin = self.rotary.cos_sin(positions, hidden.dtype, meta.max_seq_len)
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, cos, sin, k_cache, v_cache, meta, backend)
+        cos, sin = self.rotary.lookup(positions)
+        for layer in self.layers:
+            hidden = layer_fn(layer, hidden, cos, sin, layer.layer_index)
         return rms_norm(hidden, self.norm, self.sizes.eps)
 
     @torch.no_grad()

@@ -72,6 +72,16 @@ class RotaryEmbedding:
             self.inv_freq = llama3_inv_freq(self.inv_freq, params)
         self._cos = self._sin = torch.empty(0)
 
+    def reserve(self, length: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        """Make the table cover positions [0, length) in `dtype` on `device` (grows by doubling)."""
+        device = torch.device(device)
+        if self._cos.shape[0] < length or self._cos.dtype != dtype or self._cos.device != device:
+            self._build_table(max(length, 2 * self._cos.shape[0], 256), dtype, device)
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin rows [T, head_dim] for `positions` [T] from the reserved table."""
+        return self._cos[positions], self._sin[positions]
+
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype,
                 max_seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin rows [T, head_dim] for `positions` [T], in `dtype` on positions' device.
@@ -80,9 +90,8 @@ class RotaryEmbedding:
             needed = max_seq_len
         else:
             needed = int(positions.max()) + 1 if positions.numel() else 0
-        if (self._cos.shape[0] < needed or self._cos.dtype != dtype or self._cos.device != positions.device):
-            self._build_table(max(needed, 2 * self._cos.shape[0], 256), dtype, positions.device)
-        return self._cos[positions], self._sin[positions]
+        self.reserve(needed, dtype, positions.device)
+        return self.lookup(positions)
 
     def _build_table(self, length: int, dtype: torch.dtype, device: torch.device) -> None:
         positions = torch.arange(length, dtype=torch.int64).float()

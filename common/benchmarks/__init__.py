@@ -1,0 +1,1 @@
+"""Benchmark pieces that need no torch: workloads, the HTTP serving client, reports, charts."""

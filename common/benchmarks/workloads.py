@@ -1,0 +1,100 @@
+"""Seeded benchmark workloads and their JSONL file format.
+
+A workload is a list of requests, each a prompt of token ids and an exact
+output length (every benchmark runs greedy with ignore_eos, so each request
+yields exactly `max_tokens` tokens). The named workloads come from the
+performance issue:
+
+- W1: 64 requests, prompts of 32-512 random token ids, 128 output tokens;
+- W2: 256 requests, prompts of 16-64 random token ids, 256 output tokens.
+
+A file holds one JSON object a line: {"prompt_token_ids": [...], "max_tokens": N},
+the format `../shared/peers/vllm_offline.py` reads, so every system runs the
+very same prompts.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class BenchRequest:
+    prompt_token_ids: list[int]
+    max_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadSpec:
+    num_requests: int
+    min_prompt_len: int
+    max_prompt_len: int  # inclusive
+    output_len: int
+
+
+NAMED_WORKLOADS: dict[str, WorkloadSpec] = {
+    "W1": WorkloadSpec(num_requests=64, min_prompt_len=32, max_prompt_len=512, output_len=128),
+    "W2": WorkloadSpec(num_requests=256, min_prompt_len=16, max_prompt_len=64, output_len=256),
+}
+DEFAULT_SEED = 0
+
+
+def generate_workload(spec: WorkloadSpec, vocab_size: int, seed: int = DEFAULT_SEED) -> list[BenchRequest]:
+    """Random prompts from one seeded generator: lengths uniform in
+    [min_prompt_len, max_prompt_len], token ids uniform in [0, vocab_size)."""
+    if vocab_size < 1:
+        raise ValueError(f"vocab_size must be positive, got {vocab_size}")
+    rng = random.Random(seed)
+    requests = []
+    for _ in range(spec.num_requests):
+        length = rng.randint(spec.min_prompt_len, spec.max_prompt_len)
+        requests.append(BenchRequest([rng.randrange(vocab_size) for _ in range(length)], spec.output_len))
+    return requests
+
+
+def save_workload(requests: list[BenchRequest], path: str) -> None:
+    with open(path, "w") as f:
+        for request in requests:
+            f.write(json.dumps({"prompt_token_ids": request.prompt_token_ids,
+                                "max_tokens": request.max_tokens}) + "\n")
+
+
+def load_workload_file(path: str) -> list[BenchRequest]:
+    """Parse a JSONL workload; ValueError names the offending line."""
+    requests = []
+    with open(path) as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+                ids, max_tokens = item["prompt_token_ids"], item["max_tokens"]
+            except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                raise ValueError(f"{path}:{line_no}: expected {{\"prompt_token_ids\": [...], "
+                                 f"\"max_tokens\": N}} ({exc})") from None
+            if (not isinstance(ids, list) or not ids or not all(isinstance(t, int) and t >= 0 for t in ids)
+                    or not isinstance(max_tokens, int) or max_tokens < 1):
+                raise ValueError(f"{path}:{line_no}: prompt_token_ids must be a non-empty list of "
+                                 f"token ids and max_tokens a positive integer")
+            requests.append(BenchRequest(ids, max_tokens))
+    if not requests:
+        raise ValueError(f"{path}: the workload is empty")
+    return requests
+
+
+def resolve_workload(name_or_path: str, vocab_size: int, seed: int = DEFAULT_SEED) -> list[BenchRequest]:
+    """A named workload (W1, W2; case-insensitive) generated for `vocab_size`, or a JSONL file."""
+    spec = NAMED_WORKLOADS.get(name_or_path.upper())
+    if spec is not None:
+        return generate_workload(spec, vocab_size, seed)
+    if not os.path.isfile(name_or_path):
+        raise ValueError(f"unknown workload {name_or_path!r}: use one of {sorted(NAMED_WORKLOADS)} or a JSONL file")
+    return load_workload_file(name_or_path)
+
+
+def workload_summary(requests: list[BenchRequest]) -> dict[str, int]:
+    return {"requests": len(requests),
+            "prompt_tokens": sum(len(r.prompt_token_ids) for r in requests),
+            "output_tokens": sum(r.max_tokens for r in requests)}

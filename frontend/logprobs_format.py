@@ -1,0 +1,113 @@
+"""Logprobs in the shapes the APIs return: OpenAI's chat object, the legacy
+completions object, and vLLM's prompt_logprobs list.
+
+JSON has no -inf, so logprobs are clamped at -9999.0 (as vLLM does).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import lru_cache
+
+from common.protocol import TokenLogprobs
+from frontend.openai_responses import (ChatChoiceLogprobs, ChatTokenLogprob, ChatTopLogprob, CompletionLogprobs,
+                                       PromptLogprobsJSON)
+
+MIN_LOGPROB = -9999.0
+
+
+def clamp(logprob: float) -> float:
+    return max(logprob, MIN_LOGPROB)
+
+
+@lru_cache(maxsize=1)
+def _byte_level_chars() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: the character a byte-level BPE
+    token uses for each byte -> that byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = {byte: chr(byte) for byte in printable}
+    extra = 0
+    for byte in range(256):
+        if byte not in chars:
+            chars[byte] = chr(256 + extra)
+            extra += 1
+    return {char: byte for byte, char in chars.items()}
+
+
+class TokenTexts:
+    """Each token's own text and UTF-8 bytes, cached. A token holding part of
+    a multi-byte character decodes to U+FFFD; its bytes are still exact for
+    byte-level BPE tokenizers (read from the token's byte-level spelling)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._byte_level = type(getattr(backend, "decoder", None)).__name__ == "ByteLevel"
+        self._added = set(getattr(tokenizer, "added_tokens_decoder", {}) or {})
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+
+    def text(self, token_id: int) -> str:
+        return self._lookup(token_id)[0]
+
+    def bytes(self, token_id: int) -> list[int]:
+        return self._lookup(token_id)[1]
+
+    def _lookup(self, token_id: int) -> tuple[str, list[int]]:
+        entry = self._cache.get(token_id)
+        if entry is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            raw = list(text.encode("utf-8"))
+            if self._byte_level and token_id not in self._added:
+                spelling = self.tokenizer.convert_ids_to_tokens(token_id) or ""
+                table = _byte_level_chars()
+                if all(char in table for char in spelling):
+                    raw = [table[char] for char in spelling]
+            entry = self._cache[token_id] = (text, raw)
+        return entry
+
+
+def chat_logprobs(entries: Sequence[TokenLogprobs], texts: TokenTexts) -> ChatChoiceLogprobs:
+    """OpenAI's chat `logprobs`: per token, its logprob and the top alternatives
+    (as many as the request's top_logprobs)."""
+    content = []
+    for entry in entries:
+        top = [ChatTopLogprob(token=texts.text(t), logprob=clamp(lp), bytes=texts.bytes(t))
+               for t, lp in zip(entry.top_token_ids, entry.top_logprobs)]
+        content.append(ChatTokenLogprob(token=texts.text(entry.token_id), logprob=clamp(entry.logprob),
+                                        bytes=texts.bytes(entry.token_id), top_logprobs=top))
+    return ChatChoiceLogprobs(content=content)
+
+
+def completion_logprobs(token_ids: Sequence[int], entries: Sequence[TokenLogprobs | None], texts: TokenTexts,
+                        text_offset: int = 0) -> CompletionLogprobs:
+    """The legacy object for `token_ids` (an echoed prompt's first token has
+    no entry: None). top_logprobs holds the top alternatives and the chosen
+    token ("up to logprobs + 1 elements", as OpenAI documents)."""
+    result = CompletionLogprobs()
+    missing = [None] * (len(token_ids) - len(entries))  # not reported (an engine that lost them): no logprob
+    for token_id, entry in zip(token_ids, [*entries, *missing]):
+        token = texts.text(token_id)
+        result.tokens.append(token)
+        result.text_offset.append(text_offset)
+        text_offset += len(token)
+        if entry is None:
+            result.token_logprobs.append(None)
+            result.top_logprobs.append(None)
+            continue
+        result.token_logprobs.append(clamp(entry.logprob))
+        top = {texts.text(t): clamp(lp) for t, lp in zip(entry.top_token_ids, entry.top_logprobs)}
+        top.setdefault(token, clamp(entry.logprob))
+        result.top_logprobs.append(top)
+    return result
+
+
+def prompt_logprobs_json(entries: Sequence[TokenLogprobs], texts: TokenTexts) -> PromptLogprobsJSON:
+    """vLLM's prompt_logprobs: None for the first prompt token, then per token
+    {token id: {"logprob", "rank", "decoded_token"}} for it and its top-k."""
+    result: PromptLogprobsJSON = [None]
+    for entry in entries:
+        position = {str(t): {"logprob": clamp(lp), "rank": rank, "decoded_token": texts.text(t)}
+                    for rank, (t, lp) in enumerate(zip(entry.top_token_ids, entry.top_logprobs), start=1)}
+        position[str(entry.token_id)] = {"logprob": clamp(entry.logprob), "rank": entry.rank,
+                                         "decoded_token": texts.text(entry.token_id)}
+        result.append(position)
+    return result

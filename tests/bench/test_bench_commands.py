@@ -1,0 +1,116 @@
+"""Smoke runs of every `pagedserve bench` command on a tiny model and workload:
+they check the output format and the token accounting, never the speed."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from common.benchmarks.workloads import BenchRequest, load_workload_file, save_workload
+from tiny_models import build_tiny_hf_model
+
+REPO = Path(__file__).resolve().parents[2]
+SMALL_ENGINE = ["--dtype", "float32", "--kv-cache-memory", "64MiB"]
+
+
+def bench(*args: str, timeout: float = 240) -> str:
+    proc = subprocess.run([sys.executable, "-m", "common.cli", "bench", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def json_lines(stdout: str) -> list[dict]:
+    return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny random Llama (no tokenizer) and a 6-request workload file for it."""
+    root = tmp_path_factory.mktemp("bench")
+    build_tiny_hf_model("LlamaForCausalLM", root / "model")
+    requests = [BenchRequest([(7 * i + 3 * j) % 256 for j in range(4 + 3 * i)], 5 + i) for i in range(6)]
+    save_workload(requests, str(root / "tiny.jsonl"))
+    return root, requests
+
+
+def test_throughput_reports_tokens_and_scheduler_time(tiny):
+    root, requests = tiny
+    saved = root / "saved.jsonl"
+    out = bench("throughput", "--workload", str(root / "tiny.jsonl"), "--model", str(root / "model"),
+                "--no-detokenize", "--json", "--save-workload", str(saved), *SMALL_ENGINE)
+    [result] = json_lines(out)
+    assert result["system"] == "pagedserve" and result["requests"] == 6
+    assert result["output_tokens"] == sum(r.max_tokens for r in requests)
+    assert result["prompt_tokens"] == sum(len(r.prompt_token_ids) for r in requests)
+    assert result["output_tokens_per_s"] == pytest.approx(result["output_tokens"] / result["elapsed_s"], rel=0.01)
+    assert result["total_tokens_per_s"] > result["output_tokens_per_s"] > 0
+    assert result["steps"] >= max(r.max_tokens for r in requests)
+    assert 0 < result["scheduler_ms_per_step"] < result["execute_ms_per_step"] * 10
+    assert result["compiled"] is True and result["compile_s"] > 0  # compiled unless --enforce-eager
+    assert result["peak_kv_blocks"] >= 6 and result["max_num_seqs"] == 256
+    assert load_workload_file(str(saved)) == requests
+
+    human = bench("throughput", "--workload", str(root / "tiny.jsonl"), "--model", str(root / "model"),
+                  "--no-detokenize", "--enforce-eager", *SMALL_ENGINE)
+    assert "output tokens/s" in human and "scheduler ms/step" in human and "eager" in human
+
+
+def test_transformers_baseline(tiny):
+    root, requests = tiny
+    [result] = json_lines(bench("transformers", "--workload", str(root / "tiny.jsonl"), "--model",
+                                str(root / "model"), "--dtype", "float32", "--batch-size", "4", "--json"))
+    assert result["system"] == "transformers" and result["dtype"] == "float32"
+    assert result["output_tokens"] == sum(r.max_tokens for r in requests)
+    assert result["batches"] == 6  # one length per request here, so one batch each
+
+
+FAKE_VLLM = textwrap.dedent("""
+    import argparse, json
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model"); ap.add_argument("--workload"); ap.add_argument("--dtype")
+    args = ap.parse_args()
+    reqs = [json.loads(l) for l in open(args.workload) if l.strip()]
+    out = sum(r["max_tokens"] for r in reqs)
+    print("some log line")
+    print(json.dumps({"system": "vllm", "version": "fake-" + args.dtype, "requests": len(reqs),
+                      "output_tokens": out, "elapsed_s": 2.0, "output_tokens_per_s": out / 2.0,
+                      "total_tokens_per_s": out, "model_seen": args.model}))
+""")
+
+
+def test_compare_runs_every_system_and_draws_the_chart(tiny):
+    """vLLM is stood in for by a script speaking vllm_offline.py's interface."""
+    root, requests = tiny
+    fake = root / "fake_vllm.py"
+    fake.write_text(FAKE_VLLM)
+    chart = root / "compare.png"
+    out = bench("compare", "--workload", str(root / "tiny.jsonl"), "--model", str(root / "model"),
+                "--no-detokenize", "--enforce-eager", "--vllm-python", sys.executable, "--vllm-script", str(fake),
+                "--chart", str(chart), "--workload-dir", str(root), *SMALL_ENGINE)
+    assert "pagedserve" in out and "transformers" in out and "vllm" in out
+    [record] = json_lines(out)
+    outputs = sum(r.max_tokens for r in requests)
+    assert record["workload"] == "tiny.jsonl"
+    assert record["vllm_output_tokens_per_s"] == outputs / 2.0
+    assert record["ratio_vs_vllm"] == pytest.approx(record["pagedserve_output_tokens_per_s"] / (outputs / 2.0),
+                                                    rel=1e-3)
+    assert record["ratio_vs_transformers"] > 0
+    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert load_workload_file(str(root / "tiny.jsonl")) == requests  # the same prompts went to every system
+
+
+def test_sweep_over_max_num_seqs(tiny):
+    root, _ = tiny
+    chart = root / "sweep.png"
+    out = bench("sweep", "--workload", str(root / "tiny.jsonl"), "--model", str(root / "model"),
+                "--no-detokenize", "--enforce-eager", "--max-num-seqs-list", "1,4", "--chart", str(chart),
+                "--workload-dir", str(root), *SMALL_ENGINE)
+    points = json_lines(out)
+    assert [p["max_num_seqs"] for p in points] == [1, 4]
+    assert all(p["output_tokens_per_s"] > 0 and p["peak_kv_gib"] > 0 for p in points)
+    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

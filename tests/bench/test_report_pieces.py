@@ -1,0 +1,97 @@
+"""Serving statistics, arrival times, comparison records and the PNG writer."""
+from __future__ import annotations
+
+import math
+import struct
+import zlib
+
+import numpy as np
+import pytest
+
+from common.benchmarks.compare import best_of, comparison_record, last_json_line
+from common.benchmarks.png_chart import PALETTE, bar_chart, line_panels, nice_ticks
+from common.benchmarks.serving import RequestRecord, arrival_offsets, percentile, summarize
+
+
+def test_percentile_interpolates():
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile([5.0], 99) == 5.0
+    assert percentile(list(range(101)), 90) == 90
+
+
+def test_poisson_arrivals():
+    offsets = arrival_offsets(4000, rate=10.0, seed=1)
+    gaps = np.diff(offsets)
+    assert offsets[0] == 0.0 and np.all(gaps >= 0)
+    assert abs(gaps.mean() - 0.1) < 0.01  # mean gap 1/rate
+    assert abs(gaps.std() - 0.1) < 0.01  # exponential: std = mean
+    assert arrival_offsets(5, rate=math.inf, seed=1) == [0.0] * 5
+    assert arrival_offsets(50, 3.0, seed=2) == arrival_offsets(50, 3.0, seed=2)
+
+
+def test_summarize_counts_and_latencies():
+    ok = RequestRecord(prompt_tokens=10, ok=True, output_tokens=3, ttft_s=0.1, e2e_s=0.3, itl_s=[0.1, 0.1])
+    bad = RequestRecord(prompt_tokens=5, error="HTTP 500")
+    result = summarize([ok, ok, bad], duration=2.0, rate=math.inf)
+    assert result["completed"] == 2 and result["failed"] == 1 and result["errors"] == ["HTTP 500"]
+    assert result["rate"] is None  # inf is not valid JSON
+    assert result["output_tokens_per_s"] == 3.0 and result["total_tokens_per_s"] == 13.0
+    assert result["ttft_p50_ms"] == 100.0 and result["e2e_p99_ms"] == 300.0 and result["itl_mean_ms"] == 100.0
+
+
+def test_comparison_record_and_best_run():
+    runs = [{"output_tokens_per_s": 90.0}, {"output_tokens_per_s": 120.0}]
+    assert best_of(runs)["output_tokens_per_s"] == 120.0
+    record = comparison_record("W1", {"pagedserve": {"output_tokens_per_s": 400.0},
+                                      "vllm": {"output_tokens_per_s": 320.0},
+                                      "transformers": {"output_tokens_per_s": 100.0}})
+    assert record == {"workload": "W1", "pagedserve_output_tokens_per_s": 400.0, "vllm_output_tokens_per_s": 320.0,
+                      "transformers_output_tokens_per_s": 100.0, "ratio_vs_vllm": 1.25, "ratio_vs_transformers": 4.0}
+    assert last_json_line('log line\n{"a": 1}\ntrailing') == {"a": 1}
+    with pytest.raises(ValueError):
+        last_json_line("no json here")
+
+
+def test_nice_ticks_cover_the_top():
+    assert nice_ticks(813.0) == [0, 200, 400, 600, 800, 1000]
+    assert nice_ticks(0.6)[-1] >= 0.6
+
+
+def read_png(path) -> np.ndarray:
+    """Decode the 8-bit RGB, unfiltered PNGs the chart writer produces."""
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, idat, size = 8, b"", None
+    while pos < len(data):
+        length, kind = struct.unpack(">I4s", data[pos:pos + 8])
+        body = data[pos + 8:pos + 8 + length]
+        assert zlib.crc32(kind + body) == struct.unpack(">I", data[pos + 8 + length:pos + 12 + length])[0]
+        if kind == b"IHDR":
+            size = struct.unpack(">II", body[:8])
+        elif kind == b"IDAT":
+            idat += body
+        pos += 12 + length
+    width, height = size
+    rows = np.frombuffer(zlib.decompress(idat), dtype=np.uint8).reshape(height, 1 + 3 * width)
+    assert np.all(rows[:, 0] == 0)
+    return rows[:, 1:].reshape(height, width, 3)
+
+
+def test_bar_chart_draws_bars_in_proportion(tmp_path):
+    path = tmp_path / "bars.png"
+    bar_chart(str(path), "Output tokens/s", ["W1"], {"pagedserve": [400.0], "vllm": [200.0]}, "tok/s")
+    image = read_png(path)
+
+    def bar_height(color):
+        columns = np.all(image == color, axis=2).sum(axis=0)
+        return columns.max()
+    tall, short = bar_height(PALETTE[0]), bar_height(PALETTE[1])
+    assert short > 20 and abs(tall / short - 2.0) < 0.1
+
+
+def test_line_panels_write_a_png(tmp_path):
+    path = tmp_path / "lines.png"
+    line_panels(str(path), "Scaling", [1, 2, 4], "max_num_seqs",
+                [("tok/s", {"a": [1.0, 2.0, 3.0]}), ("GiB", {"b": [0.1, 0.2, 0.2]})])
+    image = read_png(path)
+    assert np.any(np.all(image == PALETTE[0], axis=2)) and image.shape[1] == 900

@@ -1,0 +1,52 @@
+"""The named workloads are exactly the issue's, seeded, and files round-trip."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from common.benchmarks.workloads import (NAMED_WORKLOADS, BenchRequest, generate_workload, load_workload_file,
+                                         resolve_workload, save_workload, workload_summary)
+
+
+@pytest.mark.parametrize("name,count,lo,hi,out", [("W1", 64, 32, 512, 128), ("W2", 256, 16, 64, 256)])
+def test_named_workloads_match_the_definition(name, count, lo, hi, out):
+    requests = resolve_workload(name, vocab_size=49152)
+    assert len(requests) == count
+    assert all(lo <= len(r.prompt_token_ids) <= hi for r in requests)
+    assert all(r.max_tokens == out for r in requests)
+    assert all(0 <= t < 49152 for r in requests for t in r.prompt_token_ids)
+    lengths = [len(r.prompt_token_ids) for r in requests]
+    assert min(lengths) < lo + (hi - lo) // 4 and max(lengths) > hi - (hi - lo) // 4  # spread over the range
+
+
+def test_workloads_are_seeded():
+    spec = NAMED_WORKLOADS["W1"]
+    assert generate_workload(spec, 1000, seed=3) == generate_workload(spec, 1000, seed=3)
+    assert generate_workload(spec, 1000, seed=3) != generate_workload(spec, 1000, seed=4)
+    assert resolve_workload("w2", 500) == resolve_workload("W2", 500)
+
+
+def test_file_round_trip_and_summary(tmp_path):
+    requests = [BenchRequest([5, 6, 7], 4), BenchRequest([1], 2)]
+    path = tmp_path / "w.jsonl"
+    save_workload(requests, str(path))
+    assert [json.loads(line) for line in path.read_text().splitlines()] == [
+        {"prompt_token_ids": [5, 6, 7], "max_tokens": 4}, {"prompt_token_ids": [1], "max_tokens": 2}]
+    assert load_workload_file(str(path)) == requests
+    assert resolve_workload(str(path), vocab_size=10) == requests
+    assert workload_summary(requests) == {"requests": 2, "prompt_tokens": 4, "output_tokens": 6}
+
+
+@pytest.mark.parametrize("line", ['{"prompt_token_ids": [], "max_tokens": 3}', '{"prompt_token_ids": [1]}',
+                                  '{"prompt_token_ids": [1], "max_tokens": 0}', 'not json'])
+def test_bad_files_name_the_line(tmp_path, line):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt_token_ids": [1], "max_tokens": 1}\n' + line + "\n")
+    with pytest.raises(ValueError, match=":2:"):
+        load_workload_file(str(path))
+
+
+def test_unknown_workload_is_rejected():
+    with pytest.raises(ValueError, match="unknown workload"):
+        resolve_workload("W9", 100)

@@ -1,0 +1,90 @@
+"""Every sampling field of both HTTP APIs and of gRPC reaches the scheduler as
+the SamplingParams the engine runs (fake scheduler, real frontend process)."""
+from __future__ import annotations
+
+import httpx
+
+from common.grpc_gen import pagedserve_pb2 as pb
+from common.grpc_gen import pagedserve_pb2_grpc
+from common.sampling_params import SamplingParams
+
+import grpc
+
+
+def sent(server, request_id: str):
+    return next(r for r in reversed(server.scheduler.snapshot().requests) if r.request_id == request_id)
+
+
+def post(server, path: str, body: dict, request_id: str) -> httpx.Response:
+    return httpx.post(server.api_url + path, json=body, headers={"X-Request-Id": request_id}, timeout=30)
+
+
+FIELDS = {"n": 2, "best_of": 3, "temperature": 0.5, "top_p": 0.9, "top_k": 7, "min_p": 0.05, "seed": 42,
+          "presence_penalty": 0.3, "frequency_penalty": -0.4, "repetition_penalty": 1.2,
+          "logit_bias": {"5": 2.5, "9": -100}, "stop": ["x", "yz"], "stop_token_ids": [3],
+          "include_stop_str_in_output": True, "ignore_eos": True, "min_tokens": 2, "max_tokens": 9,
+          "prompt_logprobs": 2, "skip_special_tokens": False, "spaces_between_special_tokens": False,
+          "priority": -3, "user": "u1"}
+EXPECTED = SamplingParams(n=2, best_of=3, temperature=0.5, top_p=0.9, top_k=7, min_p=0.05, seed=42,
+                          presence_penalty=0.3, frequency_penalty=-0.4, repetition_penalty=1.2,
+                          logit_bias={5: 2.5, 9: -100.0}, stop=["x", "yz"], stop_token_ids=[3],
+                          include_stop_str_in_output=True, ignore_eos=True, min_tokens=2, max_tokens=9,
+                          prompt_logprobs=2, skip_special_tokens=False, spaces_between_special_tokens=False)
+
+
+def test_completion_fields(server):
+    response = post(server, "/completions", {"prompt": "Hi", "logprobs": 4, **FIELDS}, "fields-1")
+    assert response.status_code == 200, response.text
+    request = sent(server, "cmpl-fields-1-0")
+    assert request.priority == -3
+    assert request.sampling_params == SamplingParams(**{**_fields(EXPECTED), "logprobs": 4})
+
+
+def test_chat_fields(server):
+    body = {"messages": [{"role": "user", "content": "Hi"}], "logprobs": True, "top_logprobs": 3, **FIELDS,
+            "max_tokens": None, "max_completion_tokens": 9}
+    assert post(server, "/chat/completions", body, "fields-2").status_code == 200
+    assert sent(server, "chatcmpl-fields-2").sampling_params == SamplingParams(**{**_fields(EXPECTED), "logprobs": 3})
+    body = {"messages": [{"role": "user", "content": "Hi"}], "logprobs": True}
+    assert post(server, "/chat/completions", body, "fields-3").status_code == 200
+    params = sent(server, "chatcmpl-fields-3").sampling_params
+    assert params.logprobs == 0 and params.max_tokens is None  # as many as fit
+
+
+def test_defaults_and_echo_with_logprobs(server):
+    assert post(server, "/completions", {"prompt": "Hi"}, "fields-4").status_code == 200
+    assert sent(server, "cmpl-fields-4-0").sampling_params == SamplingParams(max_tokens=None)
+    body = {"prompt": "Hello, world", "echo": True, "logprobs": 2, "max_tokens": 3}
+    response = post(server, "/completions", body, "fields-5")
+    assert response.status_code == 200
+    params = sent(server, "cmpl-fields-5-0").sampling_params
+    assert params.logprobs == 2 and params.prompt_logprobs == 2  # the echoed prompt's logprobs
+    prompt = server.tokenizer.encode("Hello, world")
+    logprobs = response.json()["choices"][0]["logprobs"]
+    assert logprobs["tokens"] == [server.tokenizer.decode([t]) for t in prompt + server.scheduler.script[:3]]
+    assert logprobs["token_logprobs"] == [None] + [-1.0] * (len(prompt) - 1) + [-0.5] * 3
+    assert logprobs["top_logprobs"][0] is None and logprobs["top_logprobs"][-1] == {logprobs["tokens"][-1]: -0.5}
+    assert "prompt_logprobs" not in response.json()["choices"][0] or \
+        response.json()["choices"][0]["prompt_logprobs"] is None  # not asked for itself
+
+
+def test_grpc_fields(server):
+    proto = pb.SamplingParams(
+        n=2, best_of=3, temperature=0.5, top_p=0.875, top_k=7, min_p=0.0625, seed=42, presence_penalty=0.25,
+        frequency_penalty=-0.5, repetition_penalty=1.25, logit_bias={5: 2.5, 9: -100}, stop=["x", "yz"],
+        stop_token_ids=[3], include_stop_str_in_output=True, ignore_eos=True, min_tokens=2, max_tokens=9,
+        logprobs=4, prompt_logprobs=2, skip_special_tokens=False, spaces_between_special_tokens=False)
+    with grpc.insecure_channel(server.grpc_address) as channel:
+        stub = pagedserve_pb2_grpc.PagedServeStub(channel)
+        list(stub.Generate(pb.GenerateRequest(request_id="grpc-fields", text="Hi", sampling_params=proto,
+                                              priority=-3), timeout=30))
+    request = sent(server, "grpc-fields")
+    # Values exact in float32, so they compare equal after the proto's float fields.
+    assert request.priority == -3
+    assert request.sampling_params == SamplingParams(**{
+        **_fields(EXPECTED), "top_p": 0.875, "min_p": 0.0625, "presence_penalty": 0.25, "frequency_penalty": -0.5,
+        "repetition_penalty": 1.25, "logprobs": 4})
+
+
+def _fields(params: SamplingParams) -> dict:
+    return {name: getattr(params, name) for name in params.__struct_fields__}

@@ -1,0 +1,86 @@
+"""The CPU paged attention kernel: built from `cpu_attention_source` with the local
+C++ compiler at first use, cached on disk, and optional.
+
+The build (about a minute, once per machine and source version) goes to
+torch's extension cache (`TORCH_EXTENSIONS_DIR`, default
+~/.cache/torch_extensions). The cache name carries a digest of the source,
+the flags and this CPU's feature flags, because `-march=native` code must
+never be loaded on a different CPU. Any failure (no compiler, no headers, a
+compile error) is logged once and the caller falls back to plain PyTorch;
+`PAGEDSERVE_CPU_KERNELS=0` skips the kernel altogether.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+from typing import Any
+
+import torch
+
+from worker.attention.cpu_attention_source import FUNCTIONS, SOURCE
+
+logger = logging.getLogger(__name__)
+
+ENV_SWITCH = "PAGEDSERVE_CPU_KERNELS"
+# -fopenmp makes at::parallel_for (inline in ATen's headers) parallel; the extension's
+# libgomp.so.1 resolves to the copy torch already loaded, so there is one thread pool.
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only"]
+LDFLAGS = ["-fopenmp"]
+
+_lock = threading.Lock()
+_module: Any = None
+_failed = False
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def _extension_name() -> str:
+    digest = hashlib.sha256("\n".join([SOURCE, " ".join(CFLAGS + LDFLAGS), _cpu_flags(), torch.__version__]).encode())
+    return f"pagedserve_cpu_attention_{digest.hexdigest()[:12]}"
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV_SWITCH, "1").lower() not in ("0", "false", "no", "off")
+
+
+def load() -> Any | None:
+    """The compiled extension module, or None when it is disabled or cannot be built."""
+    global _module, _failed
+    if _module is not None or _failed:
+        return _module
+    with _lock:
+        if _module is not None or _failed:
+            return _module
+        if not enabled():
+            _failed = True
+            return None
+        try:
+            from torch.utils.cpp_extension import load_inline
+            logger.info("Building the CPU paged attention kernel (first use on this machine)...")
+            _module = load_inline(name=_extension_name(), cpp_sources=[SOURCE], functions=FUNCTIONS,
+                                  extra_cflags=CFLAGS, extra_ldflags=LDFLAGS, verbose=False)
+        except Exception as exc:  # no compiler, headers or a build error: plain PyTorch still works
+            _failed = True
+            logger.warning("CPU paged attention kernel unavailable, using the PyTorch fallback: %s",
+                           str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__)
+    return _module
+
+
+def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                    scale: float, sliding_window: int | None) -> None:
+    """Fill `out` [T, H, D] with attention over the paged cache for every sequence of the batch.
+    Requires `load()` to have succeeded; all tensors on CPU, int32 metadata."""
+    _module.paged_attention(out, query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
+                            float(scale), int(sliding_window or 0))

@@ -1,0 +1,81 @@
+"""The attention call of a model layer, with the step's state held outside the model.
+
+A model layer asks for attention with tensors only (query, key, value, its
+layer index); the backend, the step's AttentionMetadata and the KV caches
+come from the context the runner opens around the forward pass. That keeps
+the model's forward a pure tensor function that `torch.compile` can capture
+in one graph: under compilation the call is the opaque custom op
+`pagedserve::paged_attention` (the compiler never looks inside, and the
+cache writes it makes are invisible to it, which is safe because the caches
+are not graph values); in eager mode it is a direct call.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from worker.attention.metadata import AttentionMetadata
+
+
+@dataclass(slots=True)
+class StepContext:
+    backend: Any
+    meta: AttentionMetadata
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    num_tokens: int  # real tokens; the batch may be padded beyond them
+
+
+_current: StepContext | None = None
+
+
+@contextlib.contextmanager
+def step_context(backend: Any, meta: AttentionMetadata, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                 num_tokens: int) -> Iterator[StepContext]:
+    global _current
+    previous, _current = _current, StepContext(backend, meta, kv_caches, num_tokens)
+    try:
+        yield _current
+    finally:
+        _current = previous
+
+
+def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scale: float,
+            sliding_window: int) -> torch.Tensor:
+    ctx = _current
+    if ctx is None:
+        raise RuntimeError("attention called outside a step context (use the model's forward)")
+    k_cache, v_cache = ctx.kv_caches[layer]
+    n = ctx.num_tokens
+    window = sliding_window if sliding_window > 0 else None
+    if n == query.shape[0]:
+        return ctx.backend.forward(query, key, value, k_cache, v_cache, ctx.meta, scale=scale, sliding_window=window)
+    # Padded batch: only the real tokens are written to the cache and attended.
+    output = query.new_zeros(query.shape)
+    output[:n] = ctx.backend.forward(query[:n], key[:n], value[:n], k_cache, v_cache, ctx.meta,
+                                     scale=scale, sliding_window=window)
+    return output
+
+
+@torch.library.custom_op("pagedserve::paged_attention", mutates_args=())
+def paged_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scale: float,
+                       sliding_window: int) -> torch.Tensor:
+    return _attend(query, key, value, layer, scale, sliding_window).contiguous()
+
+
+@paged_attention_op.register_fake
+def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scale: float,
+      sliding_window: int) -> torch.Tensor:
+    return query.new_empty(query.shape)
+
+
+def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scale: float,
+                    sliding_window: int | None) -> torch.Tensor:
+    """query [T, H, D], key/value [T, KVH, D] -> [T, H, D]; writes key/value into layer `layer`'s cache."""
+    window = sliding_window or 0
+    if torch.compiler.is_compiling():
+        return paged_attention_op(query, key, value, layer, scale, window)
+    return _attend(query, key, value, layer, scale, window)

@@ -1,0 +1,108 @@
+"""Offline throughput of pagedserve: the one-process engine (`worker.llm.LLM`) on a workload.
+
+Every request runs greedy with ignore_eos, so it yields exactly its max_tokens.
+A short untimed warm-up runs first (the model step is compiled at start-up,
+so this only touches the caches); the timed run covers everything from the
+first request added to the last output, like `../shared/peers/vllm_offline.py`.
+"""
+from __future__ import annotations
+
+import gc
+import resource
+import time
+from typing import Any
+
+from common.benchmarks.workloads import BenchRequest, workload_summary
+from common.config import GiB, EngineConfig
+from common.sampling_params import SamplingParams
+
+
+def greedy_params(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True)
+
+
+def run_throughput(config: EngineConfig, requests: list[BenchRequest], *, detokenize: bool = True,
+                   use_tqdm: bool = False, workload_name: str = "") -> dict[str, Any]:
+    """Run `requests` through a fresh engine; returns the result record (see `docs/benchmarks.md`)."""
+    import torch
+
+    from worker.llm import LLM
+
+    started = time.perf_counter()
+    llm = LLM(skip_tokenizer_init=not detokenize,
+              **{name: getattr(config, name) for name in EngineConfig.__dataclass_fields__})
+    init_s = time.perf_counter() - started
+    warm_up = [{"prompt_token_ids": r.prompt_token_ids[:16]} for r in requests[:2]]
+    llm.generate(warm_up, greedy_params(4), use_tqdm=False)
+    llm.scheduler.reset_prefix_cache()  # the timed run must not reuse the warm-up's blocks
+    # Objects alive now (model, tokenizer, imports) never become garbage: keep the
+    # collector from walking them during the timed run.
+    gc.collect()
+    gc.freeze()
+
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
+    params = [greedy_params(r.max_tokens) for r in requests]
+    started = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
+    elapsed = time.perf_counter() - started
+    gc.unfreeze()
+
+    summary = workload_summary(requests)
+    output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    if output_tokens != summary["output_tokens"]:
+        raise RuntimeError(f"expected {summary['output_tokens']} output tokens, got {output_tokens}")
+    stats = llm.loop_stats
+    steps = max(stats.steps, 1)
+    block_bytes = _bytes_per_block(llm)
+    return {
+        "system": "pagedserve",
+        "workload": workload_name,
+        **summary,
+        "elapsed_s": round(elapsed, 3),
+        "output_tokens_per_s": round(output_tokens / elapsed, 2),
+        "total_tokens_per_s": round((output_tokens + summary["prompt_tokens"]) / elapsed, 2),
+        "requests_per_s": round(len(requests) / elapsed, 3),
+        "steps": stats.steps,
+        "scheduler_ms_per_step": round(stats.scheduler_ms_per_step, 3),
+        "execute_ms_per_step": round(stats.execute_ns / 1e6 / steps, 3),
+        "outputs_ms_per_step": round(stats.outputs_ns / 1e6 / steps, 3),
+        "scheduler_share": round((stats.schedule_ns + stats.update_ns) / (elapsed * 1e9), 4),
+        "dtype": llm.worker.dtype_name,
+        "compiled": llm.worker.forward.compiled,
+        "compile_s": round(llm.worker.forward.compile_seconds, 1),
+        "init_s": round(init_s, 1),
+        "threads": torch.get_num_threads(),
+        "max_num_seqs": config.max_num_seqs,
+        "max_num_batched_tokens": llm.scheduler.max_num_batched_tokens,
+        "peak_kv_blocks": stats.peak_used_blocks,
+        "peak_kv_gib": round(stats.peak_used_blocks * block_bytes / GiB, 6),
+        "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB, 3),
+    }
+
+
+def _bytes_per_block(llm: Any) -> int:
+    k_cache, _ = llm.worker.kv_caches[0]
+    per_layer = k_cache[0].numel() * k_cache.element_size() * 2  # K and V of one block
+    return per_layer * len(llm.worker.kv_caches)
+
+
+def format_throughput(result: dict[str, Any]) -> str:
+    """A short human-readable report of one run."""
+    lines = [
+        f"pagedserve offline throughput ({result['workload'] or 'workload'}: {result['requests']} requests, "
+        f"{result['prompt_tokens']} prompt + {result['output_tokens']} output tokens)",
+        f"  elapsed              {result['elapsed_s']:.2f} s",
+        f"  output tokens/s      {result['output_tokens_per_s']:.1f}",
+        f"  total tokens/s       {result['total_tokens_per_s']:.1f}",
+        f"  requests/s           {result['requests_per_s']:.2f}",
+        f"  steps                {result['steps']}",
+        f"  scheduler ms/step    {result['scheduler_ms_per_step']:.3f}  "
+        f"({100 * result['scheduler_share']:.1f}% of the run)",
+        f"  worker ms/step       {result['execute_ms_per_step']:.2f}",
+        f"  model                {result['dtype']}, "
+        + (f"compiled in {result['compile_s']:.1f} s" if result["compiled"] else "eager")
+        + f", {result['threads']} threads",
+        f"  peak KV cache used   {result['peak_kv_gib']:.3f} GiB ({result['peak_kv_blocks']} blocks); "
+        f"peak RSS {result['peak_rss_gib']:.2f} GiB",
+    ]
+    return "\n".join(lines)

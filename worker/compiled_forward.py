@@ -1,0 +1,110 @@
+"""The model's forward pass for the runner: compiled with torch.compile (inductor)
+unless the engine runs eager, with a fallback to eager when compilation fails.
+
+What is compiled is one decoder layer (`worker.models.llama.decoder_layer`):
+norms, projections, rotary, MLP and residuals fused around the attention,
+which is an opaque custom op taking the step's metadata from the step context
+(see worker.attention.step_context). The layer's weights and index are graph
+inputs, so one graph serves all layers (compiling the whole stack would take
+about thirty times longer, on every start). The token dimension is dynamic,
+so the same graph serves every batch size: nothing recompiles while serving.
+Batches of one token are padded to two because the compiler specializes
+size-1 dimensions (one more graph otherwise). The graph is built
+at start-up (`warm_up`) and its compile time reported; on CPU it needs a C++
+compiler (inductor generates C++), and any failure falls back to eager with a
+warning.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+import torch
+
+from worker.attention.metadata import AttentionMetadata
+from worker.attention.step_context import step_context
+
+logger = logging.getLogger(__name__)
+
+MIN_TOKENS = 2  # smallest compiled batch (see the module docstring)
+
+
+def inductor_available() -> bool:
+    """Inductor on CPU compiles the C++ it generates: a compiler must be on PATH."""
+    import shutil
+    return any(shutil.which(name) for name in (os.environ.get("CXX", ""), "g++", "c++", "clang++") if name)
+
+
+class ModelForward:
+    """Callable (input_ids [T], positions [T], meta) -> final hidden states [T, hidden]."""
+
+    def __init__(self, model: Any, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], backend: Any, *,
+                 max_model_len: int, compile: bool):
+        self.model = model
+        self.kv_caches = kv_caches
+        self.backend = backend
+        self.dtype: torch.dtype = model.embed_tokens.dtype
+        self.device: torch.device = model.embed_tokens.device
+        # The whole rotary table up front: a table that grows would change a graph constant.
+        model.rotary.reserve(max_model_len + 1, self.dtype, self.device)
+        self.compile_seconds = 0.0
+        self._compiled = None
+        if compile and not inductor_available():
+            logger.warning("torch.compile needs a C++ compiler (g++) on CPU; running the model eager")
+            compile = False
+        if compile:
+            from worker.models.llama import decoder_layer
+            self._compiled = torch.compile(decoder_layer, dynamic=True, fullgraph=True)
+
+    @property
+    def compiled(self) -> bool:
+        return self._compiled is not None
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        num_tokens = int(input_ids.shape[0])
+        self.model.rotary.reserve(meta.max_seq_len, self.dtype, self.device)  # a no-op once reserved
+        with step_context(self.backend, meta, self.kv_caches, num_tokens):
+            if self._compiled is None:
+                return self.model.forward_tokens(input_ids, positions)
+            if num_tokens < MIN_TOKENS:
+                pad = MIN_TOKENS - num_tokens
+                input_ids = torch.cat([input_ids, input_ids.new_zeros(pad)])
+                positions = torch.cat([positions, positions.new_zeros(pad)])
+            try:
+                return self.model.forward_tokens(input_ids, positions, self._compiled)[:num_tokens]
+            except Exception as exc:  # a compiler/toolchain failure must not take serving down
+                logger.warning("compiled model step failed (%s: %s); running eager from now on",
+                               type(exc).__name__, str(exc).strip().splitlines()[-1] if str(exc).strip() else "")
+                self._compiled = None
+                return self.model.forward_tokens(input_ids[:num_tokens], positions[:num_tokens])
+
+    def warm_up(self, block_size: int, num_tokens: int = 256) -> None:
+        """Compile now (not on the first request), records `compile_seconds`.
+
+        The warm-up batch is large on purpose: inductor tunes the generated
+        loops (which ones run in parallel, how they are tiled) for the sizes it
+        sees first, and real steps are large. It is `num_tokens` one-token
+        sequences that all live in the null block, which is zeroed again after."""
+        if self._compiled is None:
+            return
+        started = time.perf_counter()
+        ones = torch.ones(num_tokens, dtype=torch.int32, device=self.device)
+        meta = AttentionMetadata(
+            num_decodes=num_tokens,
+            slot_mapping=torch.zeros(num_tokens, dtype=torch.int64, device=self.device),
+            query_start_loc=torch.arange(num_tokens + 1, dtype=torch.int32, device=self.device),
+            seq_lens=ones, block_tables=torch.zeros((num_tokens, 1), dtype=torch.int32, device=self.device),
+            max_query_len=1, max_seq_len=1, query_start_loc_cpu=list(range(num_tokens + 1)),
+            seq_lens_cpu=[1] * num_tokens)
+        input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        positions = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        with torch.inference_mode():
+            self(input_ids, positions, meta)
+            for k_cache, v_cache in self.kv_caches:
+                k_cache[0].zero_()  # block 0 is the null block: padding must read zeros
+                v_cache[0].zero_()
+        self.compile_seconds = time.perf_counter() - started
+        if self._compiled is not None:
+            logger.info("Compiled the model step in %.1f s", self.compile_seconds)
