@@ -105,6 +105,13 @@ def test_a_hung_worker_is_given_up_after_the_step_timeout(slow_stack):
     response = httpx.post(slow_stack.api_url + "/completions", json=body, timeout=60)
     assert response.status_code == 500 and time.monotonic() - started < 5, response.text
     assert "no result for step" in slow_stack.scheduler.log()
+    # Both workers sleep out their 5 s hang, then register again; a request sent
+    # before that would wait for a worker and could meet the 5 s request timeout.
+    replaced = slow_stack.scheduler.log().count("registered and replaces the lost worker")
+    deadline = time.monotonic() + 30
+    while slow_stack.scheduler.log().count("registered and replaces the lost worker") <= replaced:
+        assert time.monotonic() < deadline, slow_stack.scheduler.log()[-3000:]
+        time.sleep(0.05)
     ok = httpx.post(slow_stack.api_url + "/completions", timeout=60,
                     json={"model": MODEL_NAME, "prompt": "one", "max_tokens": 4})
     assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == slow_stack.expected_text(4)
