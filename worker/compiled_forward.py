@@ -56,7 +56,10 @@ class ModelForward:
             compile = False
         if compile:
             from worker.models.llama import decoder_layer
-            self._compiled = torch.compile(decoder_layer, dynamic=True, fullgraph=True)
+            # emulate_precision_casts: round fused bf16 intermediates as eager does, so the
+            # compiled step computes the eager function (bf16 logits within ~1e-3, not ~1e-2).
+            self._compiled = torch.compile(decoder_layer, dynamic=True, fullgraph=True,
+                                           options={"emulate_precision_casts": True})
 
     @property
     def compiled(self) -> bool:

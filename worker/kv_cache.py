@@ -10,6 +10,7 @@ import torch
 
 from common.config import GiB, EngineConfig
 from common.errors import ConfigError
+from worker.huge_pages import zeros_on_huge_pages
 
 logger = logging.getLogger(__name__)
 
@@ -71,11 +72,16 @@ def allocate_kv_caches(hf_config: Any, num_blocks: int, block_size: int, dtype: 
     never-written slots hold finite values (masked positions multiply them by 0)."""
     spec = kv_cache_spec(hf_config, block_size, dtype)
     shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
-    caches = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-              for _ in range(spec.num_layers)]
+    caches = [(_zeros(shape, dtype, device), _zeros(shape, dtype, device)) for _ in range(spec.num_layers)]
     tokens_per_request = max_model_len or hf_config.max_position_embeddings
     usable_tokens = (num_blocks - 1) * block_size
     logger.info("KV cache: %d blocks of %d tokens (%.2f GiB), max concurrency %.2fx at %d tokens per request",
                 num_blocks, block_size, num_blocks * spec.bytes_per_block / GiB,
                 usable_tokens / tokens_per_request, tokens_per_request)
     return caches
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
+    if torch.device(device).type == "cpu":
+        return zeros_on_huge_pages(shape, dtype)  # scattered block reads: fewer TLB misses
+    return torch.zeros(shape, dtype=dtype, device=device)

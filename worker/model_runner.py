@@ -53,8 +53,9 @@ class ModelRunner:
                 # The lm_head is the biggest matmul; run it only where a token is sampled.
                 if batch.logits_indices.numel() != hidden.shape[0]:  # else every token samples (all decodes)
                     hidden = hidden.index_select(0, batch.logits_indices)
-                logits = self.model.compute_logits(hidden)
-                output = self.sampler.sample(logits, batch.sampling_metadata)
+                meta = batch.sampling_metadata
+                logits = self.model.compute_logits(hidden, upcast=not meta.plain_argmax)
+                output = self.sampler.sample(logits, meta)
                 sampled = output.token_ids.tolist()
                 if output.logprobs is not None:
                     sampled_logprobs = {state.request_id: entry for state, entry

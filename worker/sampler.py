@@ -66,6 +66,11 @@ class SamplingMetadata:
     def all_greedy(self) -> bool:
         return self.temperature is None
 
+    @property
+    def plain_argmax(self) -> bool:
+        """Every row greedy, nothing adjusts the logits, no logprobs: sampling is one argmax."""
+        return self.all_greedy and self.adjustments is None and self.num_logprobs is None
+
     @classmethod
     def build(cls, params: list[SamplingParams], num_output_tokens: list[int] | None = None,
               device: torch.device | str = "cpu", *, token_ids: Sequence[Sequence[int]] | None = None,
@@ -151,7 +156,7 @@ class Sampler:
         return SamplerOutput(token_ids, per_row)
 
     def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        # Greedy is exactly argmax of the float32 logits, so it matches transformers.
+        # Greedy is argmax of the logits (model-dtype logits widen to float32 exactly: same argmax).
         if meta.all_greedy:
             return logits.argmax(dim=-1)
         if meta.random_rows is None:

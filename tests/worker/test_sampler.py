@@ -32,6 +32,22 @@ def test_all_greedy_is_argmax():
     assert torch.equal(Sampler()(logits, meta), logits.argmax(dim=-1))
 
 
+def test_plain_argmax_only_without_adjustments_logprobs_or_random_rows():
+    """The runner skips the float32 copy of the logits only when sampling is a bare argmax."""
+    greedy = SamplingParams(temperature=0.0)
+    assert SamplingMetadata.build([greedy] * 3).plain_argmax
+    assert not SamplingMetadata.build([greedy, SamplingParams(temperature=0.8)]).plain_argmax
+    assert not SamplingMetadata.build([greedy, SamplingParams(temperature=0.0, logprobs=2)]).plain_argmax
+    penalized = SamplingMetadata.build([SamplingParams(temperature=0.0, repetition_penalty=1.3)],
+                                       token_ids=[[1, 2, 3]], num_prompt_tokens=[2])
+    assert not penalized.plain_argmax
+    # bfloat16 logits widen to float32 exactly, so the argmax (ties included) is the same
+    logits = torch.randn(64, 4096).bfloat16()
+    logits[5, 7] = logits[5, 9] = logits[5].max() + 1  # a tie: both pick the first index
+    meta = SamplingMetadata.build([greedy] * 64)
+    assert torch.equal(Sampler()(logits, meta), Sampler()(logits.float(), meta))
+
+
 def test_greedy_rows_in_mixed_batch_are_argmax():
     torch.manual_seed(1)
     logits = torch.randn(6, 500)

@@ -38,6 +38,10 @@ namespace {
 
 constexpr int64_t CHUNK = 16;      // key positions converted and scored together
 constexpr int64_t TILE_ROWS = 64;  // query rows (tokens x heads) per prefill work item
+#ifndef PREFETCH_AHEAD
+#define PREFETCH_AHEAD 1
+#endif
+constexpr int64_t SERIAL_COST = 20000;  // below this many (row x key) units, stay on one thread
 
 template <typename T>
 inline float load_float(const T* p) { return static_cast<float>(*p); }
@@ -92,7 +96,7 @@ struct Problem {
 
 // Per-thread buffers, reused across items.
 struct Scratch {
-  std::vector<float> q, scores, acc, keys, values, inv_sums;
+  std::vector<float> q, scores, acc, keys, values, inv_sums, zeros;
 };
 
 // Which part of a sequence one item covers, and the key range it reads.
@@ -161,10 +165,10 @@ void run_item_portable(const Problem<T>& p, const WorkItem& item, Scratch& s) {
     std::fill(sr + hi, sr + g.stride, 0.0f);
     s.inv_sums[r] = 1.0f / sum;
   }
-  p.prefetch(p.v_cache, item.seq, g.key_lo, g.key_hi);
+  for (int64_t a = 0; a < PREFETCH_AHEAD; ++a) p.prefetch(p.v_cache, item.seq, g.key_lo + a * CHUNK, g.key_hi);
   for (int64_t c = g.key_lo; c < g.key_hi; c += CHUNK) {
     const int64_t n = std::min<int64_t>(CHUNK, g.key_hi - c);
-    p.prefetch(p.v_cache, item.seq, c + CHUNK, g.key_hi);
+    p.prefetch(p.v_cache, item.seq, c + PREFETCH_AHEAD * CHUNK, g.key_hi);
     p.chunk_rows(p.v_cache, item.seq, c, n, rows);
     for (int64_t r = 0; r < g.rows; ++r) {
       const int64_t head_offset = (r % p.heads) / group * dim;
@@ -230,37 +234,44 @@ inline __m512 exp_ps(__m512 x) {
   return _mm512_scalef_ps(poly, n);
 }
 
-// out[j] = scale * (q . keys[j]) for j < n (16 slots written; slots >= n get 0).
-inline void score_chunk(const float* q, const float* const* keys, int64_t n, int64_t dim, float scale, float* out) {
+// out[j] = scale * (q . keys[j]) for the 16 keys of a chunk (a short chunk points its
+// missing keys at a zero row: fixed-size loops unroll and keep all 16 accumulators in registers).
+inline void score_chunk(const float* q, const float* const* keys, int64_t dim, float scale, float* out) {
   __m512 acc[CHUNK];
+#pragma GCC unroll 16
   for (int j = 0; j < CHUNK; ++j) acc[j] = _mm512_setzero_ps();
   for (int64_t d = 0; d < dim; d += 16) {
     const __m512 qv = _mm512_loadu_ps(q + d);
-    for (int64_t j = 0; j < n; ++j) acc[j] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(keys[j] + d), acc[j]);
+#pragma GCC unroll 16
+    for (int j = 0; j < CHUNK; ++j) acc[j] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(keys[j] + d), acc[j]);
   }
   _mm512_storeu_ps(out, _mm512_mul_ps(horizontal_sums(acc), _mm512_set1_ps(scale)));
 }
 #if defined(__AVX512BF16__)
-inline void score_chunk(const c10::BFloat16* q, const c10::BFloat16* const* keys, int64_t n, int64_t dim, float scale,
+inline void score_chunk(const c10::BFloat16* q, const c10::BFloat16* const* keys, int64_t dim, float scale,
                         float* out) {
   __m512 acc[CHUNK];
+#pragma GCC unroll 16
   for (int j = 0; j < CHUNK; ++j) acc[j] = _mm512_setzero_ps();
   for (int64_t d = 0; d < dim; d += 32) {
     const __mmask32 m = dim - d >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << (dim - d)) - 1);
     const __m512bh qv = (__m512bh)_mm512_maskz_loadu_epi16(m, q + d);
-    for (int64_t j = 0; j < n; ++j)
+#pragma GCC unroll 16
+    for (int j = 0; j < CHUNK; ++j)
       acc[j] = _mm512_dpbf16_ps(acc[j], qv, (__m512bh)_mm512_maskz_loadu_epi16(m, keys[j] + d));
   }
   _mm512_storeu_ps(out, _mm512_mul_ps(horizontal_sums(acc), _mm512_set1_ps(scale)));
 }
 #else
-inline void score_chunk(const c10::BFloat16* q, const c10::BFloat16* const* keys, int64_t n, int64_t dim, float scale,
+inline void score_chunk(const c10::BFloat16* q, const c10::BFloat16* const* keys, int64_t dim, float scale,
                         float* out) {
   __m512 acc[CHUNK];
+#pragma GCC unroll 16
   for (int j = 0; j < CHUNK; ++j) acc[j] = _mm512_setzero_ps();
   for (int64_t d = 0; d < dim; d += 16) {
     const __m512 qv = load16(q + d);
-    for (int64_t j = 0; j < n; ++j) acc[j] = _mm512_fmadd_ps(qv, load16(keys[j] + d), acc[j]);
+#pragma GCC unroll 16
+    for (int j = 0; j < CHUNK; ++j) acc[j] = _mm512_fmadd_ps(qv, load16(keys[j] + d), acc[j]);
   }
   _mm512_storeu_ps(out, _mm512_mul_ps(horizontal_sums(acc), _mm512_set1_ps(scale)));
 }
@@ -269,11 +280,12 @@ inline void score_chunk(const c10::BFloat16* q, const c10::BFloat16* const* keys
 // acc[r][0 .. 16 NV) += sum_j w[r][j] * values[j] for ROWS rows sharing one KV head:
 // each value register is widened once and used by every row.
 template <int NV, int ROWS, typename T>
-inline void weigh(const float* const* w, const T* const* values, int64_t n, float* const* acc) {
+inline void weigh(const float* const* w, const T* const* values, float* const* acc) {
   __m512 a[ROWS][NV];
   for (int r = 0; r < ROWS; ++r)
     for (int v = 0; v < NV; ++v) a[r][v] = _mm512_loadu_ps(acc[r] + v * SLICE);
-  for (int64_t j = 0; j < n; ++j) {
+#pragma GCC unroll 16
+  for (int j = 0; j < CHUNK; ++j) {
     __m512 val[NV];
     for (int v = 0; v < NV; ++v) val[v] = load16(values[j] + v * SLICE);
     for (int r = 0; r < ROWS; ++r) {
@@ -286,22 +298,22 @@ inline void weigh(const float* const* w, const T* const* values, int64_t n, floa
 }
 
 template <int ROWS, typename T>
-void weigh_rows(const float* const* w, const T* const* values, int64_t n, int64_t dim, float* const* acc) {
+void weigh_rows(const float* const* w, const T* const* values, int64_t dim, float* const* acc) {
   constexpr int WIDTH = ROWS >= 3 ? 4 : 8;  // registers per row: ROWS * WIDTH + WIDTH <= 32
   for (int64_t d = 0; d < dim; d += WIDTH * SLICE) {
     const T* vals[CHUNK];
     float* accs[ROWS];
-    for (int64_t j = 0; j < n; ++j) vals[j] = values[j] + d;
+    for (int64_t j = 0; j < CHUNK; ++j) vals[j] = values[j] + d;
     for (int r = 0; r < ROWS; ++r) accs[r] = acc[r] + d;
     switch (std::min<int64_t>(WIDTH, (dim - d) / SLICE)) {
-      case 1: weigh<1, ROWS>(w, vals, n, accs); break;
-      case 2: weigh<2, ROWS>(w, vals, n, accs); break;
-      case 3: weigh<3, ROWS>(w, vals, n, accs); break;
-      case 4: weigh<4, ROWS>(w, vals, n, accs); break;
-      case 5: if constexpr (WIDTH > 4) { weigh<5, ROWS>(w, vals, n, accs); } break;
-      case 6: if constexpr (WIDTH > 4) { weigh<6, ROWS>(w, vals, n, accs); } break;
-      case 7: if constexpr (WIDTH > 4) { weigh<7, ROWS>(w, vals, n, accs); } break;
-      default: if constexpr (WIDTH > 4) { weigh<WIDTH, ROWS>(w, vals, n, accs); } break;
+      case 1: weigh<1, ROWS>(w, vals, accs); break;
+      case 2: weigh<2, ROWS>(w, vals, accs); break;
+      case 3: weigh<3, ROWS>(w, vals, accs); break;
+      case 4: weigh<4, ROWS>(w, vals, accs); break;
+      case 5: if constexpr (WIDTH > 4) { weigh<5, ROWS>(w, vals, accs); } break;
+      case 6: if constexpr (WIDTH > 4) { weigh<6, ROWS>(w, vals, accs); } break;
+      case 7: if constexpr (WIDTH > 4) { weigh<7, ROWS>(w, vals, accs); } break;
+      default: if constexpr (WIDTH > 4) { weigh<WIDTH, ROWS>(w, vals, accs); } break;
     }
   }
 }
@@ -313,19 +325,21 @@ void run_item_avx512(const Problem<T>& p, const WorkItem& item, Scratch& s) {
   s.scores.resize(g.rows * g.stride);
   s.acc.assign(g.rows * dim, 0.0f);
   s.inv_sums.resize(g.rows);
+  s.zeros.assign(dim, 0.0f);  // all-zero bits: a zero row in any dtype
+  const T* zero_row = reinterpret_cast<const T*>(s.zeros.data());
 
   const T* rows[CHUNK];
   const T* head_rows[CHUNK];
-  p.prefetch(p.k_cache, item.seq, g.key_lo, g.key_hi);
+  for (int64_t a = 0; a < PREFETCH_AHEAD; ++a) p.prefetch(p.k_cache, item.seq, g.key_lo + a * CHUNK, g.key_hi);
   for (int64_t c = g.key_lo; c < g.key_hi; c += CHUNK) {
     const int64_t n = std::min<int64_t>(CHUNK, g.key_hi - c);
-    p.prefetch(p.k_cache, item.seq, c + CHUNK, g.key_hi);
+    p.prefetch(p.k_cache, item.seq, c + PREFETCH_AHEAD * CHUNK, g.key_hi);
     p.chunk_rows(p.k_cache, item.seq, c, n, rows);
     for (int64_t h = 0; h < p.kv_heads; ++h) {
-      for (int64_t j = 0; j < n; ++j) head_rows[j] = rows[j] + h * dim;
+      for (int64_t j = 0; j < CHUNK; ++j) head_rows[j] = j < n ? rows[j] + h * dim : zero_row;
       for (int64_t i = 0; i < item.num_queries; ++i)
         for (int64_t r = i * p.heads + h * group; r < i * p.heads + (h + 1) * group; ++r)
-          score_chunk(p.query + (g.first_token * p.heads + r) * dim, head_rows, n, dim, p.scale,
+          score_chunk(p.query + (g.first_token * p.heads + r) * dim, head_rows, dim, p.scale,
                       s.scores.data() + r * g.stride + (c - g.key_lo));
     }
   }
@@ -353,13 +367,13 @@ void run_item_avx512(const Problem<T>& p, const WorkItem& item, Scratch& s) {
 
   // Rows of one KV head, three at a time (the GQA group of a decode is often exactly that).
   std::vector<int64_t> head_rows_idx;
-  p.prefetch(p.v_cache, item.seq, g.key_lo, g.key_hi);
+  for (int64_t a = 0; a < PREFETCH_AHEAD; ++a) p.prefetch(p.v_cache, item.seq, g.key_lo + a * CHUNK, g.key_hi);
   for (int64_t c = g.key_lo; c < g.key_hi; c += CHUNK) {
     const int64_t n = std::min<int64_t>(CHUNK, g.key_hi - c);
-    p.prefetch(p.v_cache, item.seq, c + CHUNK, g.key_hi);
+    p.prefetch(p.v_cache, item.seq, c + PREFETCH_AHEAD * CHUNK, g.key_hi);
     p.chunk_rows(p.v_cache, item.seq, c, n, rows);
     for (int64_t h = 0; h < p.kv_heads; ++h) {
-      for (int64_t j = 0; j < n; ++j) head_rows[j] = rows[j] + h * dim;
+      for (int64_t j = 0; j < CHUNK; ++j) head_rows[j] = j < n ? rows[j] + h * dim : zero_row;
       head_rows_idx.clear();
       for (int64_t i = 0; i < item.num_queries; ++i)
         for (int64_t r = i * p.heads + h * group; r < i * p.heads + (h + 1) * group; ++r) head_rows_idx.push_back(r);
@@ -371,9 +385,9 @@ void run_item_avx512(const Problem<T>& p, const WorkItem& item, Scratch& s) {
           w[i] = s.scores.data() + head_rows_idx[k + i] * g.stride + (c - g.key_lo);
           acc[i] = s.acc.data() + head_rows_idx[k + i] * dim;
         }
-        if (count == 3) weigh_rows<3>(w, head_rows, n, dim, acc);
-        else if (count == 2) weigh_rows<2>(w, head_rows, n, dim, acc);
-        else weigh_rows<1>(w, head_rows, n, dim, acc);
+        if (count == 3) weigh_rows<3>(w, head_rows, dim, acc);
+        else if (count == 2) weigh_rows<2>(w, head_rows, dim, acc);
+        else weigh_rows<1>(w, head_rows, dim, acc);
       }
     }
   }
@@ -415,9 +429,13 @@ void run(const Problem<T>& p, int64_t num_seqs) {
   }
   constexpr bool kVectorType = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>;
   const bool vector_path = kHaveAvx512 && kVectorType && p.dim % 16 == 0;
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items.size()));
+  int64_t total_cost = 0;
+  for (const WorkItem& item : items) total_cost += item.cost;
+  // Tiny batches run on the calling thread: waking the pool costs more than they do.
+  const int64_t threads = total_cost < SERIAL_COST ? 1 : std::max<int64_t>(
+      1, std::min<int64_t>(at::get_num_threads(), items.size()));
   const auto bins = assign(std::move(items), threads);
-  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+  auto work = [&](int64_t begin, int64_t end) {
     Scratch scratch;
     for (int64_t t = begin; t < end; ++t)
       for (const WorkItem& item : bins[t]) {
@@ -426,7 +444,9 @@ void run(const Problem<T>& p, int64_t num_seqs) {
         }
         run_item_portable(p, item, scratch);
       }
-  });
+  };
+  if (threads == 1) work(0, 1);
+  else at::parallel_for(0, threads, 1, work);
 }
 
 }  // namespace

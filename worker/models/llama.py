@@ -17,6 +17,7 @@ from torch import nn
 
 from worker.attention.metadata import AttentionMetadata
 from worker.attention.step_context import paged_attention, step_context
+from worker.models.packed_linear import linear, pack_weights
 from worker.models.rotary import RotaryEmbedding, apply_rotary
 
 
@@ -42,6 +43,9 @@ class DecoderLayer(nn.Module):
         self.sizes = s
         self.sliding_window = sliding_window
         self.layer_index = layer_index  # which KV cache the attention call writes and reads
+        # Packed copies of qkv, o, gate_up, down of layer i live under keys
+        # packed_base + 4 i + (0..3) (see packed_linear); 0 = plain F.linear.
+        self.packed_base = 0
         qkv_rows = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
         self.input_norm = _param(s.hidden, dtype=dtype, device=device)
         self.qkv_weight = _param(qkv_rows, s.hidden, dtype=dtype, device=device)
@@ -67,19 +71,20 @@ def decoder_layer(layer: DecoderLayer, hidden: torch.Tensor, cos: torch.Tensor, 
     instead of the whole stack cuts the compile time about thirtyfold."""
     s = layer.sizes
     num_tokens = hidden.shape[0]
+    key = layer.packed_base and layer.packed_base + 4 * layer_index
     x = rms_norm(hidden, layer.input_norm, s.eps)
-    qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias)
+    qkv = linear(x, layer.qkv_weight, layer.qkv_bias, key)
     q, k, v = qkv.split([s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim,
                          s.num_kv_heads * s.head_dim], dim=-1)
     q = apply_rotary(q.view(num_tokens, s.num_heads, s.head_dim), cos, sin)
     k = apply_rotary(k.view(num_tokens, s.num_kv_heads, s.head_dim), cos, sin)
     v = v.view(num_tokens, s.num_kv_heads, s.head_dim)
     attn = paged_attention(q, k, v, layer_index, s.head_dim ** -0.5, layer.sliding_window)
-    hidden = hidden + F.linear(attn.reshape(num_tokens, -1), layer.o_weight, layer.o_bias)
+    hidden = hidden + linear(attn.reshape(num_tokens, -1), layer.o_weight, layer.o_bias, key and key + 1)
 
     x = rms_norm(hidden, layer.post_norm, s.eps)
-    gate, up = F.linear(x, layer.gate_up_weight, layer.gate_up_bias).chunk(2, dim=-1)
-    return hidden + F.linear(F.silu(gate).mul_(up), layer.down_weight, layer.down_bias)
+    gate, up = linear(x, layer.gate_up_weight, layer.gate_up_bias, key and key + 2).chunk(2, dim=-1)
+    return hidden + linear(F.silu(gate).mul_(up), layer.down_weight, layer.down_bias, key and key + 3)
 
 
 class ModelSizes:
@@ -117,6 +122,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = self.embed_tokens if self.tie_word_embeddings else _param(
             s.vocab, s.hidden, dtype=dtype, device=device)
         self.rotary = RotaryEmbedding(hf_config, s.head_dim)
+        self.lm_head_key = 0  # packed lm_head (see pack_weights)
 
     # --- architecture rules (overridden by Mistral / Qwen2) -------------------------
     @classmethod
@@ -152,9 +158,23 @@ class LlamaForCausalLM(nn.Module):
         return rms_norm(hidden, self.norm, self.sizes.eps)
 
     @torch.no_grad()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] -> float32 logits [N, vocab] (matmul in the model dtype, like transformers)."""
-        return F.linear(hidden, self.lm_head).float()
+    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        """hidden [N, hidden] -> float32 logits [N, vocab] (matmul in the model dtype, like transformers).
+        upcast=False keeps the model dtype: enough for a plain argmax, which the exact
+        float32 widening cannot change, and it saves a copy of [N, vocab]."""
+        logits = linear(hidden, self.lm_head, None, self.lm_head_key)
+        return logits.float() if upcast else logits
+
+    def pack_weights(self) -> bool:
+        """Pre-pack the matmul weights for oneDNN (bfloat16 on CPU only; see packed_linear).
+        Call after load_weights; returns whether anything was packed."""
+        weights = [w for layer in self.layers
+                   for w in (layer.qkv_weight, layer.o_weight, layer.gate_up_weight, layer.down_weight)]
+        base = pack_weights(weights + [self.lm_head], owner=self)
+        for layer in self.layers:
+            layer.packed_base = base
+        self.lm_head_key = base and base + len(weights)
+        return bool(base)
 
     # --- weights ---------------------------------------------------------------------
     def weight_targets(self) -> dict[str, torch.Tensor]:

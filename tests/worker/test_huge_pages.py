@@ -1,0 +1,29 @@
+"""The KV cache's huge-page allocation: an ordinary zeroed tensor to every caller."""
+from __future__ import annotations
+
+import torch
+
+from worker.huge_pages import HUGE_PAGE, zeros_on_huge_pages
+from worker.kv_cache import allocate_kv_caches
+from tiny_models import TINY_SIZES
+
+
+def test_zeros_on_huge_pages_is_a_zeroed_aligned_writable_tensor():
+    t = zeros_on_huge_pages((300, 16, 3, 64), torch.bfloat16)  # 1.8 MiB: below one huge page
+    assert t.shape == (300, 16, 3, 64) and t.dtype == torch.bfloat16 and t.is_contiguous()
+    assert not t.any()
+    big = zeros_on_huge_pages((3000, 16, 3, 64), torch.bfloat16)
+    assert big.data_ptr() % HUGE_PAGE == 0 and big.is_contiguous() and not big.any()
+    big[-1, -1, -1, -1] = 2.5
+    assert big.flatten()[-1].item() == 2.5 and big.sum().item() == 2.5
+
+
+def test_kv_caches_are_zeroed_and_separate():
+    import transformers
+
+    caches = allocate_kv_caches(transformers.LlamaConfig(**TINY_SIZES), num_blocks=4096, block_size=16, dtype=torch.float32,
+                                device="cpu")
+    k0, v0 = caches[0]
+    assert not k0.any() and not v0.any()
+    k0.fill_(1.0)
+    assert not v0.any() and not caches[-1][0].any()

@@ -1,0 +1,85 @@
+"""Does the fast path compute the same function? (`pagedserve bench accuracy`)
+
+Three checks on a workload, each between two engines that differ in one thing:
+1. float32, compiled vs eager: share of greedy tokens that agree (position by
+   position, every request);
+2. bfloat16, compiled vs eager: relative L2 error of the first step's logits
+   (every prompt's last position);
+3. bfloat16 (compiled) vs float32 (eager): share of prompts whose first greedy
+   token agrees.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from common.benchmarks.workloads import BenchRequest
+from common.config import EngineConfig
+
+
+def _engine(config: EngineConfig, dtype: str, eager: bool):
+    from worker.llm import LLM
+    fields = {name: getattr(config, name) for name in EngineConfig.__dataclass_fields__}
+    fields.update(dtype=dtype, enforce_eager=eager)
+    return LLM(skip_tokenizer_init=True, **fields)
+
+
+def greedy_tokens(llm: Any, requests: list[BenchRequest], max_tokens: int | None = None) -> list[list[int]]:
+    from worker.benchmarks.throughput import greedy_params
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
+    params = [greedy_params(max_tokens or r.max_tokens) for r in requests]
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def first_step_logits(llm: Any, requests: list[BenchRequest]):
+    """Logits at each prompt's last position, each prompt prefilled alone in a fresh cache."""
+    import torch
+
+    from common.protocol import NewRequestData, StepPlan
+    from worker.benchmarks.throughput import greedy_params
+
+    worker = llm.worker
+    rows = []
+    for i, request in enumerate(requests):
+        ids = list(request.prompt_token_ids)
+        blocks = list(range(1, 1 + -(-len(ids) // worker.config.block_size)))
+        plan = StepPlan(step_id=i, new_requests=[NewRequestData(
+            request_id=f"logits-{i}", token_ids=ids, num_prompt_tokens=len(ids), sampling_params=greedy_params(1),
+            block_ids=blocks, num_computed_tokens=0)], num_scheduled_tokens={f"logits-{i}": len(ids)})
+        worker.input_batch.apply_plan(plan)
+        batch = worker.input_batch.build(plan.num_scheduled_tokens)
+        with torch.inference_mode():
+            hidden = worker.forward(batch.input_ids, batch.positions, batch.attn_metadata)
+            rows.append(worker.model.compute_logits(hidden.index_select(0, batch.logits_indices)))
+        worker.input_batch.apply_plan(StepPlan(step_id=i, finished_request_ids=[f"logits-{i}"]))
+    return torch.cat(rows)
+
+
+def relative_l2(a, b) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def run_accuracy(config: EngineConfig, requests: list[BenchRequest], *, max_tokens: int | None = None,
+                 checks: tuple[str, ...] = ("float32", "bfloat16", "first_token")) -> dict[str, Any]:
+    result: dict[str, Any] = {"requests": len(requests)}
+    fp32_eager = None
+    if "float32" in checks or "first_token" in checks:
+        fp32_eager = _engine(config, "float32", eager=True)
+    if "float32" in checks:
+        eager = greedy_tokens(fp32_eager, requests, max_tokens)
+        compiled = greedy_tokens(_engine(config, "float32", eager=False), requests, max_tokens)
+        pairs = [(a, b) for x, y in zip(eager, compiled) for a, b in zip(x, y)]
+        result["float32_compiled_vs_eager_token_agreement"] = round(sum(a == b for a, b in pairs) / len(pairs), 5)
+        result["float32_identical_requests"] = sum(x == y for x, y in zip(eager, compiled))
+    bf16_compiled = None
+    if "bfloat16" in checks or "first_token" in checks:
+        bf16_compiled = _engine(config, "bfloat16", eager=False)
+    if "bfloat16" in checks:
+        compiled_logits = first_step_logits(bf16_compiled, requests)
+        eager_logits = first_step_logits(_engine(config, "bfloat16", eager=True), requests)
+        result["bfloat16_compiled_vs_eager_logits_rel_l2"] = round(relative_l2(compiled_logits, eager_logits), 6)
+    if "first_token" in checks:
+        bf16_first = [t[0] for t in greedy_tokens(bf16_compiled, requests, 1)]
+        fp32_first = [t[0] for t in greedy_tokens(fp32_eager, requests, 1)]
+        result["bfloat16_vs_float32_first_token_agreement"] = round(
+            sum(a == b for a, b in zip(bf16_first, fp32_first)) / len(requests), 5)
+    return result
