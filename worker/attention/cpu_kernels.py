@@ -11,10 +11,12 @@ compile error) is logged once and the caller falls back to plain PyTorch;
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import threading
+import time
 from typing import Any
 
 import torch
@@ -28,6 +30,7 @@ ENV_SWITCH = "PAGEDSERVE_CPU_KERNELS"
 # libgomp.so.1 resolves to the copy torch already loaded, so there is one thread pool.
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only"]
 LDFLAGS = ["-fopenmp"]
+STALE_LOCK_S = 600  # a build takes about a minute; a lock this old belongs to a killed build
 
 _lock = threading.Lock()
 _module: Any = None
@@ -50,6 +53,21 @@ def _extension_name() -> str:
     return f"pagedserve_cpu_attention_{digest.hexdigest()[:12]}"
 
 
+def _clear_stale_build_lock(name: str) -> None:
+    """A build killed midway (a worker restarted during its first start) leaves its lock
+    file behind, and torch then waits for it forever. No build takes STALE_LOCK_S."""
+    from torch.utils.cpp_extension import _get_build_directory
+    lock = os.path.join(_get_build_directory(name, verbose=False), "lock")
+    try:
+        age = time.time() - os.path.getmtime(lock)
+    except OSError:
+        return  # no lock: nobody is building
+    if age > STALE_LOCK_S:
+        logger.warning("removing a stale kernel build lock (%.0f s old): %s", age, lock)
+        with contextlib.suppress(OSError):
+            os.remove(lock)
+
+
 def enabled() -> bool:
     return os.environ.get(ENV_SWITCH, "1").lower() not in ("0", "false", "no", "off")
 
@@ -67,6 +85,7 @@ def load() -> Any | None:
             return None
         try:
             from torch.utils.cpp_extension import load_inline
+            _clear_stale_build_lock(_extension_name())
             logger.info("Building the CPU paged attention kernel (first use on this machine)...")
             _module = load_inline(name=_extension_name(), cpp_sources=[SOURCE], functions=FUNCTIONS,
                                   extra_cflags=CFLAGS, extra_ldflags=LDFLAGS, verbose=False)

@@ -1,0 +1,226 @@
+"""The AVX-512 half of the CPU paged attention kernel's C++ source (see
+`worker.attention.cpu_attention_source`, which puts the pieces together).
+
+K and V are read straight from the cache: scores of 16 positions come from 16
+accumulators (FMA, or vdpbf16ps on bfloat16 pairs) and one transposing
+horizontal sum; exp is a vectorized polynomial; values are widened in
+registers and added into register-resident accumulators of a few query rows
+at a time. Without AVX-512 the portable loops run instead.
+"""
+
+AVX512_PATH = r"""#if defined(__AVX512F__)
+// ---------------------------------------------------------------------------------------------
+// AVX-512 path (float32 or bfloat16, head_dim a multiple of 16). K and V are read
+// straight from the cache: scores of 16 positions come from 16 accumulators (FMA,
+// or vdpbf16ps on bf16 pairs) and one transposing horizontal sum; values are
+// widened in registers and added into register-resident accumulators of a few
+// query rows at a time. Nothing is copied: staging K/V in a buffer turned out to
+// be several times slower (the buffer's stores stall the cache loads).
+constexpr int64_t SLICE = 16;  // floats per register
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+// Lane j of the result is the sum of the 16 lanes of v[j].
+inline __m512 horizontal_sums(const __m512* v) {
+  __m512 t[8], u[4], w[2];
+  for (int i = 0; i < 8; ++i)
+    t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)
+    u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)
+    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(u[2 * i], u[2 * i + 1]), _mm512_unpackhi_ps(u[2 * i], u[2 * i + 1]));
+  const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(w[0]), _mm512_castps_pd(w[1]));
+  const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(w[0]), _mm512_castps_pd(w[1]));
+  const __m512 x = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, x);
+}
+
+// exp(x) for x <= 0 (max-subtracted scores): 2^n * p(r) with a degree-6 polynomial.
+inline __m512 exp_ps(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-88.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 poly = _mm512_set1_ps(1.3981999507e-3f);
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(8.3334519073e-3f));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(4.1665795894e-2f));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.6666665459e-1f));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(5.0000001201e-1f));
+  poly = _mm512_fmadd_ps(poly, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(poly, n);
+}
+
+// out[j] = scale * (q . keys[j]) for the 16 keys of a chunk (a short chunk points its
+// missing keys at a zero row: fixed-size loops unroll and keep all 16 accumulators in registers).
+inline void score_chunk(const float* q, const float* const* keys, int64_t dim, float scale, float* out) {
+  __m512 acc[CHUNK];
+#pragma GCC unroll 16
+  for (int j = 0; j < CHUNK; ++j) acc[j] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < dim; d += 16) {
+    const __m512 qv = _mm512_loadu_ps(q + d);
+#pragma GCC unroll 16
+    for (int j = 0; j < CHUNK; ++j) acc[j] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(keys[j] + d), acc[j]);
+  }
+  _mm512_storeu_ps(out, _mm512_mul_ps(horizontal_sums(acc), _mm512_set1_ps(scale)));
+}
+#if defined(__AVX512BF16__)
+inline void score_chunk(const c10::BFloat16* q, const c10::BFloat16* const* keys, int64_t dim, float scale,
+                        float* out) {
+  __m512 acc[CHUNK];
+#pragma GCC unroll 16
+  for (int j = 0; j < CHUNK; ++j) acc[j] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < dim; d += 32) {
+    const __mmask32 m = dim - d >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << (dim - d)) - 1);
+    const __m512bh qv = (__m512bh)_mm512_maskz_loadu_epi16(m, q + d);
+#pragma GCC unroll 16
+    for (int j = 0; j < CHUNK; ++j)
+      acc[j] = _mm512_dpbf16_ps(acc[j], qv, (__m512bh)_mm512_maskz_loadu_epi16(m, keys[j] + d));
+  }
+  _mm512_storeu_ps(out, _mm512_mul_ps(horizontal_sums(acc), _mm512_set1_ps(scale)));
+}
+#else
+inline void score_chunk(const c10::BFloat16* q, const c10::BFloat16* const* keys, int64_t dim, float scale,
+                        float* out) {
+  __m512 acc[CHUNK];
+#pragma GCC unroll 16
+  for (int j = 0; j < CHUNK; ++j) acc[j] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < dim; d += 16) {
+    const __m512 qv = load16(q + d);
+#pragma GCC unroll 16
+    for (int j = 0; j < CHUNK; ++j) acc[j] = _mm512_fmadd_ps(qv, load16(keys[j] + d), acc[j]);
+  }
+  _mm512_storeu_ps(out, _mm512_mul_ps(horizontal_sums(acc), _mm512_set1_ps(scale)));
+}
+#endif
+
+// acc[r][0 .. 16 NV) += sum_j w[r][j] * values[j] for ROWS rows sharing one KV head:
+// each value register is widened once and used by every row.
+template <int NV, int ROWS, typename T>
+inline void weigh(const float* const* w, const T* const* values, float* const* acc) {
+  __m512 a[ROWS][NV];
+  for (int r = 0; r < ROWS; ++r)
+    for (int v = 0; v < NV; ++v) a[r][v] = _mm512_loadu_ps(acc[r] + v * SLICE);
+#pragma GCC unroll 16
+  for (int j = 0; j < CHUNK; ++j) {
+    __m512 val[NV];
+    for (int v = 0; v < NV; ++v) val[v] = load16(values[j] + v * SLICE);
+    for (int r = 0; r < ROWS; ++r) {
+      const __m512 wj = _mm512_set1_ps(w[r][j]);
+      for (int v = 0; v < NV; ++v) a[r][v] = _mm512_fmadd_ps(wj, val[v], a[r][v]);
+    }
+  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(acc[r] + v * SLICE, a[r][v]);
+}
+
+template <int ROWS, typename T>
+void weigh_rows(const float* const* w, const T* const* values, int64_t dim, float* const* acc) {
+  constexpr int WIDTH = ROWS >= 3 ? 4 : 8;  // registers per row: ROWS * WIDTH + WIDTH <= 32
+  for (int64_t d = 0; d < dim; d += WIDTH * SLICE) {
+    const T* vals[CHUNK];
+    float* accs[ROWS];
+    for (int64_t j = 0; j < CHUNK; ++j) vals[j] = values[j] + d;
+    for (int r = 0; r < ROWS; ++r) accs[r] = acc[r] + d;
+    switch (std::min<int64_t>(WIDTH, (dim - d) / SLICE)) {
+      case 1: weigh<1, ROWS>(w, vals, accs); break;
+      case 2: weigh<2, ROWS>(w, vals, accs); break;
+      case 3: weigh<3, ROWS>(w, vals, accs); break;
+      case 4: weigh<4, ROWS>(w, vals, accs); break;
+      case 5: if constexpr (WIDTH > 4) { weigh<5, ROWS>(w, vals, accs); } break;
+      case 6: if constexpr (WIDTH > 4) { weigh<6, ROWS>(w, vals, accs); } break;
+      case 7: if constexpr (WIDTH > 4) { weigh<7, ROWS>(w, vals, accs); } break;
+      default: if constexpr (WIDTH > 4) { weigh<WIDTH, ROWS>(w, vals, accs); } break;
+    }
+  }
+}
+
+template <typename T>
+void run_item_avx512(const Problem<T>& p, const WorkItem& item, Scratch& s) {
+  const ItemGeometry g(p, item);
+  const int64_t dim = p.dim, group = p.heads / p.kv_heads;
+  s.scores.resize(g.rows * g.stride);
+  s.acc.assign(g.rows * dim, 0.0f);
+  s.inv_sums.resize(g.rows);
+  s.zeros.assign(dim, 0.0f);  // all-zero bits: a zero row in any dtype
+  const T* zero_row = reinterpret_cast<const T*>(s.zeros.data());
+
+  const T* rows[CHUNK];
+  const T* head_rows[CHUNK];
+  for (int64_t a = 0; a < PREFETCH_AHEAD; ++a) p.prefetch(p.k_cache, item.seq, g.key_lo + a * CHUNK, g.key_hi);
+  for (int64_t c = g.key_lo; c < g.key_hi; c += CHUNK) {
+    const int64_t n = std::min<int64_t>(CHUNK, g.key_hi - c);
+    p.prefetch(p.k_cache, item.seq, c + PREFETCH_AHEAD * CHUNK, g.key_hi);
+    p.chunk_rows(p.k_cache, item.seq, c, n, rows);
+    for (int64_t h = 0; h < p.kv_heads; ++h) {
+      for (int64_t j = 0; j < CHUNK; ++j) head_rows[j] = j < n ? rows[j] + h * dim : zero_row;
+      for (int64_t i = 0; i < item.num_queries; ++i)
+        for (int64_t r = i * p.heads + h * group; r < i * p.heads + (h + 1) * group; ++r)
+          score_chunk(p.query + (g.first_token * p.heads + r) * dim, head_rows, dim, p.scale,
+                      s.scores.data() + r * g.stride + (c - g.key_lo));
+    }
+  }
+
+  for (int64_t r = 0; r < g.rows; ++r) {
+    const auto [lo, hi] = g.visible(p, r);
+    float* sr = s.scores.data() + r * g.stride;
+    __m512 max_v = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t k = lo; k < hi; k += 16) {
+      const __mmask16 mask = hi - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (hi - k)) - 1);
+      max_v = _mm512_mask_max_ps(max_v, mask, max_v, _mm512_maskz_loadu_ps(mask, sr + k));
+    }
+    const __m512 max_score = _mm512_set1_ps(_mm512_reduce_max_ps(max_v));
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t k = lo; k < hi; k += 16) {
+      const __mmask16 mask = hi - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (hi - k)) - 1);
+      const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, sr + k), max_score));
+      _mm512_mask_storeu_ps(sr + k, mask, e);
+      total = _mm512_mask_add_ps(total, mask, total, e);
+    }
+    std::fill(sr, sr + lo, 0.0f);  // invisible positions weigh nothing
+    std::fill(sr + hi, sr + g.stride, 0.0f);
+    s.inv_sums[r] = 1.0f / _mm512_reduce_add_ps(total);
+  }
+
+  // Rows of one KV head, three at a time (the GQA group of a decode is often exactly that).
+  std::vector<int64_t> head_rows_idx;
+  for (int64_t a = 0; a < PREFETCH_AHEAD; ++a) p.prefetch(p.v_cache, item.seq, g.key_lo + a * CHUNK, g.key_hi);
+  for (int64_t c = g.key_lo; c < g.key_hi; c += CHUNK) {
+    const int64_t n = std::min<int64_t>(CHUNK, g.key_hi - c);
+    p.prefetch(p.v_cache, item.seq, c + PREFETCH_AHEAD * CHUNK, g.key_hi);
+    p.chunk_rows(p.v_cache, item.seq, c, n, rows);
+    for (int64_t h = 0; h < p.kv_heads; ++h) {
+      for (int64_t j = 0; j < CHUNK; ++j) head_rows[j] = j < n ? rows[j] + h * dim : zero_row;
+      head_rows_idx.clear();
+      for (int64_t i = 0; i < item.num_queries; ++i)
+        for (int64_t r = i * p.heads + h * group; r < i * p.heads + (h + 1) * group; ++r) head_rows_idx.push_back(r);
+      for (size_t k = 0; k < head_rows_idx.size(); k += 3) {
+        const int64_t count = std::min<int64_t>(3, head_rows_idx.size() - k);
+        const float* w[3];
+        float* acc[3];
+        for (int64_t i = 0; i < count; ++i) {
+          w[i] = s.scores.data() + head_rows_idx[k + i] * g.stride + (c - g.key_lo);
+          acc[i] = s.acc.data() + head_rows_idx[k + i] * dim;
+        }
+        if (count == 3) weigh_rows<3>(w, head_rows, dim, acc);
+        else if (count == 2) weigh_rows<2>(w, head_rows, dim, acc);
+        else weigh_rows<1>(w, head_rows, dim, acc);
+      }
+    }
+  }
+  write_output(p, g, s);
+}
+constexpr bool kHaveAvx512 = true;
+#else
+template <typename T>
+void run_item_avx512(const Problem<T>& p, const WorkItem& item, Scratch& s) { run_item_portable(p, item, s); }
+constexpr bool kHaveAvx512 = false;
+#endif
+"""
