@@ -136,7 +136,8 @@ def bar_chart(path: str, title: str, groups: list[str], series: dict[str, list[f
 def line_panels(path: str, title: str, x_values: list[float], x_label: str,
                 panels: list[tuple[str, dict[str, list[float]]]], log2_x: bool = True) -> None:
     """Stacked panels sharing an x axis; each panel is (y label, {series name: values})."""
-    panel_height, width = 300, 900
+    legend_width = 22 + max((text_width(name, 2) for _, series in panels for name in series), default=0) + 20
+    panel_height, width = 300, 710 + legend_width  # the legend right of the plots, never cut off
     canvas = Canvas(width, 90 + len(panels) * (panel_height + 100) + 40)
     canvas.text(width / 2, 16, title, anchor="center", scale=3)
     xs = [math.log2(x) if log2_x else x for x in x_values]
@@ -144,7 +145,8 @@ def line_panels(path: str, title: str, x_values: list[float], x_label: str,
     for p, (y_label, series) in enumerate(panels):
         top = 90 + p * (panel_height + 100)
         values = [v for vs in series.values() for v in vs]
-        plot = Plot(canvas, 110, top, width - 190, top + panel_height, max(values, default=1.0) * 1.1, y_label)
+        plot = Plot(canvas, 110, top, width - legend_width - 20, top + panel_height, max(values, default=1.0) * 1.1,
+                    y_label)
 
         def px(x: float) -> float:
             return plot.left + 20 + (plot.right - plot.left - 40) * (x - x_lo) / (x_hi - x_lo)

@@ -115,3 +115,15 @@ def test_sweep_over_max_num_seqs(tiny):
     assert [p["max_num_seqs"] for p in points] == [1, 4]
     assert all(p["output_tokens_per_s"] > 0 and p["peak_kv_gib"] > 0 for p in points)
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_accuracy_reports_every_check(tiny):
+    root, _ = tiny
+    out = bench("accuracy", "--workload", str(root / "tiny.jsonl"), "--model", str(root / "model"),
+                "--kv-cache-memory", "64MiB", "--num-requests", "3", "--max-tokens", "4", "--json", timeout=600)
+    [result] = json_lines(out)
+    assert result["requests"] == 3 and result["workload"] == "tiny.jsonl"
+    assert 0.99 <= result["float32_compiled_vs_eager_token_agreement"] <= 1.0  # the same function
+    assert result["float32_identical_requests"] <= 3
+    assert 0 <= result["bfloat16_compiled_vs_eager_logits_rel_l2"] < 0.05
+    assert 0 <= result["bfloat16_vs_float32_first_token_agreement"] <= 1.0

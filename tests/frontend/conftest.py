@@ -16,30 +16,18 @@ from pathlib import Path
 
 import pytest
 
+from tests.tokenizer_pool.tokenizer_pool_helpers import build_tiny_tokenizer as build_bpe_tokenizer
+
 REPO = Path(__file__).resolve().parents[2]
 MAX_MODEL_LEN = 256
 SERVED_NAMES = ["tiny-model", "tiny-alias"]
-CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
-          "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 
 def build_tiny_tokenizer(path: Path) -> Path:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
     from tests.frontend.fakes import SCRIPT_TEXT
 
     corpus = [SCRIPT_TEXT, "Hello, world! How are you today?", "naïve café — 日本語 🙂", "Say hello to me."] * 20
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(corpus, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
-                                   unk_token="<|endoftext|>", pad_token="<|endoftext|>", chat_template=CHATML)
-    fast.save_pretrained(str(path))
-    return path
+    return build_bpe_tokenizer(path, corpus)
 
 
 class Process:

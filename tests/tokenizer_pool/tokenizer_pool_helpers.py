@@ -19,7 +19,8 @@ CORPUS = ["The quick brown fox jumps over the lazy dog.", "Hello, world! How are
           "naïve café — 日本語 テキスト 🙂", "tokenizer pool router worker job"] * 20
 
 
-def build_tiny_tokenizer(path: Path) -> Path:
+def build_tiny_tokenizer(path: Path, corpus: list[str] = CORPUS) -> Path:
+    """A byte-level BPE tokenizer (400 tokens, ChatML template) trained on `corpus`, saved to `path`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -28,7 +29,7 @@ def build_tiny_tokenizer(path: Path) -> Path:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(CORPUS, trainer)
+    tok.train_from_iterator(corpus, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
                                    unk_token="<|endoftext|>", pad_token="<|endoftext|>", chat_template=CHATML)
     fast.save_pretrained(str(path))
