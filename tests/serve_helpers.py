@@ -5,6 +5,7 @@ import os
 import re
 import signal
 import socket
+import urllib.request
 import subprocess
 import sys
 import time
@@ -94,3 +95,15 @@ class Server:
         self._log.close()
         return self.proc.returncode
 
+
+def metric_samples(server) -> dict[str, float]:
+    """The server's /metrics, each sample name summed over its label sets."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(server.base_url + "/metrics", timeout=30) as response:
+        text = response.read().decode()
+    samples: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[sample.name] = samples.get(sample.name, 0.0) + sample.value
+    return samples

@@ -3,16 +3,14 @@ SmolLM2 in float32) shared by every test of this package, and the clients
 and references the tests compare it with."""
 from __future__ import annotations
 
-import urllib.request
 
 import grpc
 import openai
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 
 from common.grpc_gen import pagedserve_pb2_grpc as pb_grpc
-from serve_helpers import MODEL, Server
+from serve_helpers import MODEL, Server, metric_samples  # noqa: F401 (tests import it from here)
 
 
 @pytest.fixture(scope="package")
@@ -73,12 +71,3 @@ class Reference:
 def reference(model_dir) -> Reference:
     return Reference(model_dir)
 
-
-def metric_samples(server) -> dict[str, float]:
-    with urllib.request.urlopen(server.base_url + "/metrics", timeout=30) as response:
-        text = response.read().decode()
-    samples: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            samples[sample.name] = samples.get(sample.name, 0.0) + sample.value
-    return samples

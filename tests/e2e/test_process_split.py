@@ -14,12 +14,11 @@ import grpc
 import openai
 import pytest
 import zmq
-from prometheus_client.parser import text_string_to_metric_families
 
 from common.grpc_gen import pagedserve_pb2 as pb
 from common.grpc_gen import pagedserve_pb2_grpc as pb_grpc
 from common.sampling_params import SamplingParams
-from serve_helpers import MODEL, Server, cmdline, descendants
+from serve_helpers import MODEL, Server, cmdline, descendants, metric_samples
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "The three primary colors are",
@@ -99,16 +98,6 @@ def test_grpc_generate_yields_the_same_tokens(server, client, offline_llm):
         list(stub.Generate(pb.GenerateRequest(text="x", sampling_params=pb.SamplingParams(temperature=-1)),
                            timeout=30))
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "temperature" in error.value.details()
-
-
-def metric_samples(server) -> dict[str, float]:
-    with urllib.request.urlopen(server.base_url + "/metrics", timeout=30) as response:
-        text = response.read().decode()
-    samples: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            samples[sample.name] = samples.get(sample.name, 0.0) + sample.value
-    return samples
 
 
 def test_metrics_parse_and_count_requests(server, client):
