@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
                             max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
     try:
         params.validate()
-        llm = LLM(**{f: getattr(config, f) for f in config.__dataclass_fields__})
+        llm = LLM.from_config(config)
         if args.chat:
             system = [{"role": "system", "content": args.system}] if args.system else []
             conversations = [system + [{"role": "user", "content": p}] for p in args.prompt]

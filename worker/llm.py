@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Sequence, Union
 
 from tqdm.auto import tqdm
@@ -58,6 +58,12 @@ class LLM:
         self.tokenizer = None if skip_tokenizer_init else load_tokenizer(self.worker.model_dir)
         self._ids = itertools.count()
         self.loop_stats = EngineLoopStats()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, skip_tokenizer_init: bool = False) -> "LLM":
+        """An engine with every setting of `config` (as the CLI builds it)."""
+        settings = {f.name: getattr(config, f.name) for f in fields(config)}
+        return cls(skip_tokenizer_init=skip_tokenizer_init, **settings)
 
     # --- public API -------------------------------------------------------
     def generate(self, prompts: PromptInput | Sequence[PromptInput],

@@ -18,9 +18,7 @@ from common.config import EngineConfig
 
 def _engine(config: EngineConfig, dtype: str, eager: bool):
     from worker.llm import LLM
-    fields = {name: getattr(config, name) for name in EngineConfig.__dataclass_fields__}
-    fields.update(dtype=dtype, enforce_eager=eager)
-    return LLM(skip_tokenizer_init=True, **fields)
+    return LLM.from_config(config.replace(dtype=dtype, enforce_eager=eager), skip_tokenizer_init=True)
 
 
 def greedy_tokens(llm: Any, requests: list[BenchRequest], max_tokens: int | None = None) -> list[list[int]]:

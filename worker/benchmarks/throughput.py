@@ -29,8 +29,7 @@ def run_throughput(config: EngineConfig, requests: list[BenchRequest], *, detoke
     from worker.llm import LLM
 
     started = time.perf_counter()
-    llm = LLM(skip_tokenizer_init=not detokenize,
-              **{name: getattr(config, name) for name in EngineConfig.__dataclass_fields__})
+    llm = LLM.from_config(config, skip_tokenizer_init=not detokenize)
     init_s = time.perf_counter() - started
     warm_up = [{"prompt_token_ids": r.prompt_token_ids[:16]} for r in requests[:2]]
     llm.generate(warm_up, greedy_params(4), use_tqdm=False)
