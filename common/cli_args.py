@@ -39,7 +39,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--device", default=env_default("DEVICE", "auto"), choices=["auto", "cpu", "cuda"])
     g.add_argument("--attention-backend", default=env_default("ATTENTION_BACKEND", "auto"),
                    choices=["auto", "torch", "triton"])
-    g.add_argument("--block-size", type=int, default=int(env_default("BLOCK_SIZE", 16)))
+    block_size = env_default("BLOCK_SIZE", None)
+    g.add_argument("--block-size", type=int, default=int(block_size) if block_size else None,
+                   help="tokens per KV cache block (default 128 on CPU, 16 on CUDA)")
     g.add_argument("--kv-cache-memory", type=parse_size, default=env_default("KV_CACHE_MEMORY", "4GiB"),
                    help="KV cache size on CPU, e.g. 4GiB (default 4GiB)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)

@@ -71,6 +71,15 @@ class LogitsAdjustments:
                    bias=(bias_rows, bias_tokens, biases) if bias_rows else None,
                    penalties=_build_penalties(penalized, params, token_ids, num_prompt_tokens, device))
 
+    def rows(self) -> set[int]:
+        """The rows whose logits this changes."""
+        rows = set(self.banned[0]) if self.banned is not None else set()
+        if self.bias is not None:
+            rows.update(self.bias[0])
+        if self.penalties is not None:
+            rows.update(self.penalties.rows.tolist())
+        return rows
+
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """Adjust float32 logits [N, vocab] in place; returns them."""
         vocab = logits.shape[1]

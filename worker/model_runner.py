@@ -1,6 +1,7 @@
 """One engine step on the device: forward, logits for sampling rows only, sample."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -8,6 +9,7 @@ import torch
 
 from common.protocol import PromptLogprobs, TokenLogprobs
 from worker.compiled_forward import ModelForward
+from worker.greedy_refine import refine_greedy
 from worker.input_batch import StepBatch
 from worker.logprobs import compute_prompt_logprobs
 from worker.sampler import Sampler
@@ -55,10 +57,17 @@ class ModelRunner:
                     hidden = hidden.index_select(0, batch.logits_indices)
                 meta = batch.sampling_metadata
                 logits = self.model.compute_logits(hidden, upcast=not meta.plain_argmax)
-                output = self.sampler.sample(logits, meta)
+                output = self.sampler.sample(logits, meta, self._greedy_refiner(hidden))
                 sampled = output.token_ids.tolist()
                 if output.logprobs is not None:
                     sampled_logprobs = {state.request_id: entry for state, entry
                                         in zip(batch.sampling_states, output.logprobs) if entry is not None}
         batch.commit(sampled)
         return RunnerOutput(batch.sampling_request_ids, sampled, sampled_logprobs, prompt_logprobs)
+
+    def _greedy_refiner(self, hidden: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+        """For bfloat16/float16 models: settle greedy near-ties in float32 (worker.greedy_refine)."""
+        dtype = self.model.lm_head.dtype
+        if dtype == torch.float32 or not dtype.is_floating_point:
+            return None
+        return lambda logits, rows: refine_greedy(logits, rows, hidden, self.model.lm_head, dtype)

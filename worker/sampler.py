@@ -15,7 +15,7 @@ requested logprobs are taken from the raw logits, before any adjustment.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -66,6 +66,14 @@ class SamplingMetadata:
     def all_greedy(self) -> bool:
         return self.temperature is None
 
+    def unadjusted_greedy_rows(self) -> list[int]:
+        """Greedy rows whose logits no adjustment (min_tokens, logit_bias, penalties) touches."""
+        if self.random_rows is None and self.temperature is not None:
+            return []
+        random = set(self.random_rows.tolist()) if self.random_rows is not None else set()
+        adjusted = self.adjustments.rows() if self.adjustments is not None else set()
+        return [row for row in range(self.num_rows) if row not in random and row not in adjusted]
+
     @property
     def plain_argmax(self) -> bool:
         """Every row greedy, nothing adjusts the logits, no logprobs: sampling is one argmax."""
@@ -113,6 +121,13 @@ class SamplingMetadata:
         )
 
 
+def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Index of each row's largest logit, the first one on ties (like argmax).
+    max(dim).indices gives the same ids; on CPU it is several times faster than
+    argmax for bfloat16 rows (5.7 ms against 1.5 ms for 64 x 49152)."""
+    return logits.max(dim=-1).indices
+
+
 @dataclass(slots=True)
 class SamplerOutput:
     token_ids: torch.Tensor  # [N] int64
@@ -133,8 +148,11 @@ class Sampler:
         """Sampled token ids [N] int64 (the logits may be adjusted in place)."""
         return self.sample(logits, meta).token_ids
 
-    def sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        """Sampled token ids, and the logprobs the rows asked for."""
+    def sample(self, logits: torch.Tensor, meta: SamplingMetadata,
+               refine_greedy: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> SamplerOutput:
+        """Sampled token ids, and the logprobs the rows asked for. `refine_greedy(logits,
+        rows)`, given for reduced-precision models, re-picks the greedy rows whose logits
+        nothing adjusts (see worker.greedy_refine)."""
         if logits.shape[0] != meta.num_rows:
             raise ValueError(f"logits have {logits.shape[0]} rows, sampling metadata {meta.num_rows}")
         wanted = meta.num_logprobs
@@ -146,6 +164,11 @@ class Sampler:
         if meta.adjustments is not None:
             logits = meta.adjustments.apply(logits)
         token_ids = self._sample(logits, meta)
+        if refine_greedy is not None:
+            rows_to_refine = meta.unadjusted_greedy_rows()
+            if rows_to_refine:
+                index = torch.tensor(rows_to_refine, device=token_ids.device)
+                token_ids[index] = refine_greedy(logits, index)
         if raw_logprobs is None:
             return SamplerOutput(token_ids, None)
         chosen = token_ids.index_select(0, torch.tensor(rows, device=token_ids.device))
@@ -158,10 +181,10 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         # Greedy is argmax of the logits (model-dtype logits widen to float32 exactly: same argmax).
         if meta.all_greedy:
-            return logits.argmax(dim=-1)
+            return greedy_argmax(logits)
         if meta.random_rows is None:
             return self._sample_random(logits, meta)
-        token_ids = logits.argmax(dim=-1)
+        token_ids = greedy_argmax(logits)
         token_ids[meta.random_rows] = self._sample_random(logits.index_select(0, meta.random_rows), meta)
         return token_ids
 

@@ -9,11 +9,12 @@ import random
 import openai
 import pytest
 
+from common.config import EngineConfig
 from common.tokenizer import apply_chat_template
 from conftest import metric_samples
 from serve_helpers import MODEL
 
-BLOCK = 16  # the server's default block size
+BLOCK = EngineConfig().block_size  # the server's default block size
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 

@@ -14,6 +14,7 @@ import os
 import signal
 import time
 
+from common.config import EngineConfig
 from common.logging_setup import setup_logging
 from common.proctitle import set_process_title
 from common.protocol import StepPlan, StepResult, WorkerHello
@@ -67,7 +68,7 @@ def main() -> None:
     parser.add_argument("--worker-address", required=True)
     parser.add_argument("--model", default="tiny-model")
     parser.add_argument("--num-blocks", type=int, default=64)
-    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--block-size", type=int, default=EngineConfig().block_size)  # what the scheduler expects
     parser.add_argument("--max-model-len", type=int, default=256)
     parser.add_argument("--vocab-size", type=int, required=True)
     parser.add_argument("--eos", type=int, required=True)

@@ -143,9 +143,11 @@ def test_compile_failure_falls_back_to_eager(tiny_llama, caplog):
 
 # --- bfloat16 against float32 on the real model -----------------------------------------
 def test_bfloat16_first_token_matches_float32_on_w1_prompts():
-    """The issue's criterion on a cut of W1 (the full 64 prompts: `pagedserve bench accuracy`)."""
-    requests = generate_workload(NAMED_WORKLOADS["W1"], vocab_size=49152)[:24]
-    requests = [BenchRequest(r.prompt_token_ids[:96], 1) for r in requests]
+    """The issue's criterion on W1's first 24 prompts (all 64: `pagedserve bench accuracy`).
+    Near ties are settled in float32 (worker.greedy_refine): 23 of 24 agree on this
+    machine, 22 without; a few prompts have top logits closer than bf16 can tell."""
+    requests = [BenchRequest(r.prompt_token_ids, 1)
+                for r in generate_workload(NAMED_WORKLOADS["W1"], vocab_size=49152)[:24]]
     bf16 = LLM(dtype="bfloat16", skip_tokenizer_init=True, kv_cache_memory=256 << 20)
     fp32 = LLM(dtype="float32", enforce_eager=True, skip_tokenizer_init=True, kv_cache_memory=256 << 20)
     first_bf16 = [t[0] for t in greedy_tokens(bf16, requests)]

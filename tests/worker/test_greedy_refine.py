@@ -1,0 +1,74 @@
+"""Greedy near-ties of bfloat16 logits are settled by float32 re-scoring."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from common.sampling_params import SamplingParams
+from worker.greedy_refine import refine_greedy, rounding_step
+from worker.sampler import Sampler, SamplingMetadata
+
+
+def test_rounding_step_is_the_bfloat16_spacing():
+    values = torch.tensor([1.0, 20.0, -20.0, 0.3])
+    assert rounding_step(values, torch.bfloat16).tolist() == [2 ** -7, 2 ** -3, 2 ** -3, 2 ** -9]
+    assert rounding_step(torch.tensor([1.0]), torch.float16).item() == 2 ** -10
+
+
+def near_tie_problem(rows: int = 32, vocab: int = 512, hidden_size: int = 64):
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(rows, hidden_size, generator=g).bfloat16()
+    weight = torch.randn(vocab, hidden_size, generator=g).bfloat16()
+    # Token 7 is a copy of token 3 nudged a little: their logits differ by less than bf16 can tell.
+    weight[7] = weight[3]
+    weight[7, 0] = weight[3, 0] + torch.tensor(2 ** -6).bfloat16()
+    weight[3] *= 4  # and make the pair the top of every row whose hidden state points their way
+    weight[7] = (weight[7].float() * 4).bfloat16()
+    hidden[:, :] = (hidden.float() + weight[3].float() / 8).bfloat16()
+    return hidden, weight
+
+
+def test_refined_pick_is_the_argmax_of_the_unrounded_logits():
+    hidden, weight = near_tie_problem()
+    logits = F.linear(hidden, weight)  # bfloat16, rounded
+    exact = hidden.float() @ weight.float().T
+    rows = torch.arange(hidden.shape[0])
+    refined = refine_greedy(logits, rows, hidden, weight, torch.bfloat16)
+    assert torch.equal(refined, exact.argmax(dim=-1))
+    assert not torch.equal(logits.argmax(dim=-1), exact.argmax(dim=-1)), "the problem must hold rounding ties"
+    # float32-held copies of the same rounded values give the same picks (mixed batches upcast)
+    assert torch.equal(refine_greedy(logits.float(), rows, hidden, weight, torch.bfloat16), refined)
+    # a row's pick does not depend on the other rows
+    for row in (0, 5, 31):
+        alone = refine_greedy(logits[row:row + 1], torch.tensor([0]), hidden[row:row + 1], weight, torch.bfloat16)
+        assert alone.item() == refined[row].item()
+
+
+def test_exact_ties_go_to_the_lowest_token_id():
+    hidden = torch.ones(1, 4).bfloat16()
+    weight = torch.zeros(6, 4).bfloat16()
+    weight[2] = weight[4] = 1.0
+    logits = F.linear(hidden, weight)
+    assert refine_greedy(logits, torch.tensor([0]), hidden, weight, torch.bfloat16).item() == 2
+
+
+def test_sampler_refines_only_unadjusted_greedy_rows():
+    hidden, weight = near_tie_problem(rows=4)
+    logits = F.linear(hidden, weight).float()
+    exact = (hidden.float() @ weight.float().T).argmax(dim=-1)
+    greedy = SamplingParams(temperature=0.0)
+    params = [greedy, SamplingParams(temperature=0.0, logit_bias={11: 0.5}), SamplingParams(temperature=1.0, seed=3),
+              greedy]
+    meta = SamplingMetadata.build(params, [0] * 4, token_ids=[[1, 2]] * 4, num_prompt_tokens=[2] * 4)
+    assert meta.unadjusted_greedy_rows() == [0, 3]
+    calls = []
+
+    def refine(l, rows):
+        calls.append(rows.tolist())
+        return refine_greedy(l, rows, hidden, weight, torch.bfloat16)
+
+    out = Sampler(seed=0).sample(logits.clone(), meta, refine).token_ids
+    plain = Sampler(seed=0).sample(logits.clone(), meta).token_ids
+    assert calls == [[0, 3]]
+    assert out[0] == exact[0] and out[3] == exact[3]
+    assert out[1] == plain[1] and out[2] == plain[2]  # adjusted and random rows as before
