@@ -1,0 +1,35 @@
+"""EngineConfig's device-dependent defaults and its checks."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from common.cli_args import add_engine_args, engine_config_from_args
+from common.config import EngineConfig
+from common.errors import ConfigError
+
+
+def test_block_size_defaults_to_128_on_cpu_and_16_on_cuda():
+    assert EngineConfig(device="cpu").block_size == 128
+    assert EngineConfig(device="cuda").block_size == 16
+
+
+def test_an_explicit_block_size_is_kept():
+    assert EngineConfig(device="cpu", block_size=16).block_size == 16
+
+
+@pytest.mark.parametrize("bad", [0, 24, -16])
+def test_a_block_size_that_is_not_a_power_of_two_is_refused(bad):
+    with pytest.raises(ConfigError, match="block_size must be a positive power of two"):
+        EngineConfig(device="cpu", block_size=bad)
+
+
+def test_the_cli_default_follows_the_device_and_the_environment(monkeypatch):
+    def parse(*argv: str) -> EngineConfig:
+        return engine_config_from_args(add_engine_args(argparse.ArgumentParser()).parse_args(list(argv)))
+
+    assert parse("--device", "cpu").block_size == 128
+    assert parse("--device", "cpu", "--block-size", "32").block_size == 32
+    monkeypatch.setenv("PAGEDSERVE_BLOCK_SIZE", "64")
+    assert parse("--device", "cpu").block_size == 64
