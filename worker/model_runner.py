@@ -9,7 +9,7 @@ import torch
 
 from common.protocol import PromptLogprobs, TokenLogprobs
 from worker.compiled_forward import ModelForward
-from worker.greedy_refine import refine_greedy
+from worker.greedy_refine import NearTopScan, refine_greedy
 from worker.input_batch import StepBatch
 from worker.logprobs import compute_prompt_logprobs
 from worker.sampler import Sampler
@@ -35,6 +35,7 @@ class ModelRunner:
         self.device = torch.device(device)
         self.sampler = Sampler(seed, self.device)
         self.forward = forward or ModelForward(model, kv_caches, backend, max_model_len=0, compile=False)
+        self.near_top_scan = NearTopScan(compile=self.forward.compiled)
 
     def execute(self, batch: StepBatch) -> RunnerOutput:
         """Run the batch; return the ids of the requests that sampled, their
@@ -70,4 +71,10 @@ class ModelRunner:
         dtype = self.model.lm_head.dtype
         if dtype == torch.float32 or not dtype.is_floating_point:
             return None
-        return lambda logits, rows: refine_greedy(logits, rows, hidden, self.model.lm_head, dtype)
+        return lambda logits, rows: refine_greedy(logits, rows, hidden, self.model.lm_head, dtype, self.near_top_scan)
+
+    def warm_up(self) -> None:
+        """Compile what the first steps would otherwise compile (the greedy near-tie scan)."""
+        dtype = self.model.lm_head.dtype
+        if dtype != torch.float32 and dtype.is_floating_point:
+            self.near_top_scan.warm_up(self.model.lm_head.shape[0], dtype, self.device)

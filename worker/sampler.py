@@ -163,9 +163,12 @@ class Sampler:
             raw_logprobs = raw_logprobs.log_softmax(dim=-1)
         if meta.adjustments is not None:
             logits = meta.adjustments.apply(logits)
-        token_ids = self._sample(logits, meta)
-        if refine_greedy is not None:
-            rows_to_refine = meta.unadjusted_greedy_rows()
+        rows_to_refine = meta.unadjusted_greedy_rows() if refine_greedy is not None else []
+        if refine_greedy is not None and len(rows_to_refine) == meta.num_rows:
+            # Every row plain greedy: the refiner's own argmax is the whole sampling.
+            token_ids = refine_greedy(logits, torch.arange(meta.num_rows, device=logits.device))
+        else:
+            token_ids = self._sample(logits, meta)
             if rows_to_refine:
                 index = torch.tensor(rows_to_refine, device=token_ids.device)
                 token_ids[index] = refine_greedy(logits, index)

@@ -54,6 +54,10 @@ class Worker:
         self.forward.warm_up(config.block_size)
         self.runner = ModelRunner(self.model, self.kv_caches, self.backend, config.block_size,
                                   self.device, seed=config.seed, forward=self.forward)
+        started = time.perf_counter()
+        self.runner.warm_up()
+        if self.forward.compiled:
+            self.forward.compile_seconds += time.perf_counter() - started  # reported with the step's
         self.input_batch = InputBatch(config.block_size, self.device,
                                       eos_token_ids=eos_token_ids(self.model_dir))
         logger.info("Worker %d ready: %s on %s (%s, %s), %d KV blocks, max_model_len %d, %d threads",

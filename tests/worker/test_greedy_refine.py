@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from common.sampling_params import SamplingParams
-from worker.greedy_refine import refine_greedy, rounding_step
+from worker.greedy_refine import NearTopScan, near_top_scan, refine_greedy, rounding_step
 from worker.sampler import Sampler, SamplingMetadata
 
 
@@ -72,3 +72,30 @@ def test_sampler_refines_only_unadjusted_greedy_rows():
     assert calls == [[0, 3]]
     assert out[0] == exact[0] and out[3] == exact[3]
     assert out[1] == plain[1] and out[2] == plain[2]  # adjusted and random rows as before
+
+
+def test_compiled_near_top_scan_matches_eager():
+    g = torch.Generator().manual_seed(1)
+    logits = (torch.randn(7, 3000, generator=g) * 4).round().to(torch.bfloat16)  # many exact ties
+    logits[3, 10] = logits[3, 20] = logits[3].max() + 1  # a tie at the top: the lower id wins
+    scan = NearTopScan(compile=True)
+    expected_ids, expected_counts = near_top_scan(logits, torch.bfloat16)
+    for rows in (logits, logits[:2], logits[4:5]):  # the compiled graph, again, and one row (eager)
+        ids, counts = scan(rows, torch.bfloat16)
+        offset = 0 if rows is logits or rows.shape[0] == 2 else 4
+        assert torch.equal(ids, expected_ids[offset:offset + rows.shape[0]])
+        assert torch.equal(counts, expected_counts[offset:offset + rows.shape[0]])
+    assert expected_ids[3] == 10 and expected_counts[3] >= 2
+    assert torch.equal(expected_ids, logits.float().argmax(dim=-1))
+
+
+def test_all_greedy_batches_take_the_refiners_argmax():
+    hidden, weight = near_tie_problem(rows=6)
+    logits = F.linear(hidden, weight)
+    exact = (hidden.float() @ weight.float().T).argmax(dim=-1)
+    meta = SamplingMetadata.build([SamplingParams(temperature=0.0)] * 6, [0] * 6, token_ids=[[1, 2]] * 6,
+                                  num_prompt_tokens=[2] * 6)
+    scan = NearTopScan(compile=False)
+    out = Sampler(seed=0).sample(logits, meta, lambda l, rows: refine_greedy(
+        l, rows, hidden, weight, torch.bfloat16, scan)).token_ids
+    assert torch.equal(out, exact)
