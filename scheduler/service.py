@@ -301,7 +301,12 @@ class SchedulerService:
             logger.warning("worker %s registered and replaces the lost worker: resuming %d requests", _name(peer),
                            len(self.scheduler.waiting))
         else:
-            self.scheduler = Scheduler(self.config, num_blocks=hello.num_blocks, max_model_len=hello.max_model_len,
+            config = self.config
+            if hello.block_size != config.block_size:  # the worker owns the KV cache: its blocks count
+                logger.warning("worker %s has KV blocks of %d tokens, not the %d configured here: using %d",
+                               _name(peer), hello.block_size, config.block_size, hello.block_size)
+                config = config.replace(block_size=hello.block_size)
+            self.scheduler = Scheduler(config, num_blocks=hello.num_blocks, max_model_len=hello.max_model_len,
                                        eos_token_ids=list(hello.eos_token_ids))
             logger.info("worker %s registered: %s, %d KV blocks of %d tokens, max_model_len %d", _name(peer),
                         hello.model_name, hello.num_blocks, hello.block_size, hello.max_model_len)

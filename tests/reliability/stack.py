@@ -26,7 +26,8 @@ SCRIPT_TEXT = " one two three four five six seven eight nine ten"
 
 class Stack:
     def __init__(self, tmp: Path, *, frontend_args: list[str] = (), scheduler_args: list[str] = (),
-                 step_delay: float = 0.0, poison_text: str | None = None, hang_text: str | None = None):
+                 step_delay: float = 0.0, poison_text: str | None = None, hang_text: str | None = None,
+                 worker_args: list[str] = ()):
         from common.tokenizer import load_tokenizer
 
         self.tmp = tmp
@@ -36,7 +37,7 @@ class Stack:
         self.script = self.tokenizer.encode(SCRIPT_TEXT)
         self.step_delay = step_delay
         # Workers die (or hang for a while) on a request whose prompt holds this text's first token.
-        self.worker_args = []
+        self.worker_args = list(worker_args)
         for flag, text in (("--crash-on-token", poison_text), ("--hang-on-token", hang_text)):
             if text:
                 self.worker_args += [flag, str(self.tokenizer.encode(text)[0])]
