@@ -43,26 +43,24 @@ class NearTopScan:
     compiled, a tenth of a W2 decode step); a failed compile runs it eagerly."""
 
     def __init__(self, compile: bool):
-        self._fn = near_top_scan
-        self._compile = compile
+        self._compiled = torch.compile(near_top_scan, dynamic=True) if compile else None  # compiles at first call
 
     def warm_up(self, vocab_size: int, model_dtype: torch.dtype, device: torch.device | str) -> None:
-        """Compile now rather than on the first greedy step (a few seconds)."""
-        self(torch.zeros(2, vocab_size, dtype=model_dtype, device=device), model_dtype)
+        """Compile now rather than on the first greedy steps (a few seconds each): for
+        model-dtype logits (plain greedy batches) and float32 ones (mixed batches)."""
+        for logits_dtype in dict.fromkeys((model_dtype, torch.float32)):
+            self(torch.zeros(2, vocab_size, dtype=logits_dtype, device=device), model_dtype)
 
     def __call__(self, logits: torch.Tensor, model_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        if logits.shape[0] < 2:  # one row: cheap eagerly, and a compiled graph would specialize on it
+        # One row is cheap eagerly, and a compiled graph would specialize on it.
+        if self._compiled is None or logits.shape[0] < 2:
             return near_top_scan(logits, model_dtype)
-        if self._compile:
-            self._compile = False
-            try:
-                compiled = torch.compile(near_top_scan, dynamic=True)
-                result = compiled(logits, model_dtype)
-                self._fn = compiled
-                return result
-            except Exception as exc:  # no C++ compiler or an inductor bug: stay correct, run eager
-                logger.warning("greedy near-tie scan runs eagerly (compile failed: %s)", exc)
-        return self._fn(logits, model_dtype)
+        try:
+            return self._compiled(logits, model_dtype)
+        except Exception as exc:  # no C++ compiler or an inductor bug: stay correct, run eager from now on
+            logger.warning("greedy near-tie scan runs eagerly (compile failed: %s)", exc)
+            self._compiled = None
+            return near_top_scan(logits, model_dtype)
 
 
 def refine_greedy(logits: torch.Tensor, rows: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,

@@ -1,6 +1,8 @@
 """Greedy near-ties of bfloat16 logits are settled by float32 re-scoring."""
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 
@@ -99,3 +101,17 @@ def test_all_greedy_batches_take_the_refiners_argmax():
     out = Sampler(seed=0).sample(logits, meta, lambda l, rows: refine_greedy(
         l, rows, hidden, weight, torch.bfloat16, scan)).token_ids
     assert torch.equal(out, exact)
+
+
+def test_a_scan_that_fails_to_compile_runs_eagerly(caplog):
+    logits = torch.randn(4, 100).to(torch.bfloat16)
+    scan = NearTopScan(compile=True)
+
+    def broken(*args):
+        raise RuntimeError("no C++ compiler")
+
+    scan._compiled = broken
+    with caplog.at_level(logging.WARNING):
+        ids, counts = scan(logits, torch.bfloat16)
+    assert torch.equal(ids, logits.float().argmax(dim=-1)) and bool((counts >= 1).all())
+    assert "runs eagerly" in caplog.text and scan._compiled is None
