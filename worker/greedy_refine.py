@@ -29,11 +29,17 @@ def rounding_step(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.exp2(exponent) * torch.finfo(dtype).eps  # eps: the spacing at 1.0
 
 
+def near_top_threshold(top: torch.Tensor, model_dtype: torch.dtype) -> torch.Tensor:
+    """Two `model_dtype` rounding steps below each row's maximum `top` (float32): only
+    logits at or above it can hold the largest unrounded value."""
+    top = top.float()
+    return top - 2 * rounding_step(top, model_dtype)
+
+
 def near_top_scan(logits: torch.Tensor, model_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row: the argmax of `logits` [N, vocab] and how many logits lie within two
     `model_dtype` rounding steps of the row's maximum (1: the argmax is settled)."""
-    top = logits.amax(dim=-1, keepdim=True).float()
-    threshold = top - 2 * rounding_step(top, model_dtype)
+    threshold = near_top_threshold(logits.amax(dim=-1, keepdim=True), model_dtype)
     return logits.argmax(dim=-1), (logits.float() >= threshold).sum(dim=-1)
 
 
@@ -75,8 +81,7 @@ def refine_greedy(logits: torch.Tensor, rows: torch.Tensor, hidden: torch.Tensor
     if tied.numel() == 0:
         return chosen
     sub = sub.index_select(0, tied)
-    top = sub.amax(dim=-1, keepdim=True)
-    threshold = (top.float() - 2 * rounding_step(top, model_dtype)).to(sub.dtype)
+    threshold = near_top_threshold(sub.amax(dim=-1, keepdim=True), model_dtype).to(sub.dtype)
     candidate_rows, tokens = (sub >= threshold).nonzero(as_tuple=True)  # row-major: ascending token ids
     hidden_rows = tied if every_row else rows.index_select(0, tied)
     exact = (hidden.index_select(0, hidden_rows.index_select(0, candidate_rows)).float()

@@ -60,18 +60,21 @@ inline __m512 exp_ps(__m512 x) {
 
 // out[j] = scale * (q . keys[j]) for the 16 keys of a chunk (a short chunk points its
 // missing keys at a zero row: fixed-size loops unroll and keep all 16 accumulators in registers).
-inline void score_chunk(const float* q, const float* const* keys, int64_t dim, float scale, float* out) {
+// float32, and bfloat16 widened to float32 on CPUs without AVX512-BF16.
+template <typename T>
+inline void score_chunk(const T* q, const T* const* keys, int64_t dim, float scale, float* out) {
   __m512 acc[CHUNK];
 #pragma GCC unroll 16
   for (int j = 0; j < CHUNK; ++j) acc[j] = _mm512_setzero_ps();
   for (int64_t d = 0; d < dim; d += 16) {
-    const __m512 qv = _mm512_loadu_ps(q + d);
+    const __m512 qv = load16(q + d);
 #pragma GCC unroll 16
-    for (int j = 0; j < CHUNK; ++j) acc[j] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(keys[j] + d), acc[j]);
+    for (int j = 0; j < CHUNK; ++j) acc[j] = _mm512_fmadd_ps(qv, load16(keys[j] + d), acc[j]);
   }
   _mm512_storeu_ps(out, _mm512_mul_ps(horizontal_sums(acc), _mm512_set1_ps(scale)));
 }
 #if defined(__AVX512BF16__)
+// bfloat16 pairs straight into vdpbf16ps (a non-template overload: preferred over the one above).
 inline void score_chunk(const c10::BFloat16* q, const c10::BFloat16* const* keys, int64_t dim, float scale,
                         float* out) {
   __m512 acc[CHUNK];
@@ -83,19 +86,6 @@ inline void score_chunk(const c10::BFloat16* q, const c10::BFloat16* const* keys
 #pragma GCC unroll 16
     for (int j = 0; j < CHUNK; ++j)
       acc[j] = _mm512_dpbf16_ps(acc[j], qv, (__m512bh)_mm512_maskz_loadu_epi16(m, keys[j] + d));
-  }
-  _mm512_storeu_ps(out, _mm512_mul_ps(horizontal_sums(acc), _mm512_set1_ps(scale)));
-}
-#else
-inline void score_chunk(const c10::BFloat16* q, const c10::BFloat16* const* keys, int64_t dim, float scale,
-                        float* out) {
-  __m512 acc[CHUNK];
-#pragma GCC unroll 16
-  for (int j = 0; j < CHUNK; ++j) acc[j] = _mm512_setzero_ps();
-  for (int64_t d = 0; d < dim; d += 16) {
-    const __m512 qv = load16(q + d);
-#pragma GCC unroll 16
-    for (int j = 0; j < CHUNK; ++j) acc[j] = _mm512_fmadd_ps(qv, load16(keys[j] + d), acc[j]);
   }
   _mm512_storeu_ps(out, _mm512_mul_ps(horizontal_sums(acc), _mm512_set1_ps(scale)));
 }
