@@ -132,23 +132,35 @@ void weigh_rows(const float* const* w, const T* const* values, int64_t dim, floa
   }
 }
 
-// Reads the cache rows of positions [first, end) of a sequence, block by block, with plain
-// loads, so that an item's K/V sit in L2 before its compute starts. Short (decode) items
-// otherwise run at a third of the memory bandwidth: their strided, compute-interleaved reads
-// keep few misses in flight, and software prefetches are no substitute on this hardware.
+// Reads the K and V cache rows of positions [first, end) of a sequence, block by block, with
+// plain loads (two streams side by side), so that an item's K/V sit in L2 before its compute
+// starts. Short (decode) items otherwise run at a third of the memory bandwidth: their strided,
+// compute-interleaved reads keep few misses in flight, and the chunk-ahead software prefetches
+// (which still pay off from L2 to L1) come too late to hide DRAM latency.
 template <typename T>
-inline __m512i stream_rows(const Problem<T>& p, const T* cache, int64_t seq, int64_t first, int64_t end,
-                           __m512i sink) {
+inline void stream_kv(const Problem<T>& p, int64_t seq, int64_t first, int64_t end) {
   const int32_t* table = p.block_tables + seq * p.max_blocks;
   const int64_t row_bytes = p.kv_heads * p.dim * static_cast<int64_t>(sizeof(T));
+  const char* k_base = reinterpret_cast<const char*>(p.k_cache);
+  const char* v_base = reinterpret_cast<const char*>(p.v_cache);
+  __m512i sink_a = _mm512_setzero_si512(), sink_b = _mm512_setzero_si512();
   for (int64_t pos = first; pos < end;) {
     const int64_t block = pos / p.block_size, offset = pos % p.block_size;
     const int64_t n = std::min<int64_t>(p.block_size - offset, end - pos);
-    const char* run = reinterpret_cast<const char*>(cache) + (table[block] * p.block_size + offset) * row_bytes;
-    for (int64_t b = 0; b + 64 <= n * row_bytes; b += 64) sink = _mm512_or_si512(sink, _mm512_loadu_si512(run + b));
+    const int64_t start = (table[block] * p.block_size + offset) * row_bytes, bytes = n * row_bytes;
+    const char* k = k_base + start;
+    const char* v = v_base + start;
+    int64_t b = 0;
+    for (; b + 128 <= bytes; b += 128) {
+      sink_a = _mm512_or_si512(sink_a, _mm512_or_si512(_mm512_loadu_si512(k + b), _mm512_loadu_si512(v + b)));
+      sink_b = _mm512_or_si512(sink_b, _mm512_or_si512(_mm512_loadu_si512(k + b + 64), _mm512_loadu_si512(v + b + 64)));
+    }
+    for (; b + 64 <= bytes; b += 64)
+      sink_a = _mm512_or_si512(sink_a, _mm512_or_si512(_mm512_loadu_si512(k + b), _mm512_loadu_si512(v + b)));
     pos += n;
   }
-  return sink;
+  volatile int keep = _mm512_reduce_or_epi32(_mm512_or_si512(sink_a, sink_b));  // loads must stay
+  (void)keep;
 }
 
 constexpr int64_t STREAM_MAX_QUERIES = 2;  // longer items are compute-bound: their loads overlap
@@ -157,12 +169,7 @@ template <typename T>
 void run_item_avx512(const Problem<T>& p, const WorkItem& item, Scratch& s) {
   const ItemGeometry g(p, item);
   const int64_t dim = p.dim, group = p.heads / p.kv_heads;
-  if (item.num_queries <= STREAM_MAX_QUERIES) {
-    __m512i sink = stream_rows(p, p.k_cache, item.seq, g.key_lo, g.key_hi, _mm512_setzero_si512());
-    sink = stream_rows(p, p.v_cache, item.seq, g.key_lo, g.key_hi, sink);
-    volatile int keep = _mm512_reduce_or_epi32(sink);  // the loads must not be optimized away
-    (void)keep;
-  }
+  if (item.num_queries <= STREAM_MAX_QUERIES) stream_kv(p, item.seq, g.key_lo, g.key_hi);
   s.scores.resize(g.rows * g.stride);
   s.acc.assign(g.rows * dim, 0.0f);
   s.inv_sums.resize(g.rows);
@@ -207,7 +214,7 @@ void run_item_avx512(const Problem<T>& p, const WorkItem& item, Scratch& s) {
   }
 
   // Rows of one KV head, three at a time (the GQA group of a decode is often exactly that).
-  std::vector<int64_t> head_rows_idx;
+  std::vector<int64_t>& head_rows_idx = s.head_rows;
   for (int64_t a = 0; a < PREFETCH_AHEAD; ++a) p.prefetch(p.v_cache, item.seq, g.key_lo + a * CHUNK, g.key_hi);
   for (int64_t c = g.key_lo; c < g.key_hi; c += CHUNK) {
     const int64_t n = std::min<int64_t>(CHUNK, g.key_hi - c);

@@ -98,7 +98,8 @@ struct Problem {
 
 // Per-thread buffers, reused across items.
 struct Scratch {
-  std::vector<float> q, scores, acc, keys, values, inv_sums, zeros;
+  std::vector<float> scores, acc, inv_sums, zeros;
+  std::vector<int64_t> head_rows;  // rows of one KV head (AVX-512 value pass)
 };
 
 // Which part of a sequence one item covers, and the key range it reads.
