@@ -47,6 +47,24 @@ def test_kernel_and_fallback_match_reference_at_model_shapes(dtype, window, make
         torch.testing.assert_close(out.float(), expected.float(), **tolerance)
 
 
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_cache_write_matches_index_copy(dtype):
+    """K/V as strided views of a fused QKV projection, scattered to shuffled slots."""
+    from worker.attention.torch_backend import write_kv_cache
+    g = torch.Generator().manual_seed(1)
+    qkv = torch.randn(37, 960, generator=g).to(dtype)
+    key, value = qkv[:, 576:768].view(37, 3, 64), qkv[:, 768:].view(37, 3, 64)
+    slots = torch.randperm(12 * 16, generator=g)[:37]
+    expected = [torch.zeros(12, 16, 3, 64, dtype=dtype) for _ in range(2)]
+    actual = [torch.zeros(12, 16, 3, 64, dtype=dtype) for _ in range(2)]
+    write_kv_cache(key, value, *expected, slots)
+    cpu_kernels.write_kv_cache(key, value, *actual, slots)
+    assert torch.equal(actual[0], expected[0]) and torch.equal(actual[1], expected[1])
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        cpu_kernels.write_kv_cache(key, value, *actual, torch.full((37,), 12 * 16))
+
+
 def test_kernel_switch_off_falls_back(monkeypatch):
     monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "0")
     monkeypatch.setattr(cpu_kernels, "_module", None)

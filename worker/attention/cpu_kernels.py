@@ -103,3 +103,10 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tenso
     Requires `load()` to have succeeded; all tensors on CPU, int32 metadata."""
     _module.paged_attention(out, query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
                             float(scale), int(sliding_window or 0))
+
+
+def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """Copy the new tokens' K/V [T, KVH, D] (rows contiguous, same dtype as the caches) into
+    their slots of the [blocks, block_size, KVH, D] caches. Requires `load()` to have succeeded."""
+    _module.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)

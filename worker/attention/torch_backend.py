@@ -40,8 +40,12 @@ class TorchAttentionBackend:
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 *, scale: float, sliding_window: int | None) -> torch.Tensor:
         """query [T, H, D], key/value [T, KVH, D], caches [num_blocks, block_size, KVH, D] -> [T, H, D]."""
-        write_kv_cache(key, value, k_cache, v_cache, meta.slot_mapping)
-        if self.use_cpu_kernel and query.device.type == "cpu" and query.dtype == k_cache.dtype:
+        use_kernel = self.use_cpu_kernel and query.device.type == "cpu" and query.dtype == k_cache.dtype
+        if use_kernel and _rows_contiguous(key) and _rows_contiguous(value) and key.dtype == k_cache.dtype:
+            cpu_kernels.write_kv_cache(key, value, k_cache, v_cache, meta.slot_mapping)
+        else:
+            write_kv_cache(key, value, k_cache, v_cache, meta.slot_mapping)
+        if use_kernel:
             output = torch.empty(query.shape, dtype=query.dtype)
             cpu_kernels.paged_attention(output, query.contiguous(), k_cache, v_cache, meta.block_tables,
                                         meta.query_start_loc, meta.seq_lens, scale, sliding_window)
@@ -70,6 +74,11 @@ class TorchAttentionBackend:
             plan = self._decode_plans[key] = DecodePlan(meta, block_size, num_kv_heads, sliding_window,
                                                         k_cache.device)
         return plan
+
+
+def _rows_contiguous(x: torch.Tensor) -> bool:
+    """All heads of a token lie in one run (a [T, heads, dim] view of a fused projection may)."""
+    return x.stride(2) == 1 and x.stride(1) == x.shape[2]
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
