@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import logging
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 from common.sampling_params import SamplingParams
+from worker.attention import cpu_kernels
 from worker.greedy_refine import NearTopScan, near_top_scan, refine_greedy, rounding_step
 from worker.sampler import Sampler, SamplingMetadata
 
@@ -80,7 +82,7 @@ def test_compiled_near_top_scan_matches_eager():
     g = torch.Generator().manual_seed(1)
     logits = (torch.randn(7, 3000, generator=g) * 4).round().to(torch.bfloat16)  # many exact ties
     logits[3, 10] = logits[3, 20] = logits[3].max() + 1  # a tie at the top: the lower id wins
-    scan = NearTopScan(compile=True)
+    scan = NearTopScan(compile=True, use_kernel=False)
     expected_ids, expected_counts = near_top_scan(logits, torch.bfloat16)
     for rows in (logits, logits[:2], logits[4:5]):  # the compiled graph, again, and one row (eager)
         ids, counts = scan(rows, torch.bfloat16)
@@ -89,6 +91,23 @@ def test_compiled_near_top_scan_matches_eager():
         assert torch.equal(counts, expected_counts[offset:offset + rows.shape[0]])
     assert expected_ids[3] == 10 and expected_counts[3] >= 2
     assert torch.equal(expected_ids, logits.float().argmax(dim=-1))
+
+
+@pytest.mark.skipif(cpu_kernels.load() is None, reason="the C++ kernels cannot be built here")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_kernel_near_top_scan_matches_eager(dtype):
+    g = torch.Generator().manual_seed(2)
+    logits = (torch.randn(9, 3001, generator=g) * 4).round().to(dtype)  # many exact ties; odd width
+    logits[3, 10] = logits[3, 20] = logits[3].max() + 1  # a tie at the top: the lower id wins
+    logits[5, -1] = logits[5].max() + 0.01  # the maximum in the unvectorized tail
+    logits[6] = float("-inf")
+    logits[7] = torch.randn(3001, generator=g).to(dtype) * 1e-30  # tiny magnitudes: clamped spacing
+    scan = NearTopScan(compile=False, use_kernel=True)
+    for rows in (logits, logits[4:5], logits[:, :7]):
+        ids, counts = scan(rows, torch.bfloat16)
+        expected_ids, expected_counts = near_top_scan(rows.contiguous(), torch.bfloat16)
+        assert torch.equal(ids, expected_ids) and torch.equal(counts, expected_counts)
+    assert ids.dtype == counts.dtype == torch.int64
 
 
 def test_all_greedy_batches_take_the_refiners_argmax():
@@ -105,7 +124,7 @@ def test_all_greedy_batches_take_the_refiners_argmax():
 
 def test_a_scan_that_fails_to_compile_runs_eagerly(caplog):
     logits = torch.randn(4, 100).to(torch.bfloat16)
-    scan = NearTopScan(compile=True)
+    scan = NearTopScan(compile=True, use_kernel=False)
 
     def broken(*args):
         raise RuntimeError("no C++ compiler")

@@ -1,5 +1,6 @@
-"""The CPU paged attention kernel: built from `cpu_attention_source` with the local
-C++ compiler at first use, cached on disk, and optional.
+"""The CPU kernels (paged attention, the K/V cache write, the greedy near-tie scan):
+one C++ extension built from `cpu_attention_source` and `worker.cpu_scan_source`
+with the local C++ compiler at first use, cached on disk, and optional.
 
 The build (about a minute, once per machine and source version) goes to
 torch's extension cache (`TORCH_EXTENSIONS_DIR`, default
@@ -21,7 +22,12 @@ from typing import Any
 
 import torch
 
-from worker.attention.cpu_attention_source import FUNCTIONS, SOURCE
+from worker.attention.cpu_attention_source import FUNCTIONS as ATTENTION_FUNCTIONS
+from worker.attention.cpu_attention_source import SOURCE as ATTENTION_SOURCE
+from worker.cpu_scan_source import SCAN_SOURCE
+
+SOURCE = ATTENTION_SOURCE + SCAN_SOURCE
+FUNCTIONS = [*ATTENTION_FUNCTIONS, "near_top_scan"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +56,7 @@ def _cpu_flags() -> str:
 
 def _extension_name() -> str:
     digest = hashlib.sha256("\n".join([SOURCE, " ".join(CFLAGS + LDFLAGS), _cpu_flags(), torch.__version__]).encode())
-    return f"pagedserve_cpu_attention_{digest.hexdigest()[:12]}"
+    return f"pagedserve_cpu_kernels_{digest.hexdigest()[:12]}"
 
 
 def _clear_stale_build_lock(name: str) -> None:
@@ -86,7 +92,7 @@ def load() -> Any | None:
         try:
             from torch.utils.cpp_extension import load_inline
             _clear_stale_build_lock(_extension_name())
-            logger.info("Building the CPU paged attention kernel (first use on this machine)...")
+            logger.info("Building the CPU kernels (first use on this machine)...")
             _module = load_inline(name=_extension_name(), cpp_sources=[SOURCE], functions=FUNCTIONS,
                                   extra_cflags=CFLAGS, extra_ldflags=LDFLAGS, verbose=False)
         except Exception as exc:  # no compiler, headers or a build error: plain PyTorch still works
@@ -110,3 +116,11 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
     """Copy the new tokens' K/V [T, KVH, D] (rows contiguous, same dtype as the caches) into
     their slots of the [blocks, block_size, KVH, D] caches. Requires `load()` to have succeeded."""
     _module.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+
+
+def near_top_scan(logits: torch.Tensor, model_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """`worker.greedy_refine.near_top_scan` for contiguous float32/bfloat16 CPU logits
+    [N, vocab]: (argmax [N], near-top counts [N]). Requires `load()` to have succeeded."""
+    info = torch.finfo(model_dtype)
+    argmax, counts = _module.near_top_scan(logits, float(info.eps), float(info.tiny))
+    return argmax, counts
