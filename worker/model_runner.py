@@ -35,7 +35,8 @@ class ModelRunner:
         self.device = torch.device(device)
         self.sampler = Sampler(seed, self.device)
         self.forward = forward or ModelForward(model, kv_caches, backend, max_model_len=0, compile=False)
-        self.near_top_scan = NearTopScan(compile=self.forward.compiled)
+        # The C++ scan only on CPU: a CUDA worker need not build the CPU extension.
+        self.near_top_scan = NearTopScan(compile=self.forward.compiled, use_kernel=self.device.type == "cpu")
 
     def execute(self, batch: StepBatch) -> RunnerOutput:
         """Run the batch; return the ids of the requests that sampled, their
