@@ -1,6 +1,7 @@
 """C++ source of the greedy near-tie scan (`worker.greedy_refine.near_top_scan` in one
 pass per row over the logits, rows spread over threads), built into the CPU kernel
-extension by `worker.attention.cpu_kernels`.
+extension by `worker.attention.cpu_kernels` after the attention source, whose
+`load_float` and `load16` (widening loads) it uses.
 
 Per row of logits [N, vocab] (float32 or bfloat16): the argmax (the first index of
 the maximum, as torch.argmax) and how many logits lie at or above
@@ -14,37 +15,26 @@ SCAN_SOURCE = r"""
 namespace {
 
 template <typename T>
-inline float scan_load(const T* p) { return static_cast<float>(*p); }
-
-#if defined(__AVX512F__)
-inline __m512 scan_load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 scan_load16(const c10::BFloat16* p) {
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-#endif
-
-template <typename T>
 void scan_row(const T* row, int64_t vocab, float model_eps, float model_tiny, int64_t* argmax, int64_t* count) {
   int64_t i = 0;
   float top = -std::numeric_limits<float>::infinity();
 #if defined(__AVX512F__)
   __m512 top_v = _mm512_set1_ps(top);
-  for (; i + 16 <= vocab; i += 16) top_v = _mm512_max_ps(top_v, scan_load16(row + i));
+  for (; i + 16 <= vocab; i += 16) top_v = _mm512_max_ps(top_v, load16(row + i));
   top = _mm512_reduce_max_ps(top_v);
 #endif
-  for (; i < vocab; ++i) top = std::max(top, scan_load(row + i));
+  for (; i < vocab; ++i) top = std::max(top, load_float(row + i));
   int64_t first = -1;
   i = 0;
 #if defined(__AVX512F__)
   const __m512 top_all = _mm512_set1_ps(top);
   for (; i + 16 <= vocab && first < 0; i += 16) {
-    const __mmask16 hit = _mm512_cmp_ps_mask(scan_load16(row + i), top_all, _CMP_EQ_OQ);
+    const __mmask16 hit = _mm512_cmp_ps_mask(load16(row + i), top_all, _CMP_EQ_OQ);
     if (hit) first = i + __builtin_ctz(hit);
   }
 #endif
   for (; i < vocab && first < 0; ++i)
-    if (scan_load(row + i) == top) first = i;
+    if (load_float(row + i) == top) first = i;
   if (first < 0) first = 0;  // no element equals the maximum: NaNs in the row
   int exponent = 0;
   std::frexp(std::max(std::fabs(top), model_tiny), &exponent);  // |top| = m * 2^exponent, m in [0.5, 1)
@@ -54,9 +44,9 @@ void scan_row(const T* row, int64_t vocab, float model_eps, float model_tiny, in
 #if defined(__AVX512F__)
   const __m512 threshold_v = _mm512_set1_ps(threshold);
   for (; i + 16 <= vocab; i += 16)
-    n += __builtin_popcount(_mm512_cmp_ps_mask(scan_load16(row + i), threshold_v, _CMP_GE_OQ));
+    n += __builtin_popcount(_mm512_cmp_ps_mask(load16(row + i), threshold_v, _CMP_GE_OQ));
 #endif
-  for (; i < vocab; ++i) n += scan_load(row + i) >= threshold;
+  for (; i < vocab; ++i) n += load_float(row + i) >= threshold;
   *argmax = first;
   *count = n;
 }
