@@ -163,35 +163,10 @@ inline void stream_kv(const Problem<T>& p, int64_t seq, int64_t first, int64_t e
   (void)keep;
 }
 
-constexpr int64_t STREAM_MAX_QUERIES = 2;  // longer items are compute-bound: their loads overlap
-
+// Softmax in place over each row's scores (max-subtracted, over its visible keys; the
+// others weigh zero); 1 / sum of each row into s.inv_sums.
 template <typename T>
-void run_item_avx512(const Problem<T>& p, const WorkItem& item, Scratch& s) {
-  const ItemGeometry g(p, item);
-  const int64_t dim = p.dim, group = p.heads / p.kv_heads;
-  if (item.num_queries <= STREAM_MAX_QUERIES) stream_kv(p, item.seq, g.key_lo, g.key_hi);
-  s.scores.resize(g.rows * g.stride);
-  s.acc.assign(g.rows * dim, 0.0f);
-  s.inv_sums.resize(g.rows);
-  s.zeros.assign(dim, 0.0f);  // all-zero bits: a zero row in any dtype
-  const T* zero_row = reinterpret_cast<const T*>(s.zeros.data());
-
-  const T* rows[CHUNK];
-  const T* head_rows[CHUNK];
-  for (int64_t a = 0; a < PREFETCH_AHEAD; ++a) p.prefetch(p.k_cache, item.seq, g.key_lo + a * CHUNK, g.key_hi);
-  for (int64_t c = g.key_lo; c < g.key_hi; c += CHUNK) {
-    const int64_t n = std::min<int64_t>(CHUNK, g.key_hi - c);
-    p.prefetch(p.k_cache, item.seq, c + PREFETCH_AHEAD * CHUNK, g.key_hi);
-    p.chunk_rows(p.k_cache, item.seq, c, n, rows);
-    for (int64_t h = 0; h < p.kv_heads; ++h) {
-      for (int64_t j = 0; j < CHUNK; ++j) head_rows[j] = j < n ? rows[j] + h * dim : zero_row;
-      for (int64_t i = 0; i < item.num_queries; ++i)
-        for (int64_t r = i * p.heads + h * group; r < i * p.heads + (h + 1) * group; ++r)
-          score_chunk(p.query + (g.first_token * p.heads + r) * dim, head_rows, dim, p.scale,
-                      s.scores.data() + r * g.stride + (c - g.key_lo));
-    }
-  }
-
+void softmax_rows(const Problem<T>& p, const ItemGeometry& g, Scratch& s) {
   for (int64_t r = 0; r < g.rows; ++r) {
     const auto [lo, hi] = g.visible(p, r);
     float* sr = s.scores.data() + r * g.stride;
@@ -212,9 +187,34 @@ void run_item_avx512(const Problem<T>& p, const WorkItem& item, Scratch& s) {
     std::fill(sr + hi, sr + g.stride, 0.0f);
     s.inv_sums[r] = 1.0f / _mm512_reduce_add_ps(total);
   }
+}
 
-  // Rows of one KV head, three at a time (the GQA group of a decode is often exactly that).
-  std::vector<int64_t>& head_rows_idx = s.head_rows;
+constexpr int64_t STREAM_MAX_QUERIES = 2;  // longer items are compute-bound: their loads overlap
+
+// Sizes an item's scratch, lists the rows of each KV head (s.head_rows[h * per_head + i],
+// per_head = queries x GQA group) and returns a zero row for chunks cut short.
+template <typename T>
+const T* start_item(const Problem<T>& p, const WorkItem& item, const ItemGeometry& g, Scratch& s) {
+  if (item.num_queries <= STREAM_MAX_QUERIES) stream_kv(p, item.seq, g.key_lo, g.key_hi);
+  s.scores.resize(g.rows * g.stride);
+  s.acc.assign(g.rows * p.dim, 0.0f);
+  s.inv_sums.resize(g.rows);
+  s.zeros.assign(p.dim, 0.0f);  // all-zero bits: a zero row in any dtype
+  const int64_t group = p.heads / p.kv_heads;
+  s.head_rows.clear();
+  for (int64_t h = 0; h < p.kv_heads; ++h)
+    for (int64_t i = 0; i < item.num_queries; ++i)
+      for (int64_t r = i * p.heads + h * group; r < i * p.heads + (h + 1) * group; ++r) s.head_rows.push_back(r);
+  return reinterpret_cast<const T*>(s.zeros.data());
+}
+
+// acc += probabilities x values, chunk by chunk, the rows of one KV head three at a time
+// (the GQA group of a decode is often exactly that).
+template <typename T>
+void weigh_values(const Problem<T>& p, const WorkItem& item, const ItemGeometry& g, Scratch& s, const T* zero_row) {
+  const int64_t dim = p.dim, per_head = item.num_queries * (p.heads / p.kv_heads);
+  const T* rows[CHUNK];
+  const T* head_rows[CHUNK];
   for (int64_t a = 0; a < PREFETCH_AHEAD; ++a) p.prefetch(p.v_cache, item.seq, g.key_lo + a * CHUNK, g.key_hi);
   for (int64_t c = g.key_lo; c < g.key_hi; c += CHUNK) {
     const int64_t n = std::min<int64_t>(CHUNK, g.key_hi - c);
@@ -222,16 +222,14 @@ void run_item_avx512(const Problem<T>& p, const WorkItem& item, Scratch& s) {
     p.chunk_rows(p.v_cache, item.seq, c, n, rows);
     for (int64_t h = 0; h < p.kv_heads; ++h) {
       for (int64_t j = 0; j < CHUNK; ++j) head_rows[j] = j < n ? rows[j] + h * dim : zero_row;
-      head_rows_idx.clear();
-      for (int64_t i = 0; i < item.num_queries; ++i)
-        for (int64_t r = i * p.heads + h * group; r < i * p.heads + (h + 1) * group; ++r) head_rows_idx.push_back(r);
-      for (size_t k = 0; k < head_rows_idx.size(); k += 3) {
-        const int64_t count = std::min<int64_t>(3, head_rows_idx.size() - k);
+      const int64_t* mine = s.head_rows.data() + h * per_head;
+      for (int64_t k = 0; k < per_head; k += 3) {
+        const int64_t count = std::min<int64_t>(3, per_head - k);
         const float* w[3];
         float* acc[3];
         for (int64_t i = 0; i < count; ++i) {
-          w[i] = s.scores.data() + head_rows_idx[k + i] * g.stride + (c - g.key_lo);
-          acc[i] = s.acc.data() + head_rows_idx[k + i] * dim;
+          w[i] = s.scores.data() + mine[k + i] * g.stride + (c - g.key_lo);
+          acc[i] = s.acc.data() + mine[k + i] * dim;
         }
         if (count == 3) weigh_rows<3>(w, head_rows, dim, acc);
         else if (count == 2) weigh_rows<2>(w, head_rows, dim, acc);
@@ -239,6 +237,29 @@ void run_item_avx512(const Problem<T>& p, const WorkItem& item, Scratch& s) {
       }
     }
   }
+}
+
+template <typename T>
+void run_item_avx512(const Problem<T>& p, const WorkItem& item, Scratch& s) {
+  const ItemGeometry g(p, item);
+  const T* zero_row = start_item(p, item, g, s);
+  const int64_t dim = p.dim, per_head = item.num_queries * (p.heads / p.kv_heads);
+  const T* rows[CHUNK];
+  const T* head_rows[CHUNK];
+  for (int64_t a = 0; a < PREFETCH_AHEAD; ++a) p.prefetch(p.k_cache, item.seq, g.key_lo + a * CHUNK, g.key_hi);
+  for (int64_t c = g.key_lo; c < g.key_hi; c += CHUNK) {
+    const int64_t n = std::min<int64_t>(CHUNK, g.key_hi - c);
+    p.prefetch(p.k_cache, item.seq, c + PREFETCH_AHEAD * CHUNK, g.key_hi);
+    p.chunk_rows(p.k_cache, item.seq, c, n, rows);
+    for (int64_t h = 0; h < p.kv_heads; ++h) {
+      for (int64_t j = 0; j < CHUNK; ++j) head_rows[j] = j < n ? rows[j] + h * dim : zero_row;
+      for (const int64_t* r = s.head_rows.data() + h * per_head; r < s.head_rows.data() + (h + 1) * per_head; ++r)
+        score_chunk(p.query + (g.first_token * p.heads + *r) * dim, head_rows, dim, p.scale,
+                    s.scores.data() + *r * g.stride + (c - g.key_lo));
+    }
+  }
+  softmax_rows(p, g, s);
+  weigh_values(p, item, g, s, zero_row);
   write_output(p, g, s);
 }
 constexpr bool kHaveAvx512 = true;

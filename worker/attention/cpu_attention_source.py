@@ -20,6 +20,7 @@ result is cast to the query dtype. A query at position p sees positions
 """
 
 from worker.attention.cpu_attention_avx512 import AVX512_PATH
+from worker.attention.cpu_attention_bf16 import BF16_PATH
 
 COMMON = r"""
 #include <torch/extension.h>
@@ -39,7 +40,7 @@ COMMON = r"""
 namespace {
 
 constexpr int64_t CHUNK = 16;      // key positions converted and scored together
-constexpr int64_t TILE_ROWS = 64;  // query rows (tokens x heads) per prefill work item
+constexpr int64_t TILE_ROWS = 72;  // query rows (tokens x heads) per prefill work item: 8 tokens of 9 heads
 #ifndef PREFETCH_AHEAD
 #define PREFETCH_AHEAD 1
 #endif
@@ -99,7 +100,8 @@ struct Problem {
 // Per-thread buffers, reused across items.
 struct Scratch {
   std::vector<float> scores, acc, inv_sums, zeros;
-  std::vector<int64_t> head_rows;  // rows of one KV head (AVX-512 value pass)
+  std::vector<float> packed;       // transposed keys / interleaved values of a chunk (bf16 path)
+  std::vector<int64_t> head_rows;  // rows of each KV head (AVX-512 paths)
 };
 
 // Which part of a sequence one item covers, and the key range it reads.
@@ -219,6 +221,7 @@ void run(const Problem<T>& p, int64_t num_seqs) {
   }
   constexpr bool kVectorType = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>;
   const bool vector_path = kHaveAvx512 && kVectorType && p.dim % 16 == 0;
+  const bool bf16_path = kHaveBf16Path && p.dim % 32 == 0;
   int64_t total_cost = 0;
   for (const WorkItem& item : items) total_cost += item.cost;
   // Tiny batches run on the calling thread: waking the pool costs more than they do.
@@ -229,6 +232,12 @@ void run(const Problem<T>& p, int64_t num_seqs) {
     Scratch scratch;
     for (int64_t t = begin; t < end; ++t)
       for (const WorkItem& item : bins[t]) {
+        if constexpr (std::is_same_v<T, c10::BFloat16>) {
+          if (bf16_path && item.num_queries * (p.heads / p.kv_heads) >= BF16_MIN_ROWS) {
+            run_item_bf16(p, item, scratch);
+            continue;
+          }
+        }
         if constexpr (kVectorType) {
           if (vector_path) { run_item_avx512(p, item, scratch); continue; }
         }
@@ -303,6 +312,6 @@ void write_kv_cache(torch::Tensor key, torch::Tensor value, torch::Tensor k_cach
 }
 """
 
-SOURCE = COMMON + AVX512_PATH + DRIVER + KV_WRITE
+SOURCE = COMMON + AVX512_PATH + BF16_PATH + DRIVER + KV_WRITE
 
 FUNCTIONS = ["paged_attention", "write_kv_cache"]
