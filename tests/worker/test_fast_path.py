@@ -87,6 +87,24 @@ def test_kernel_cache_write_matches_index_copy(dtype):
         cpu_kernels.write_kv_cache(key, value, *actual, torch.full((37,), 12 * 16))
 
 
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 37, 600])
+def test_kernel_silu_and_mul_rounds_like_eager(rows):
+    """Bit for bit eager bf16's F.silu(gate) * up, across row counts (one thread or many),
+    a width that leaves a tail past the vector loop, and inf/NaN/huge gates."""
+    g = torch.Generator().manual_seed(3)
+    gate_up = (torch.randn(rows, 2 * 1539, generator=g) * 4).bfloat16()
+    gate_up[0, :6] = torch.tensor([100.0, -100.0, float("inf"), float("-inf"), float("nan"), 0.0])
+    gate, up = gate_up.chunk(2, dim=-1)
+    expected = F.silu(gate).mul_(up)
+    actual = cpu_kernels.silu_and_mul(gate_up)
+    assert actual.shape == expected.shape
+    same = (actual.view(torch.int16) == expected.view(torch.int16)) | (actual.isnan() & expected.isnan())
+    assert bool(same.all())
+    with pytest.raises(RuntimeError, match="even last dimension"):
+        cpu_kernels.silu_and_mul(gate_up[:, :5])
+
+
 def test_kernel_switch_off_falls_back(monkeypatch):
     monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "0")
     monkeypatch.setattr(cpu_kernels, "_module", None)

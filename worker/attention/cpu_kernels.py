@@ -1,6 +1,7 @@
-"""The CPU kernels (paged attention, the K/V cache write, the greedy near-tie scan):
-one C++ extension built from `cpu_attention_source` and `worker.cpu_scan_source`
-with the local C++ compiler at first use, cached on disk, and optional.
+"""The CPU kernels (paged attention, the K/V cache write, the greedy near-tie scan,
+the MLP's SiLU-and-multiply): one C++ extension built from `cpu_attention_source`,
+`worker.cpu_scan_source` and `worker.cpu_activation_source` with the local C++
+compiler at first use, cached on disk, and optional.
 
 The build (about a minute, once per machine and source version) goes to
 torch's extension cache (`TORCH_EXTENSIONS_DIR`, default
@@ -24,9 +25,10 @@ import torch
 
 from worker.attention.cpu_attention_source import FUNCTIONS as ATTENTION_FUNCTIONS
 from worker.attention.cpu_attention_source import SOURCE as ATTENTION_SOURCE
+from worker.cpu_activation_source import ACTIVATION_SOURCE
 from worker.cpu_scan_source import SCAN_SOURCE
 
-SOURCE = ATTENTION_SOURCE + SCAN_SOURCE
+SOURCE = ATTENTION_SOURCE + SCAN_SOURCE + ACTIVATION_SOURCE
 FUNCTIONS = [*ATTENTION_FUNCTIONS, "near_top_scan"]
 
 logger = logging.getLogger(__name__)
@@ -95,11 +97,17 @@ def load() -> Any | None:
             logger.info("Building the CPU kernels (first use on this machine)...")
             _module = load_inline(name=_extension_name(), cpp_sources=[SOURCE], functions=FUNCTIONS,
                                   extra_cflags=CFLAGS, extra_ldflags=LDFLAGS, verbose=False)
+            # Loading the library defined pagedserve::silu_and_mul; compiled graphs trace it with this.
+            torch.library.register_fake("pagedserve::silu_and_mul")(_silu_and_mul_shape)
         except Exception as exc:  # no compiler, headers or a build error: plain PyTorch still works
             _failed = True
             logger.warning("CPU paged attention kernel unavailable, using the PyTorch fallback: %s",
                            str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__)
     return _module
+
+
+def _silu_and_mul_shape(gate_up: torch.Tensor) -> torch.Tensor:
+    return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
 
 
 def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -124,3 +132,9 @@ def near_top_scan(logits: torch.Tensor, model_dtype: torch.dtype) -> tuple[torch
     info = torch.finfo(model_dtype)
     argmax, counts = _module.near_top_scan(logits, float(info.eps), float(info.tiny))
     return argmax, counts
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of a fused [..., 2n] gate/up projection, rounded like eager PyTorch
+    (see worker.cpu_activation_source). Requires `load()` to have succeeded."""
+    return torch.ops.pagedserve.silu_and_mul(gate_up)

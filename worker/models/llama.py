@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker.attention import cpu_kernels
 from worker.attention.metadata import AttentionMetadata
 from worker.attention.step_context import paged_attention, step_context
 from worker.models.packed_linear import linear, pack_weights
@@ -46,6 +47,7 @@ class DecoderLayer(nn.Module):
         # Packed copies of qkv, o, gate_up, down of layer i live under keys
         # packed_base + 4 i + (0..3) (see packed_linear); 0 = plain F.linear.
         self.packed_base = 0
+        self.fused_silu = False  # silu(gate) * up through the CPU kernel (bf16 on CPU, see pack_weights)
         qkv_rows = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
         self.input_norm = _param(s.hidden, dtype=dtype, device=device)
         self.qkv_weight = _param(qkv_rows, s.hidden, dtype=dtype, device=device)
@@ -83,8 +85,13 @@ def decoder_layer(layer: DecoderLayer, hidden: torch.Tensor, cos: torch.Tensor, 
     hidden = hidden + linear(attn.reshape(num_tokens, -1), layer.o_weight, layer.o_bias, key and key + 1)
 
     x = rms_norm(hidden, layer.post_norm, s.eps)
-    gate, up = linear(x, layer.gate_up_weight, layer.gate_up_bias, key and key + 2).chunk(2, dim=-1)
-    return hidden + linear(F.silu(gate).mul_(up), layer.down_weight, layer.down_bias, key and key + 3)
+    gate_up = linear(x, layer.gate_up_weight, layer.gate_up_bias, key and key + 2)
+    if layer.fused_silu:
+        activated = cpu_kernels.silu_and_mul(gate_up)
+    else:
+        gate, up = gate_up.chunk(2, dim=-1)
+        activated = F.silu(gate).mul_(up)
+    return hidden + linear(activated, layer.down_weight, layer.down_bias, key and key + 3)
 
 
 class ModelSizes:
@@ -166,13 +173,17 @@ class LlamaForCausalLM(nn.Module):
         return logits.float() if upcast else logits
 
     def pack_weights(self) -> bool:
-        """Pre-pack the matmul weights for oneDNN (bfloat16 on CPU only; see packed_linear).
+        """Pre-pack the matmul weights for oneDNN (bfloat16 on CPU only; see packed_linear),
+        and with them take the MLP activation through the CPU kernel when it is built
+        (the same rounding as eager, in about half the inductor-compiled version's time).
         Call after load_weights; returns whether anything was packed."""
         weights = [w for layer in self.layers
                    for w in (layer.qkv_weight, layer.o_weight, layer.gate_up_weight, layer.down_weight)]
         base = pack_weights(weights + [self.lm_head], owner=self)
+        fused_silu = bool(base) and cpu_kernels.load() is not None
         for layer in self.layers:
             layer.packed_base = base
+            layer.fused_silu = fused_silu
         self.lm_head_key = base and base + len(weights)
         return bool(base)
 
