@@ -208,35 +208,46 @@ const T* start_item(const Problem<T>& p, const WorkItem& item, const ItemGeometr
   return reinterpret_cast<const T*>(s.zeros.data());
 }
 
+// Calls fn(offset, h, head_rows) for every chunk of the item's keys (offset: its first key
+// relative to key_lo) and KV head h, head_rows pointing at that head's 16 rows of `cache`
+// (the zero row past the end), prefetching a chunk ahead.
+template <typename T, typename F>
+inline void for_each_chunk_head(const Problem<T>& p, const T* cache, const WorkItem& item, const ItemGeometry& g,
+                                const T* zero_row, F&& fn) {
+  const T* rows[CHUNK];
+  const T* head_rows[CHUNK];
+  for (int64_t a = 0; a < PREFETCH_AHEAD; ++a) p.prefetch(cache, item.seq, g.key_lo + a * CHUNK, g.key_hi);
+  for (int64_t c = g.key_lo; c < g.key_hi; c += CHUNK) {
+    const int64_t n = std::min<int64_t>(CHUNK, g.key_hi - c);
+    p.prefetch(cache, item.seq, c + PREFETCH_AHEAD * CHUNK, g.key_hi);
+    p.chunk_rows(cache, item.seq, c, n, rows);
+    for (int64_t h = 0; h < p.kv_heads; ++h) {
+      for (int64_t j = 0; j < CHUNK; ++j) head_rows[j] = j < n ? rows[j] + h * p.dim : zero_row;
+      fn(c - g.key_lo, h, static_cast<const T* const*>(head_rows));
+    }
+  }
+}
+
 // acc += probabilities x values, chunk by chunk, the rows of one KV head three at a time
 // (the GQA group of a decode is often exactly that).
 template <typename T>
 void weigh_values(const Problem<T>& p, const WorkItem& item, const ItemGeometry& g, Scratch& s, const T* zero_row) {
   const int64_t dim = p.dim, per_head = item.num_queries * (p.heads / p.kv_heads);
-  const T* rows[CHUNK];
-  const T* head_rows[CHUNK];
-  for (int64_t a = 0; a < PREFETCH_AHEAD; ++a) p.prefetch(p.v_cache, item.seq, g.key_lo + a * CHUNK, g.key_hi);
-  for (int64_t c = g.key_lo; c < g.key_hi; c += CHUNK) {
-    const int64_t n = std::min<int64_t>(CHUNK, g.key_hi - c);
-    p.prefetch(p.v_cache, item.seq, c + PREFETCH_AHEAD * CHUNK, g.key_hi);
-    p.chunk_rows(p.v_cache, item.seq, c, n, rows);
-    for (int64_t h = 0; h < p.kv_heads; ++h) {
-      for (int64_t j = 0; j < CHUNK; ++j) head_rows[j] = j < n ? rows[j] + h * dim : zero_row;
-      const int64_t* mine = s.head_rows.data() + h * per_head;
-      for (int64_t k = 0; k < per_head; k += 3) {
-        const int64_t count = std::min<int64_t>(3, per_head - k);
-        const float* w[3];
-        float* acc[3];
-        for (int64_t i = 0; i < count; ++i) {
-          w[i] = s.scores.data() + mine[k + i] * g.stride + (c - g.key_lo);
-          acc[i] = s.acc.data() + mine[k + i] * dim;
-        }
-        if (count == 3) weigh_rows<3>(w, head_rows, dim, acc);
-        else if (count == 2) weigh_rows<2>(w, head_rows, dim, acc);
-        else weigh_rows<1>(w, head_rows, dim, acc);
+  for_each_chunk_head(p, p.v_cache, item, g, zero_row, [&](int64_t offset, int64_t h, const T* const* head_rows) {
+    const int64_t* mine = s.head_rows.data() + h * per_head;
+    for (int64_t k = 0; k < per_head; k += 3) {
+      const int64_t count = std::min<int64_t>(3, per_head - k);
+      const float* w[3];
+      float* acc[3];
+      for (int64_t i = 0; i < count; ++i) {
+        w[i] = s.scores.data() + mine[k + i] * g.stride + offset;
+        acc[i] = s.acc.data() + mine[k + i] * dim;
       }
+      if (count == 3) weigh_rows<3>(w, head_rows, dim, acc);
+      else if (count == 2) weigh_rows<2>(w, head_rows, dim, acc);
+      else weigh_rows<1>(w, head_rows, dim, acc);
     }
-  }
+  });
 }
 
 template <typename T>
@@ -244,20 +255,11 @@ void run_item_avx512(const Problem<T>& p, const WorkItem& item, Scratch& s) {
   const ItemGeometry g(p, item);
   const T* zero_row = start_item(p, item, g, s);
   const int64_t dim = p.dim, per_head = item.num_queries * (p.heads / p.kv_heads);
-  const T* rows[CHUNK];
-  const T* head_rows[CHUNK];
-  for (int64_t a = 0; a < PREFETCH_AHEAD; ++a) p.prefetch(p.k_cache, item.seq, g.key_lo + a * CHUNK, g.key_hi);
-  for (int64_t c = g.key_lo; c < g.key_hi; c += CHUNK) {
-    const int64_t n = std::min<int64_t>(CHUNK, g.key_hi - c);
-    p.prefetch(p.k_cache, item.seq, c + PREFETCH_AHEAD * CHUNK, g.key_hi);
-    p.chunk_rows(p.k_cache, item.seq, c, n, rows);
-    for (int64_t h = 0; h < p.kv_heads; ++h) {
-      for (int64_t j = 0; j < CHUNK; ++j) head_rows[j] = j < n ? rows[j] + h * dim : zero_row;
-      for (const int64_t* r = s.head_rows.data() + h * per_head; r < s.head_rows.data() + (h + 1) * per_head; ++r)
-        score_chunk(p.query + (g.first_token * p.heads + *r) * dim, head_rows, dim, p.scale,
-                    s.scores.data() + *r * g.stride + (c - g.key_lo));
-    }
-  }
+  for_each_chunk_head(p, p.k_cache, item, g, zero_row, [&](int64_t offset, int64_t h, const T* const* head_rows) {
+    for (const int64_t* r = s.head_rows.data() + h * per_head; r < s.head_rows.data() + (h + 1) * per_head; ++r)
+      score_chunk(p.query + (g.first_token * p.heads + *r) * dim, head_rows, dim, p.scale,
+                  s.scores.data() + *r * g.stride + offset);
+  });
   softmax_rows(p, g, s);
   weigh_values(p, item, g, s, zero_row);
   write_output(p, g, s);

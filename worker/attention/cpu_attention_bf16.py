@@ -87,38 +87,29 @@ void run_item_bf16(const Problem<c10::BFloat16>& p, const WorkItem& item, Scratc
   s.packed.resize(pairs * 16);  // one head's transposed keys of one chunk
   float* kt = s.packed.data();
   const uint32_t* query = reinterpret_cast<const uint32_t*>(p.query) + g.first_token * p.heads * pairs;
-  const T* rows[CHUNK];
-  const T* head_rows[CHUNK];
-  for (int64_t a = 0; a < PREFETCH_AHEAD; ++a) p.prefetch(p.k_cache, item.seq, g.key_lo + a * CHUNK, g.key_hi);
-  for (int64_t c = g.key_lo; c < g.key_hi; c += CHUNK) {
-    const int64_t n = std::min<int64_t>(CHUNK, g.key_hi - c);
-    p.prefetch(p.k_cache, item.seq, c + PREFETCH_AHEAD * CHUNK, g.key_hi);
-    p.chunk_rows(p.k_cache, item.seq, c, n, rows);
-    for (int64_t h = 0; h < p.kv_heads; ++h) {
-      for (int64_t j = 0; j < CHUNK; ++j) head_rows[j] = j < n ? rows[j] + h * dim : zero_row;
-      transpose_keys(head_rows, dim, kt);
-      const int64_t* mine = s.head_rows.data() + h * per_head;
-      for (int64_t k = 0; k < per_head; k += SCORE_ROWS) {
-        const int64_t count = std::min<int64_t>(SCORE_ROWS, per_head - k);
-        const uint32_t* q[SCORE_ROWS];
-        float* out[SCORE_ROWS];
-        for (int64_t i = 0; i < count; ++i) {
-          q[i] = query + mine[k + i] * pairs;
-          out[i] = s.scores.data() + mine[k + i] * g.stride + (c - g.key_lo);
-        }
-        switch (count) {  // fixed-size row loops unroll
-          case 8: score_rows<8>(q, kt, pairs, p.scale, out); break;
-          case 7: score_rows<7>(q, kt, pairs, p.scale, out); break;
-          case 6: score_rows<6>(q, kt, pairs, p.scale, out); break;
-          case 5: score_rows<5>(q, kt, pairs, p.scale, out); break;
-          case 4: score_rows<4>(q, kt, pairs, p.scale, out); break;
-          case 3: score_rows<3>(q, kt, pairs, p.scale, out); break;
-          case 2: score_rows<2>(q, kt, pairs, p.scale, out); break;
-          default: score_rows<1>(q, kt, pairs, p.scale, out); break;
-        }
+  for_each_chunk_head(p, p.k_cache, item, g, zero_row, [&](int64_t offset, int64_t h, const T* const* head_rows) {
+    transpose_keys(head_rows, dim, kt);
+    const int64_t* mine = s.head_rows.data() + h * per_head;
+    for (int64_t k = 0; k < per_head; k += SCORE_ROWS) {
+      const int64_t count = std::min<int64_t>(SCORE_ROWS, per_head - k);
+      const uint32_t* q[SCORE_ROWS];
+      float* out[SCORE_ROWS];
+      for (int64_t i = 0; i < count; ++i) {
+        q[i] = query + mine[k + i] * pairs;
+        out[i] = s.scores.data() + mine[k + i] * g.stride + offset;
+      }
+      switch (count) {  // fixed-size row loops unroll
+        case 8: score_rows<8>(q, kt, pairs, p.scale, out); break;
+        case 7: score_rows<7>(q, kt, pairs, p.scale, out); break;
+        case 6: score_rows<6>(q, kt, pairs, p.scale, out); break;
+        case 5: score_rows<5>(q, kt, pairs, p.scale, out); break;
+        case 4: score_rows<4>(q, kt, pairs, p.scale, out); break;
+        case 3: score_rows<3>(q, kt, pairs, p.scale, out); break;
+        case 2: score_rows<2>(q, kt, pairs, p.scale, out); break;
+        default: score_rows<1>(q, kt, pairs, p.scale, out); break;
       }
     }
-  }
+  });
   softmax_rows(p, g, s);
   weigh_values(p, item, g, s, zero_row);
   write_output(p, g, s);
