@@ -1,14 +1,16 @@
 """C++ source of the fused SiLU-and-multiply of the gated MLP (`silu(gate) * up`), built
 into the CPU kernel extension by `worker.attention.cpu_kernels` after the attention
-source, whose `exp_ps` (which overflows to inf like exp) and `load16` it uses, and registered as the operator `pagedserve::silu_and_mul`
-so that compiled graphs call it without going through Python.
+source, whose `exp_ps` (which overflows to inf like exp) and `load16` it uses, and
+registered as the operator `pagedserve::silu_and_mul` so that compiled graphs call it
+without going through Python.
 
 It rounds where eager bfloat16 PyTorch rounds: silu in float32 rounded to bfloat16,
 then the product rounded again (round to nearest even, as c10::BFloat16). Eager and
 inductor compute silu as x / (1 + exp(-x)) with SLEEF's exp, about 70 cycles for 16
 values on this machine, which made the op compute-bound (4.9 ms a layer for 4,096
-tokens); the polynomial exp here differs from SLEEF's by an ulp of float32 at most,
-which changes a bfloat16 result only when it sits on a rounding boundary.
+tokens); the polynomial exp here differs from SLEEF's in the last bits of float32,
+which changes a bfloat16 result only when it sits on a rounding boundary (none of
+6.3 million random values did; the tests compare bit for bit).
 """
 
 ACTIVATION_SOURCE = r"""

@@ -100,7 +100,7 @@ struct Problem {
 // Per-thread buffers, reused across items.
 struct Scratch {
   std::vector<float> scores, acc, inv_sums, zeros;
-  std::vector<float> packed;       // transposed keys / interleaved values of a chunk (bf16 path)
+  std::vector<float> packed;       // one KV head's keys of a chunk, transposed (bf16 path)
   std::vector<int64_t> head_rows;  // rows of each KV head (AVX-512 paths)
 };
 
