@@ -52,8 +52,8 @@ def test_kernel_and_fallback_match_reference_at_model_shapes(dtype, window, make
 @pytest.mark.parametrize("window", [None, 29])
 def test_kernel_bf16_prefill_matches_reference_at_other_head_dims(head_dim, window, make_metadata,
                                                                   make_block_tables):
-    """bfloat16 prefill items take the vdpbf16ps path (transposed keys, interleaved values,
-    head dims in slices of 64): head dims other than SmolLM2's, chunks cut short, windows."""
+    """bfloat16 prefill items score on vdpbf16ps against keys transposed 32 dims at a time:
+    head dims other than SmolLM2's, chunks cut short, windows, next to a decode item."""
     g = torch.Generator().manual_seed(2)
     contexts, query_lens = [3, 0, 45, 0], [1, 70, 19, 9]
     seq_lens = [c + q for c, q in zip(contexts, query_lens)]
