@@ -48,12 +48,13 @@ def test_kernel_and_fallback_match_reference_at_model_shapes(dtype, window, make
 
 
 @needs_kernel
-@pytest.mark.parametrize("head_dim", [32, 96, 128])
+@pytest.mark.parametrize("head_dim", [32, 80, 96, 128])
 @pytest.mark.parametrize("window", [None, 29])
 def test_kernel_bf16_prefill_matches_reference_at_other_head_dims(head_dim, window, make_metadata,
                                                                   make_block_tables):
     """bfloat16 prefill items score on vdpbf16ps against keys transposed 32 dims at a time:
-    head dims other than SmolLM2's, chunks cut short, windows, next to a decode item."""
+    head dims other than SmolLM2's (80 takes the float32-FMA scoring), chunks cut short,
+    windows, next to a decode item."""
     g = torch.Generator().manual_seed(2)
     contexts, query_lens = [3, 0, 45, 0], [1, 70, 19, 9]
     seq_lens = [c + q for c, q in zip(contexts, query_lens)]
@@ -116,23 +117,42 @@ def test_kernel_switch_off_falls_back(monkeypatch):
 
 
 # --- packed bf16 matmuls --------------------------------------------------------------
-def test_packed_linear_matches_f_linear():
-    g = torch.Generator().manual_seed(0)
-    weight = torch.randn(96, 64, generator=g).to(torch.bfloat16)
-    bias = torch.randn(96, generator=g).to(torch.bfloat16)
-    owner = type("Owner", (), {})()
-    base = packed_linear.pack_weights([weight], owner)
-    if not base:
-        pytest.skip("oneDNN bf16 packing unavailable")
-    for rows in (1, 7, 300):
-        x = torch.randn(rows, 64, generator=g).to(torch.bfloat16)
-        expected = F.linear(x.float(), weight.float(), bias.float())
-        got = packed_linear.linear(x, weight, bias, base)
-        assert got.dtype == torch.bfloat16 and got.shape == (rows, 96)
-        assert relative_l2(got, expected) < 1e-2
-    assert packed_linear.pack_weights([weight.float()], owner) == 0  # float32 keeps F.linear
-    del owner
-    assert base not in packed_linear._packed  # dropped with its owner
+@pytest.mark.parametrize("out_features,in_features", [(96, 64), (200, 576), (37, 33), (16, 2)])
+def test_packed_linear_matches_f_linear(out_features, in_features):
+    """The packed bf16 matmul against float32 F.linear, at every row-tile remainder, with a
+    partial last panel (N % 16) and an odd K (zero-padded in the packed copy)."""
+    if not cpu_kernels.bf16_linear_available():
+        pytest.skip("the CPU kernel's bf16 matmul needs AVX512-BF16 and a compiler")
+    g = torch.Generator().manual_seed(out_features)
+    weight = torch.randn(out_features, in_features, generator=g).to(torch.bfloat16)
+    bias = torch.randn(out_features, generator=g).to(torch.bfloat16)
+    packed = packed_linear.pack_weight(weight)
+    assert packed is not None and packed.shape == ((out_features + 15) // 16, (in_features + 1) // 2, 16, 2)
+    for rows in (1, 2, 3, 4, 5, 7, 300):
+        x = torch.randn(rows, in_features, generator=g).to(torch.bfloat16)
+        for b in (bias, None):
+            expected = F.linear(x.float(), weight.float(), None if b is None else b.float())
+            got = packed_linear.linear(x, weight, b, packed)
+            assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
+            # float32 sums rounded once to bf16: within half a bf16 ulp of the exact result
+            assert torch.all((got.float() - expected).abs() <= expected.abs() * 2 ** -8 + 1e-3)
+    batched = torch.randn(2, 3, in_features, generator=g).to(torch.bfloat16)
+    assert torch.equal(packed_linear.linear(batched, weight, bias, packed),
+                       packed_linear.linear(batched.reshape(6, -1), weight, bias, packed).reshape(2, 3, -1))
+    assert packed_linear.linear(batched[:0], weight, bias, packed).shape == (0, 3, out_features)
+    assert packed_linear.pack_weight(weight.float()) is None  # float32 keeps F.linear
+
+
+def test_packed_linear_rejects_mismatched_shapes():
+    if not cpu_kernels.bf16_linear_available():
+        pytest.skip("the CPU kernel's bf16 matmul needs AVX512-BF16 and a compiler")
+    weight = torch.randn(32, 64).to(torch.bfloat16)
+    packed = packed_linear.pack_weight(weight)
+    with pytest.raises(RuntimeError, match="last dimension"):
+        packed_linear.linear(torch.randn(4, 62).to(torch.bfloat16), weight, None, packed)
+    with pytest.raises(RuntimeError, match="bias"):
+        packed_linear.linear(torch.randn(4, 64).to(torch.bfloat16), weight, torch.zeros(31, dtype=torch.bfloat16),
+                             packed)
 
 
 # --- the compiled model step ----------------------------------------------------------

@@ -1,7 +1,8 @@
 """The CPU kernels (paged attention, the K/V cache write, the greedy near-tie scan,
-the MLP's SiLU-and-multiply): one C++ extension built from `cpu_attention_source`,
-`worker.cpu_scan_source` and `worker.cpu_activation_source` with the local C++
-compiler at first use, cached on disk, and optional.
+the MLP's SiLU-and-multiply, the bfloat16 matmul): one C++ extension built from
+`cpu_attention_source`, `worker.cpu_scan_source`, `worker.cpu_activation_source`
+and `worker.cpu_linear_source` with the local C++ compiler at first use, cached
+on disk, and optional.
 
 The build (about a minute, once per machine and source version) goes to
 torch's extension cache (`TORCH_EXTENSIONS_DIR`, default
@@ -26,10 +27,11 @@ import torch
 from worker.attention.cpu_attention_source import FUNCTIONS as ATTENTION_FUNCTIONS
 from worker.attention.cpu_attention_source import SOURCE as ATTENTION_SOURCE
 from worker.cpu_activation_source import ACTIVATION_SOURCE
+from worker.cpu_linear_source import LINEAR_SOURCE
 from worker.cpu_scan_source import SCAN_SOURCE
 
-SOURCE = ATTENTION_SOURCE + SCAN_SOURCE + ACTIVATION_SOURCE
-FUNCTIONS = [*ATTENTION_FUNCTIONS, "near_top_scan"]
+SOURCE = ATTENTION_SOURCE + SCAN_SOURCE + ACTIVATION_SOURCE + LINEAR_SOURCE
+FUNCTIONS = [*ATTENTION_FUNCTIONS, "near_top_scan", "bf16_linear_available"]
 
 logger = logging.getLogger(__name__)
 
@@ -97,8 +99,9 @@ def load() -> Any | None:
             logger.info("Building the CPU kernels (first use on this machine)...")
             _module = load_inline(name=_extension_name(), cpp_sources=[SOURCE], functions=FUNCTIONS,
                                   extra_cflags=CFLAGS, extra_ldflags=LDFLAGS, verbose=False)
-            # Loading the library defined pagedserve::silu_and_mul; compiled graphs trace it with this.
+            # Loading the library defined these operators; compiled graphs trace them with their fakes.
             torch.library.register_fake("pagedserve::silu_and_mul")(_silu_and_mul_shape)
+            torch.library.register_fake("pagedserve::bf16_linear")(_bf16_linear_shape)
         except Exception as exc:  # no compiler, headers or a build error: plain PyTorch still works
             _failed = True
             logger.warning("CPU paged attention kernel unavailable, using the PyTorch fallback: %s",
@@ -108,6 +111,16 @@ def load() -> Any | None:
 
 def _silu_and_mul_shape(gate_up: torch.Tensor) -> torch.Tensor:
     return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
+
+
+def _bf16_linear_shape(x: torch.Tensor, packed: torch.Tensor, out_features: int,
+                       bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+def bf16_linear_available() -> bool:
+    """Whether the extension is built and this CPU runs its bfloat16 matmul (AVX512-BF16)."""
+    return load() is not None and bool(_module.bf16_linear_available())
 
 
 def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

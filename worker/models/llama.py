@@ -18,7 +18,7 @@ from torch import nn
 from worker.attention import cpu_kernels
 from worker.attention.metadata import AttentionMetadata
 from worker.attention.step_context import paged_attention, step_context
-from worker.models.packed_linear import linear, pack_weights
+from worker.models.packed_linear import linear, pack_weight
 from worker.models.rotary import RotaryEmbedding, apply_rotary
 
 
@@ -36,6 +36,9 @@ def _param(*shape: int, dtype: torch.dtype | None, device: Any) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
+PACKED_WEIGHTS = ("qkv", "o", "gate_up", "down")  # a layer's matmul weights: <name>_weight
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, sizes: "ModelSizes", biases: dict[str, bool], sliding_window: int | None,
                  dtype: torch.dtype | None, device: Any, layer_index: int = 0):
@@ -44,9 +47,9 @@ class DecoderLayer(nn.Module):
         self.sizes = s
         self.sliding_window = sliding_window
         self.layer_index = layer_index  # which KV cache the attention call writes and reads
-        # Packed copies of qkv, o, gate_up, down of layer i live under keys
-        # packed_base + 4 i + (0..3) (see packed_linear); 0 = plain F.linear.
-        self.packed_base = 0
+        # Packed copies of the four matmul weights (see packed_linear); None: plain F.linear.
+        for name in PACKED_WEIGHTS:
+            self.register_buffer(name + "_packed", None, persistent=False)
         self.fused_silu = False  # silu(gate) * up through the CPU kernel (bf16 on CPU, see pack_weights)
         qkv_rows = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
         self.input_norm = _param(s.hidden, dtype=dtype, device=device)
@@ -73,25 +76,24 @@ def decoder_layer(layer: DecoderLayer, hidden: torch.Tensor, cos: torch.Tensor, 
     instead of the whole stack cuts the compile time about thirtyfold."""
     s = layer.sizes
     num_tokens = hidden.shape[0]
-    key = layer.packed_base and layer.packed_base + 4 * layer_index
     x = rms_norm(hidden, layer.input_norm, s.eps)
-    qkv = linear(x, layer.qkv_weight, layer.qkv_bias, key)
+    qkv = linear(x, layer.qkv_weight, layer.qkv_bias, layer.qkv_packed)
     q, k, v = qkv.split([s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim,
                          s.num_kv_heads * s.head_dim], dim=-1)
     q = apply_rotary(q.view(num_tokens, s.num_heads, s.head_dim), cos, sin)
     k = apply_rotary(k.view(num_tokens, s.num_kv_heads, s.head_dim), cos, sin)
     v = v.view(num_tokens, s.num_kv_heads, s.head_dim)
     attn = paged_attention(q, k, v, layer_index, s.head_dim ** -0.5, layer.sliding_window)
-    hidden = hidden + linear(attn.reshape(num_tokens, -1), layer.o_weight, layer.o_bias, key and key + 1)
+    hidden = hidden + linear(attn.reshape(num_tokens, -1), layer.o_weight, layer.o_bias, layer.o_packed)
 
     x = rms_norm(hidden, layer.post_norm, s.eps)
-    gate_up = linear(x, layer.gate_up_weight, layer.gate_up_bias, key and key + 2)
+    gate_up = linear(x, layer.gate_up_weight, layer.gate_up_bias, layer.gate_up_packed)
     if layer.fused_silu:
         activated = cpu_kernels.silu_and_mul(gate_up)
     else:
         gate, up = gate_up.chunk(2, dim=-1)
         activated = F.silu(gate).mul_(up)
-    return hidden + linear(activated, layer.down_weight, layer.down_bias, key and key + 3)
+    return hidden + linear(activated, layer.down_weight, layer.down_bias, layer.down_packed)
 
 
 class ModelSizes:
@@ -129,7 +131,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = self.embed_tokens if self.tie_word_embeddings else _param(
             s.vocab, s.hidden, dtype=dtype, device=device)
         self.rotary = RotaryEmbedding(hf_config, s.head_dim)
-        self.lm_head_key = 0  # packed lm_head (see pack_weights)
+        self.register_buffer("lm_head_packed", None, persistent=False)  # see pack_weights
 
     # --- architecture rules (overridden by Mistral / Qwen2) -------------------------
     @classmethod
@@ -169,23 +171,23 @@ class LlamaForCausalLM(nn.Module):
         """hidden [N, hidden] -> float32 logits [N, vocab] (matmul in the model dtype, like transformers).
         upcast=False keeps the model dtype: enough for a plain argmax, which the exact
         float32 widening cannot change, and it saves a copy of [N, vocab]."""
-        logits = linear(hidden, self.lm_head, None, self.lm_head_key)
+        logits = linear(hidden, self.lm_head, None, self.lm_head_packed)
         return logits.float() if upcast else logits
 
     def pack_weights(self) -> bool:
-        """Pre-pack the matmul weights for oneDNN (bfloat16 on CPU only; see packed_linear),
-        and with them take the MLP activation through the CPU kernel when it is built
-        (the same rounding as eager, in about half the inductor-compiled version's time).
-        Call after load_weights; returns whether anything was packed."""
-        weights = [w for layer in self.layers
-                   for w in (layer.qkv_weight, layer.o_weight, layer.gate_up_weight, layer.down_weight)]
-        base = pack_weights(weights + [self.lm_head], owner=self)
-        fused_silu = bool(base) and cpu_kernels.load() is not None
+        """Pre-pack the matmul weights for the CPU kernel's bfloat16 matmul (bfloat16 on
+        CPU with AVX512-BF16 only; see packed_linear), and with them take the MLP
+        activation through the CPU kernel (the same rounding as eager, in about half the
+        inductor-compiled version's time). Call after load_weights; returns whether
+        anything was packed."""
+        self.lm_head_packed = pack_weight(self.lm_head)
+        if self.lm_head_packed is None:
+            return False
         for layer in self.layers:
-            layer.packed_base = base
-            layer.fused_silu = fused_silu
-        self.lm_head_key = base and base + len(weights)
-        return bool(base)
+            for name in PACKED_WEIGHTS:
+                setattr(layer, name + "_packed", pack_weight(getattr(layer, name + "_weight")))
+            layer.fused_silu = True
+        return True
 
     # --- weights ---------------------------------------------------------------------
     def weight_targets(self) -> dict[str, torch.Tensor]:
