@@ -24,21 +24,27 @@ LINEAR_SOURCE = r"""
 namespace {
 
 #if defined(__AVX512BF16__)
-constexpr int64_t LINEAR_LANES = 16;  // output columns per register
-constexpr int64_t LINEAR_PANELS = 3;     // registers per row: 48 output columns per block
-constexpr int LINEAR_ROWS = 8;           // rows per micro-kernel call: 8 x 3 accumulators
+constexpr int64_t LINEAR_LANES = 16;       // output columns per register
+constexpr int64_t LINEAR_PANELS = 3;       // registers per row: 48 output columns per block
+constexpr int LINEAR_ROWS = 8;             // rows per micro-kernel call: 8 x 3 accumulators
 constexpr int64_t LINEAR_ROW_BLOCK = 256;  // rows whose x stays in L2 while a thread walks its blocks
 
 // out[r][0 .. 16 NV) = bias + sum over pairs p of x[r][p] . w[v][p], rounded to bf16;
 // `cols` output columns are valid (the last panel may be partial). Issues one prefetch
-// per pair for the first `prefetch_lines` lines at `prefetch`.
+// per pair for the first `prefetch_lines` lines at `prefetch` (at most `pairs` of them: a
+// tile of few rows prefetches part of the next block; more per pair slowed the loop).
 template <int R, int NV>
 inline void linear_tile(const uint32_t* x, int64_t ldx, const uint32_t* w, int64_t panel, int64_t pairs,
                         const float* bias, c10::BFloat16* out, int64_t ldo, int64_t cols, const char* prefetch,
                         int64_t prefetch_lines) {
+  __mmask16 valid[NV];
+  for (int v = 0; v < NV; ++v) {
+    const int64_t left = cols - v * LINEAR_LANES;
+    valid[v] = left >= LINEAR_LANES ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+  }
   __m512 acc[R][NV];
   for (int v = 0; v < NV; ++v) {
-    const __m512 b = bias ? _mm512_loadu_ps(bias + v * LINEAR_LANES) : _mm512_setzero_ps();
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(valid[v], bias + v * LINEAR_LANES) : _mm512_setzero_ps();
     for (int r = 0; r < R; ++r) acc[r][v] = b;
   }
   for (int64_t p = 0; p < pairs; ++p) {
@@ -50,12 +56,9 @@ inline void linear_tile(const uint32_t* x, int64_t ldx, const uint32_t* w, int64
       for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], a, b[v]);
     }
   }
-  for (int v = 0; v < NV; ++v) {
-    const int64_t left = cols - v * LINEAR_LANES;
-    const __mmask16 mask = left >= LINEAR_LANES ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+  for (int v = 0; v < NV; ++v)
     for (int r = 0; r < R; ++r)
-      _mm256_mask_storeu_epi16(out + r * ldo + v * LINEAR_LANES, mask, (__m256i)_mm512_cvtneps_pbh(acc[r][v]));
-  }
+      _mm256_mask_storeu_epi16(out + r * ldo + v * LINEAR_LANES, valid[v], (__m256i)_mm512_cvtneps_pbh(acc[r][v]));
 }
 
 // All m rows of one block of NV panels; the prefetch of the next block is spread over the row groups.
