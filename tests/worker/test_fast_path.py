@@ -89,21 +89,29 @@ def test_kernel_cache_write_matches_index_copy(dtype):
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", [1, 37, 600])
-def test_kernel_silu_and_mul_rounds_like_eager(rows):
-    """Bit for bit eager bf16's F.silu(gate) * up, across row counts (one thread or many),
-    a width that leaves a tail past the vector loop, and inf/NaN/huge gates."""
-    g = torch.Generator().manual_seed(3)
-    gate_up = (torch.randn(rows, 2 * 1539, generator=g) * 4).bfloat16()
-    gate_up[0, :6] = torch.tensor([100.0, -100.0, float("inf"), float("-inf"), float("nan"), 0.0])
-    gate, up = gate_up.chunk(2, dim=-1)
-    expected = F.silu(gate).mul_(up)
-    actual = cpu_kernels.silu_and_mul(gate_up)
-    assert actual.shape == expected.shape
-    same = (actual.view(torch.int16) == expected.view(torch.int16)) | (actual.isnan() & expected.isnan())
-    assert bool(same.all())
-    with pytest.raises(RuntimeError, match="even last dimension"):
-        cpu_kernels.silu_and_mul(gate_up[:, :5])
+@pytest.mark.parametrize("tokens,head_dim", [(1, 64), (37, 48), (600, 64), (5, 6)])
+def test_kernel_rotary_rounds_like_eager(tokens, head_dim):
+    """Bit for bit eager bf16's apply_rotary on q and k read out of a fused qkv projection:
+    one thread or many, half a head past the vector loop (48, 6), extreme values."""
+    from worker.models.rotary import apply_rotary
+    g = torch.Generator().manual_seed(tokens)
+    heads, kv_heads = 9, 3
+    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g) * 3).bfloat16()
+    qkv[0, :4] = torch.tensor([3e38, -3e38, float("inf"), float("nan")])
+    angles = torch.rand(tokens, head_dim // 2, generator=g) * 100
+    cos, sin = (torch.cat([f(angles)] * 2, dim=-1).bfloat16() for f in (torch.cos, torch.sin))
+    q, k = cpu_kernels.rotary_qk(qkv, cos, sin, heads, kv_heads)
+    q_ref = apply_rotary(qkv[:, :heads * head_dim].view(tokens, heads, head_dim), cos, sin)
+    k_ref = apply_rotary(qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim),
+                         cos, sin)
+    for got, want in ((q, q_ref), (k, k_ref)):
+        assert got.shape == want.shape and got.is_contiguous()
+        same = (got.view(torch.int16) == want.view(torch.int16)) | (got.isnan() & want.isnan())
+        assert bool(same.all())
+    with pytest.raises(RuntimeError, match="narrower"):
+        cpu_kernels.rotary_qk(qkv[:, :heads * head_dim], cos, sin, heads, kv_heads)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        cpu_kernels.rotary_qk(qkv.float(), cos, sin, heads, kv_heads)
 
 
 def test_kernel_switch_off_falls_back(monkeypatch):
@@ -141,6 +149,34 @@ def test_packed_linear_matches_f_linear(out_features, in_features):
                        packed_linear.linear(batched.reshape(6, -1), weight, bias, packed).reshape(2, 3, -1))
     assert packed_linear.linear(batched[:0], weight, bias, packed).shape == (0, 3, out_features)
     assert packed_linear.pack_weight(weight.float()) is None  # float32 keeps F.linear
+
+
+@pytest.mark.parametrize("intermediate,in_features", [(1536, 64), (37, 33), (16, 8)])
+def test_gated_linear_rounds_like_linear_then_eager_silu(intermediate, in_features):
+    """The SiLU-gated packed matmul bit for bit the packed matmul followed by eager bf16
+    F.silu(gate) * up: row-tile remainders, one thread or many, a last block with one
+    gate/up pair and a partial panel (37), biases that drive gates to +-inf, NaN, huge."""
+    if not cpu_kernels.bf16_linear_available():
+        pytest.skip("the CPU kernel's bf16 matmul needs AVX512-BF16 and a compiler")
+    g = torch.Generator().manual_seed(intermediate)
+    weight = torch.randn(2 * intermediate, in_features, generator=g).to(torch.bfloat16)
+    bias = (torch.randn(2 * intermediate, generator=g) * 4).to(torch.bfloat16)
+    bias[:5] = torch.tensor([100.0, -100.0, float("inf"), float("-inf"), float("nan")])
+    gated, plain = packed_linear.pack_gated(weight), packed_linear.pack_weight(weight)
+    assert gated is not None and gated.shape == (2 * -(-intermediate // 16), (in_features + 1) // 2, 16, 2)
+    for rows in (1, 5, 6, 7, 13, 300):
+        x = torch.randn(rows, in_features, generator=g).to(torch.bfloat16)
+        for b in (bias, None):
+            gate, up = packed_linear.linear(x, weight, b, plain).chunk(2, dim=-1)
+            expected = F.silu(gate).mul_(up)
+            got = packed_linear.linear_silu(x, weight, b, gated)
+            assert got.shape == expected.shape == (rows, intermediate)
+            same = (got.view(torch.int16) == expected.view(torch.int16)) | (got.isnan() & expected.isnan())
+            assert bool(same.all())
+    assert packed_linear.linear_silu(x[:0], weight, bias, gated).shape == (0, intermediate)
+    with pytest.raises(RuntimeError, match="out_features"):  # the packing holds another width
+        torch.ops.pagedserve.bf16_linear_silu(x, gated, intermediate + 16, None)
+    assert packed_linear.pack_gated(weight[:-1]) is None  # no gate/up halves
 
 
 def test_packed_linear_rejects_mismatched_shapes():

@@ -1,8 +1,9 @@
 """The CPU kernels (paged attention, the K/V cache write, the greedy near-tie scan,
-the MLP's SiLU-and-multiply, the bfloat16 matmul): one C++ extension built from
-`cpu_attention_source`, `worker.cpu_scan_source`, `worker.cpu_activation_source`
-and `worker.cpu_linear_source` with the local C++ compiler at first use, cached
-on disk, and optional.
+the rotary embedding, the bfloat16 matmul and its SiLU-gated version): one C++
+extension built from `cpu_attention_source`, `worker.cpu_scan_source`,
+`worker.cpu_activation_source`, `worker.cpu_rotary_source` and
+`worker.cpu_linear_source` with the local C++ compiler at first use, cached on
+disk, and optional.
 
 The build (about a minute, once per machine and source version) goes to
 torch's extension cache (`TORCH_EXTENSIONS_DIR`, default
@@ -28,9 +29,10 @@ from worker.attention.cpu_attention_source import FUNCTIONS as ATTENTION_FUNCTIO
 from worker.attention.cpu_attention_source import SOURCE as ATTENTION_SOURCE
 from worker.cpu_activation_source import ACTIVATION_SOURCE
 from worker.cpu_linear_source import LINEAR_SOURCE
+from worker.cpu_rotary_source import ROTARY_SOURCE
 from worker.cpu_scan_source import SCAN_SOURCE
 
-SOURCE = ATTENTION_SOURCE + SCAN_SOURCE + ACTIVATION_SOURCE + LINEAR_SOURCE
+SOURCE = ATTENTION_SOURCE + SCAN_SOURCE + ACTIVATION_SOURCE + ROTARY_SOURCE + LINEAR_SOURCE
 FUNCTIONS = [*ATTENTION_FUNCTIONS, "near_top_scan", "bf16_linear_available"]
 
 logger = logging.getLogger(__name__)
@@ -100,8 +102,9 @@ def load() -> Any | None:
             _module = load_inline(name=_extension_name(), cpp_sources=[SOURCE], functions=FUNCTIONS,
                                   extra_cflags=CFLAGS, extra_ldflags=LDFLAGS, verbose=False)
             # Loading the library defined these operators; compiled graphs trace them with their fakes.
-            torch.library.register_fake("pagedserve::silu_and_mul")(_silu_and_mul_shape)
             torch.library.register_fake("pagedserve::bf16_linear")(_bf16_linear_shape)
+            torch.library.register_fake("pagedserve::bf16_linear_silu")(_bf16_linear_shape)
+            torch.library.register_fake("pagedserve::rotary_qk")(_rotary_qk_shapes)
         except Exception as exc:  # no compiler, headers or a build error: plain PyTorch still works
             _failed = True
             logger.warning("CPU paged attention kernel unavailable, using the PyTorch fallback: %s",
@@ -109,8 +112,10 @@ def load() -> Any | None:
     return _module
 
 
-def _silu_and_mul_shape(gate_up: torch.Tensor) -> torch.Tensor:
-    return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
+def _rotary_qk_shapes(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
+                      kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens, dim = qkv.shape[0], cos.shape[-1]
+    return qkv.new_empty((tokens, heads, dim)), qkv.new_empty((tokens, kv_heads, dim))
 
 
 def _bf16_linear_shape(x: torch.Tensor, packed: torch.Tensor, out_features: int,
@@ -147,7 +152,10 @@ def near_top_scan(logits: torch.Tensor, model_dtype: torch.dtype) -> tuple[torch
     return argmax, counts
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up of a fused [..., 2n] gate/up projection, rounded like eager PyTorch
-    (see worker.cpu_activation_source). Requires `load()` to have succeeded."""
-    return torch.ops.pagedserve.silu_and_mul(gate_up)
+def rotary_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
+              kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, heads, D] and k [T, kv_heads, D], rotated and contiguous, from a fused bf16 qkv
+    projection [T, >= (heads + kv_heads) * D] (q's heads first, then k's) and cos/sin [T, D]:
+    bit for bit `worker.models.rotary.apply_rotary` in eager bf16 (see
+    worker.cpu_rotary_source). Requires `load()` to have succeeded."""
+    return torch.ops.pagedserve.rotary_qk(qkv, cos, sin, heads, kv_heads)

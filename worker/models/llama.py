@@ -18,7 +18,7 @@ from torch import nn
 from worker.attention import cpu_kernels
 from worker.attention.metadata import AttentionMetadata
 from worker.attention.step_context import paged_attention, step_context
-from worker.models.packed_linear import linear, pack_weight
+from worker.models.packed_linear import linear, linear_silu, pack_gated, pack_weight
 from worker.models.rotary import RotaryEmbedding, apply_rotary
 
 
@@ -50,7 +50,7 @@ class DecoderLayer(nn.Module):
         # Packed copies of the four matmul weights (see packed_linear); None: plain F.linear.
         for name in PACKED_WEIGHTS:
             self.register_buffer(name + "_packed", None, persistent=False)
-        self.fused_silu = False  # silu(gate) * up through the CPU kernel (bf16 on CPU, see pack_weights)
+        self.fused_rotary = False  # q/k rotary embedding through the CPU kernel (bf16 on CPU, see pack_weights)
         qkv_rows = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
         self.input_norm = _param(s.hidden, dtype=dtype, device=device)
         self.qkv_weight = _param(qkv_rows, s.hidden, dtype=dtype, device=device)
@@ -80,19 +80,17 @@ def decoder_layer(layer: DecoderLayer, hidden: torch.Tensor, cos: torch.Tensor, 
     qkv = linear(x, layer.qkv_weight, layer.qkv_bias, layer.qkv_packed)
     q, k, v = qkv.split([s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim,
                          s.num_kv_heads * s.head_dim], dim=-1)
-    q = apply_rotary(q.view(num_tokens, s.num_heads, s.head_dim), cos, sin)
-    k = apply_rotary(k.view(num_tokens, s.num_kv_heads, s.head_dim), cos, sin)
+    if layer.fused_rotary:
+        q, k = cpu_kernels.rotary_qk(qkv, cos, sin, s.num_heads, s.num_kv_heads)
+    else:
+        q = apply_rotary(q.view(num_tokens, s.num_heads, s.head_dim), cos, sin)
+        k = apply_rotary(k.view(num_tokens, s.num_kv_heads, s.head_dim), cos, sin)
     v = v.view(num_tokens, s.num_kv_heads, s.head_dim)
     attn = paged_attention(q, k, v, layer_index, s.head_dim ** -0.5, layer.sliding_window)
     hidden = hidden + linear(attn.reshape(num_tokens, -1), layer.o_weight, layer.o_bias, layer.o_packed)
 
     x = rms_norm(hidden, layer.post_norm, s.eps)
-    gate_up = linear(x, layer.gate_up_weight, layer.gate_up_bias, layer.gate_up_packed)
-    if layer.fused_silu:
-        activated = cpu_kernels.silu_and_mul(gate_up)
-    else:
-        gate, up = gate_up.chunk(2, dim=-1)
-        activated = F.silu(gate).mul_(up)
+    activated = linear_silu(x, layer.gate_up_weight, layer.gate_up_bias, layer.gate_up_packed)
     return hidden + linear(activated, layer.down_weight, layer.down_bias, layer.down_packed)
 
 
@@ -177,16 +175,17 @@ class LlamaForCausalLM(nn.Module):
     def pack_weights(self) -> bool:
         """Pre-pack the matmul weights for the CPU kernel's bfloat16 matmul (bfloat16 on
         CPU with AVX512-BF16 only; see packed_linear), and with them take the MLP
-        activation through the CPU kernel (the same rounding as eager, in about half the
-        inductor-compiled version's time). Call after load_weights; returns whether
-        anything was packed."""
+        activation and the rotary embedding through the CPU kernel (the same rounding
+        as eager, faster than the inductor-compiled versions). Call after load_weights;
+        returns whether anything was packed."""
         self.lm_head_packed = pack_weight(self.lm_head)
         if self.lm_head_packed is None:
             return False
         for layer in self.layers:
             for name in PACKED_WEIGHTS:
-                setattr(layer, name + "_packed", pack_weight(getattr(layer, name + "_weight")))
-            layer.fused_silu = True
+                pack = pack_gated if name == "gate_up" else pack_weight
+                setattr(layer, name + "_packed", pack(getattr(layer, name + "_weight")))
+            layer.fused_rotary = True
         return True
 
     # --- weights ---------------------------------------------------------------------

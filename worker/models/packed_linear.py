@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from worker.attention import cpu_kernels
 
 PANEL = 16  # output columns per panel (one AVX-512 register of float32)
+GATED_BLOCK = 2  # gate panels per block of a gated packing (GATED_PANELS / 2 in the C++ source)
 
 
 def packing_supported(weight: torch.Tensor) -> bool:
@@ -33,9 +34,34 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     return padded.view(padded.shape[0] // PANEL, PANEL, padded.shape[1] // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
+def pack_gated(weight: torch.Tensor) -> torch.Tensor | None:
+    """The packed copy of a fused gate/up weight [2N, K] (gate rows, then up rows) for
+    `pagedserve::bf16_linear_silu`: panels in blocks of two gate panels followed by the
+    up panels of the same columns (the last block may hold one of each), so that one
+    register tile holds both factors of its outputs. None when the kernel cannot run it."""
+    if not packing_supported(weight) or weight.shape[0] % 2:
+        return None
+    n = weight.shape[0] // 2
+    gate, up = pack_weight(weight[:n]), pack_weight(weight[n:])
+    blocks = []
+    for first in range(0, gate.shape[0], GATED_BLOCK):
+        blocks += [gate[first:first + GATED_BLOCK], up[first:first + GATED_BLOCK]]
+    return torch.cat(blocks)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            packed: torch.Tensor | None) -> torch.Tensor:
     """F.linear(x, weight, bias), through the packed copy of weight when there is one."""
     if packed is None:
         return F.linear(x, weight, bias)
     return torch.ops.pagedserve.bf16_linear(x, packed, weight.shape[0], bias)
+
+
+def linear_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                packed: torch.Tensor | None) -> torch.Tensor:
+    """silu(gate) * up of the fused gate/up projection F.linear(x, weight, bias) (gate columns
+    first), in one pass through the gated packed copy (`pack_gated`) when there is one."""
+    if packed is None:
+        gate, up = F.linear(x, weight, bias).chunk(2, dim=-1)
+        return F.silu(gate).mul_(up)
+    return torch.ops.pagedserve.bf16_linear_silu(x, packed, weight.shape[0] // 2, bias)
