@@ -47,7 +47,7 @@ inline __m512 widen_bf16(__m256bh v) {
 // Plain: out[r][0 .. 16 NV) = bias + sum over pairs p of x[r][p] . w[v][p], rounded to bf16.
 // Gated (NV even, the first NV / 2 panels gates, the rest the ups of the same columns):
 // out[r][0 .. 8 NV) = silu(gate) * up, each of gate, up, silu(gate) and the product rounded to
-// bf16 as the plain matmul followed by silu_and_mul rounds them. `cols` output columns are valid
+// bf16 as the plain matmul followed by eager F.silu(gate) * up rounds them. `cols` output columns are valid
 // (the last panel may be partial). Issues one prefetch per pair for the first `prefetch_lines`
 // lines at `prefetch` (at most `pairs` of them: a tile of few rows prefetches part of the next
 // block; more per pair slowed the loop).
@@ -208,7 +208,7 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t out_fea
 
 // silu(x @ gate.T + gate_bias) * (x @ up.T + up_bias) of a fused gate/up projection packed gated
 // (see packed_linear.pack_gated): x [..., K], packed [2 ceil(N / 16), K / 2, 16, 2], bias [2N] or
-// none -> [..., N]. Bit for bit bf16_linear followed by silu_and_mul, without the [..., 2N] pass.
+// none -> [..., N]. Bit for bit bf16_linear followed by eager F.silu(gate) * up, without the [..., 2N] pass.
 torch::Tensor bf16_linear_silu(torch::Tensor x, torch::Tensor packed, int64_t out_features,
                                c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(out_features > 0, "out_features must be positive");
