@@ -156,27 +156,38 @@ void linear_run(const uint32_t* xp, int64_t m, const uint32_t* wp, int64_t panel
 }
 #endif
 
-// Checks shared by both matmuls; returns x as contiguous rows of bf16 pairs [m, packed.size(1)].
-torch::Tensor linear_rows(const torch::Tensor& x, const torch::Tensor& packed, int64_t packed_panels,
-                          const c10::optional<torch::Tensor>& bias, int64_t bias_size) {
+// x [..., K] bf16 through a packed weight of `panels` panels -> [..., out_features]; GATED: the
+// weight is a gated packing of twice out_features columns and the MLP's activation is applied.
+template <bool GATED>
+torch::Tensor packed_matmul(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
+                            const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(bf16_linear_available(), "bf16_linear needs a CPU with AVX512-BF16");
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "bf16_linear runs on CPU tensors");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16, "bf16_linear takes bfloat16");
   TORCH_CHECK(packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == 2 && packed.is_contiguous(),
               "packed weight must be a contiguous [N / 16, K / 2, 16, 2] tensor");
   TORCH_CHECK(x.dim() >= 1 && (x.size(-1) + 1) / 2 == packed.size(1), "x's last dimension does not match the weight");
-  TORCH_CHECK(packed_panels == packed.size(0), "out_features does not match the weight");
-  TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == bias_size), "bias must be [", bias_size, "]");
+  TORCH_CHECK(out_features > 0, "out_features must be positive");
+  const int64_t columns = (GATED ? 2 : 1) * out_features;  // of the weight, and of the bias
+  TORCH_CHECK((GATED ? 2 : 1) * ((out_features + 15) / 16) == packed.size(0), "out_features does not match the weight");
+  TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == columns), "bias must be [", columns, "]");
   const int64_t k = x.size(-1);
   torch::Tensor rows = x.reshape({-1, k});
   if (k % 2) rows = at::constant_pad_nd(rows, {0, 1});  // the packed weight's padded K is zero
-  return rows.contiguous();
-}
-
-torch::Tensor linear_output(const torch::Tensor& x, int64_t out_features) {
+  rows = rows.contiguous();
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = out_features;
-  return torch::empty(shape, x.options());
+  torch::Tensor out = torch::empty(shape, x.options());
+#if defined(__AVX512BF16__)
+  if (rows.size(0) == 0) return out;
+  const torch::Tensor bias_f = bias ? bias->to(at::kFloat).contiguous() : torch::Tensor();
+  constexpr int ROWS = GATED ? GATED_ROWS : PLAIN_ROWS, PANELS = GATED ? GATED_PANELS : PLAIN_PANELS;
+  linear_run<ROWS, PANELS, GATED>(
+      reinterpret_cast<const uint32_t*>(rows.data_ptr()), rows.size(0), reinterpret_cast<const uint32_t*>(packed.data_ptr()),
+      packed.size(0), packed.size(1), bias ? bias_f.data_ptr<float>() : nullptr,
+      reinterpret_cast<c10::BFloat16*>(out.data_ptr()), out_features);
+#endif
+  return out;
 }
 
 }  // namespace
@@ -192,18 +203,7 @@ bool bf16_linear_available() {
 // x [..., K] bf16, packed [ceil(N / 16), K / 2, 16, 2] bf16 (see packed_linear), bias [N] or none -> [..., N].
 torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features,
                           c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(out_features > 0, "out_features must be positive");
-  const torch::Tensor rows = linear_rows(x, packed, (out_features + 15) / 16, bias, out_features);
-  torch::Tensor out = linear_output(x, out_features);
-#if defined(__AVX512BF16__)
-  if (rows.size(0) == 0) return out;
-  const torch::Tensor bias_f = bias ? bias->to(at::kFloat).contiguous() : torch::Tensor();
-  linear_run<PLAIN_ROWS, PLAIN_PANELS, false>(
-      reinterpret_cast<const uint32_t*>(rows.data_ptr()), rows.size(0), reinterpret_cast<const uint32_t*>(packed.data_ptr()),
-      packed.size(0), packed.size(1), bias ? bias_f.data_ptr<float>() : nullptr,
-      reinterpret_cast<c10::BFloat16*>(out.data_ptr()), out_features);
-#endif
-  return out;
+  return packed_matmul<false>(x, packed, out_features, bias);
 }
 
 // silu(x @ gate.T + gate_bias) * (x @ up.T + up_bias) of a fused gate/up projection packed gated
@@ -211,18 +211,7 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t out_fea
 // none -> [..., N]. Bit for bit bf16_linear followed by eager F.silu(gate) * up, without the [..., 2N] pass.
 torch::Tensor bf16_linear_silu(torch::Tensor x, torch::Tensor packed, int64_t out_features,
                                c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(out_features > 0, "out_features must be positive");
-  const torch::Tensor rows = linear_rows(x, packed, 2 * ((out_features + 15) / 16), bias, 2 * out_features);
-  torch::Tensor out = linear_output(x, out_features);
-#if defined(__AVX512BF16__)
-  if (rows.size(0) == 0) return out;
-  const torch::Tensor bias_f = bias ? bias->to(at::kFloat).contiguous() : torch::Tensor();
-  linear_run<GATED_ROWS, GATED_PANELS, true>(
-      reinterpret_cast<const uint32_t*>(rows.data_ptr()), rows.size(0), reinterpret_cast<const uint32_t*>(packed.data_ptr()),
-      packed.size(0), packed.size(1), bias ? bias_f.data_ptr<float>() : nullptr,
-      reinterpret_cast<c10::BFloat16*>(out.data_ptr()), out_features);
-#endif
-  return out;
+  return packed_matmul<true>(x, packed, out_features, bias);
 }
 
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
