@@ -228,24 +228,29 @@ inline void for_each_chunk_head(const Problem<T>& p, const T* cache, const WorkI
   }
 }
 
-// acc += probabilities x values, chunk by chunk, the rows of one KV head three at a time
-// (the GQA group of a decode is often exactly that).
+// acc += probabilities x values, chunk by chunk, the rows of one KV head six at a time when
+// there are that many (prefill: each widened value register feeds six rows; 3-4 % faster than
+// three) and else three (the GQA group of a decode is often exactly that).
 template <typename T>
 void weigh_values(const Problem<T>& p, const WorkItem& item, const ItemGeometry& g, Scratch& s, const T* zero_row) {
   const int64_t dim = p.dim, per_head = item.num_queries * (p.heads / p.kv_heads);
   for_each_chunk_head(p, p.v_cache, item, g, zero_row, [&](int64_t offset, int64_t h, const T* const* head_rows) {
     const int64_t* mine = s.head_rows.data() + h * per_head;
-    for (int64_t k = 0; k < per_head; k += 3) {
-      const int64_t count = std::min<int64_t>(3, per_head - k);
-      const float* w[3];
-      float* acc[3];
+    for (int64_t k = 0; k < per_head;) {
+      const int64_t count = per_head - k >= 6 ? 6 : std::min<int64_t>(3, per_head - k);
+      const float* w[6];
+      float* acc[6];
       for (int64_t i = 0; i < count; ++i) {
         w[i] = s.scores.data() + mine[k + i] * g.stride + offset;
         acc[i] = s.acc.data() + mine[k + i] * dim;
       }
-      if (count == 3) weigh_rows<3>(w, head_rows, dim, acc);
-      else if (count == 2) weigh_rows<2>(w, head_rows, dim, acc);
-      else weigh_rows<1>(w, head_rows, dim, acc);
+      k += count;
+      switch (count) {
+        case 6: weigh_rows<6>(w, head_rows, dim, acc); break;
+        case 3: weigh_rows<3>(w, head_rows, dim, acc); break;
+        case 2: weigh_rows<2>(w, head_rows, dim, acc); break;
+        default: weigh_rows<1>(w, head_rows, dim, acc); break;
+      }
     }
   });
 }
