@@ -111,12 +111,14 @@ void run_item_bf16(const Problem<c10::BFloat16>& p, const WorkItem& item, Scratc
     }
   });
   softmax_rows(p, g, s);
-  weigh_values(p, item, g, s, zero_row);
+  weigh_values(p, item, g, s, zero_row, [] {});
   write_output(p, g, s);
 }
 constexpr bool kHaveBf16Path = true;
 #else
-void run_item_bf16(const Problem<c10::BFloat16>& p, const WorkItem& item, Scratch& s) { run_item_avx512(p, item, s); }
+void run_item_bf16(const Problem<c10::BFloat16>& p, const WorkItem& item, Scratch& s) {
+  run_item_avx512(p, item, s, nullptr);
+}
 constexpr bool kHaveBf16Path = false;
 #endif
 """

@@ -232,6 +232,7 @@ void run(const Problem<T>& p, int64_t num_seqs) {
     Scratch scratch;
     for (int64_t t = begin; t < end; ++t)
       for (const WorkItem& item : bins[t]) {
+        const WorkItem* next = &item + 1 < bins[t].data() + bins[t].size() ? &item + 1 : nullptr;
         if constexpr (std::is_same_v<T, c10::BFloat16>) {
           if (bf16_path && item.num_queries * (p.heads / p.kv_heads) >= BF16_MIN_ROWS) {
             run_item_bf16(p, item, scratch);
@@ -239,7 +240,7 @@ void run(const Problem<T>& p, int64_t num_seqs) {
           }
         }
         if constexpr (kVectorType) {
-          if (vector_path) { run_item_avx512(p, item, scratch); continue; }
+          if (vector_path) { run_item_avx512(p, item, scratch, next); continue; }
         }
         run_item_portable(p, item, scratch);
       }
