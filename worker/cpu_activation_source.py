@@ -31,6 +31,12 @@ inline __m512 round_bf16_ps(__m512 x) {
   return _mm512_mask_blend_ps(nan, _mm512_castsi512_ps(rounded), _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
 }
 
+// The 16 bf16 values held exactly in floats (rounded above), as bf16 bits: their top halves.
+// Storing these keeps subnormals, which vcvtneps2bf16 would flush to zero.
+inline __m256i bf16_bits(__m512 exact) {
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(exact), 16));
+}
+
 // silu(gate) * up of bf16 values held in floats, rounded where eager bf16 rounds (the result
 // is a bf16 value in a float).
 inline __m512 silu_mul_bf16(__m512 g, __m512 up) {

@@ -84,7 +84,7 @@ inline void linear_tile(const uint32_t* x, int64_t ldx, const uint32_t* w, int64
                               // which vcvtneps2bf16 would flush): its top half is the result
         const __m512 product = silu_mul_bf16(widen_bf16((__m256bh)result),
                                              widen_bf16(_mm512_cvtneps_pbh(acc[r][v + OUT])));
-        result = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(product), 16));
+        result = bf16_bits(product);
       }
       _mm256_mask_storeu_epi16(out + r * ldo + v * LINEAR_LANES, valid[v], result);
     }

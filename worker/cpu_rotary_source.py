@@ -1,6 +1,6 @@
 """C++ source of the rotary embedding of q and k in bfloat16 (HF's rotate_half layout),
 built into the CPU kernel extension by `worker.attention.cpu_kernels` after the
-activation source, whose `round_bf16_ps` and `round_to_bf16` it uses, and registered
+activation source, whose `round_bf16_ps`, `bf16_bits` and `round_to_bf16` it uses, and registered
 as the operator `pagedserve::rotary_qk` so that compiled graphs call it without going
 through Python.
 
@@ -22,8 +22,7 @@ inline void rotate_head(const c10::BFloat16* x, const c10::BFloat16* cos, const 
   int64_t i = 0;
 #if defined(__AVX512F__)
   auto store = [](c10::BFloat16* dst, __m512 rounded) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),
-                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(rounded), 16)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), bf16_bits(rounded));
   };
   for (; i + 16 <= half; i += 16) {
     const __m512 x1 = load16(x + i), x2 = load16(x + half + i);
