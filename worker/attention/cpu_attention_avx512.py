@@ -7,10 +7,10 @@ horizontal sum; exp is a vectorized polynomial; values are widened in
 registers and added into register-resident accumulators of a few query rows
 at a time. Without AVX-512 the portable loops run instead.
 
-Decode items are bound by memory: each first reads its K/V into L2 with plain
-sequential loads (`stream_kv`), and while it computes it prefetches the K/V
+Decode items are bound by memory: while one computes, it prefetches the K/V
 of the thread's next item (`ReadAhead`), so that memory and compute overlap
-instead of taking turns.
+instead of taking turns; an item nothing read ahead (a thread's first) reads
+its own K/V into L2 with plain sequential loads first (`stream_kv`).
 """
 
 AVX512_PATH = r"""#if defined(__AVX512F__)
@@ -173,8 +173,8 @@ inline void stream_kv(const Problem<T>& p, int64_t seq, int64_t first, int64_t e
 // The next decode item's K/V, fetched into L2 while the current item computes: a cursor over its
 // cache lines that issues an even share of prefetches after each (chunk, KV head) step of the
 // current item's two passes. Alone, stream_kv leaves the memory idle during compute; with this,
-// the next item's stream_kv mostly hits L2 (decode attention B/A 0.73-0.85 in alternating A/B
-// at 64 x 370 and 256 x 170 positions; prefetching into L1 instead evicted the working set).
+// the next item finds its K/V in L2 (decode attention B/A 0.73-0.85 in alternating A/B at
+// 64 x 370 and 256 x 170 positions; prefetching into L1 instead evicted the working set).
 template <typename T>
 class ReadAhead {
  public:
@@ -190,6 +190,7 @@ class ReadAhead {
   }
 
   bool active() const { return pos_ < end_; }
+  bool reading() const { return table_ != nullptr; }  // whether there is a next item to read
 
   inline void step() {
     const char* k_base = reinterpret_cast<const char*>(p_.k_cache);
@@ -243,10 +244,12 @@ void softmax_rows(const Problem<T>& p, const ItemGeometry& g, Scratch& s) {
 }
 
 // Sizes an item's scratch, lists the rows of each KV head (s.head_rows[h * per_head + i],
-// per_head = queries x GQA group) and returns a zero row for chunks cut short.
+// per_head = queries x GQA group) and returns a zero row for chunks cut short. `read_ahead`:
+// the previous item prefetched this one's K/V; else a decode item reads them into L2 first
+// (reading them again after the read-ahead made decode attention 10 % slower).
 template <typename T>
-const T* start_item(const Problem<T>& p, const WorkItem& item, const ItemGeometry& g, Scratch& s) {
-  if (item.num_queries <= STREAM_MAX_QUERIES) stream_kv(p, item.seq, g.key_lo, g.key_hi);
+const T* start_item(const Problem<T>& p, const WorkItem& item, const ItemGeometry& g, Scratch& s, bool read_ahead) {
+  if (!read_ahead && item.num_queries <= STREAM_MAX_QUERIES) stream_kv(p, item.seq, g.key_lo, g.key_hi);
   s.scores.resize(g.rows * g.stride);
   s.acc.assign(g.rows * p.dim, 0.0f);
   s.inv_sums.resize(g.rows);
@@ -309,11 +312,12 @@ void weigh_values(const Problem<T>& p, const WorkItem& item, const ItemGeometry&
   });
 }
 
-// `next`: the item this thread runs after this one (none: the last); a decode item reads its K/V ahead.
+// `next`: the item this thread runs after this one (none: the last); a decode item reads its K/V
+// ahead, and returns whether it did. `read_ahead`: the previous item read this one's.
 template <typename T>
-void run_item_avx512(const Problem<T>& p, const WorkItem& item, Scratch& s, const WorkItem* next) {
+bool run_item_avx512(const Problem<T>& p, const WorkItem& item, Scratch& s, const WorkItem* next, bool read_ahead) {
   const ItemGeometry g(p, item);
-  const T* zero_row = start_item(p, item, g, s);
+  const T* zero_row = start_item(p, item, g, s, read_ahead);
   const int64_t dim = p.dim, per_head = item.num_queries * (p.heads / p.kv_heads);
   const int64_t steps = 2 * ((g.key_hi - g.key_lo + CHUNK - 1) / CHUNK) * p.kv_heads;  // both passes
   ReadAhead<T> ahead(p, item.num_queries <= STREAM_MAX_QUERIES ? next : nullptr, steps);
@@ -327,12 +331,14 @@ void run_item_avx512(const Problem<T>& p, const WorkItem& item, Scratch& s, cons
   softmax_rows(p, g, s);
   weigh_values(p, item, g, s, zero_row, step_ahead);
   write_output(p, g, s);
+  return ahead.reading();
 }
 constexpr bool kHaveAvx512 = true;
 #else
 template <typename T>
-void run_item_avx512(const Problem<T>& p, const WorkItem& item, Scratch& s, const WorkItem*) {
+bool run_item_avx512(const Problem<T>& p, const WorkItem& item, Scratch& s, const WorkItem*, bool) {
   run_item_portable(p, item, s);
+  return false;
 }
 constexpr bool kHaveAvx512 = false;
 #endif

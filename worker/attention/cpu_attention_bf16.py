@@ -82,7 +82,7 @@ inline void score_rows(const uint32_t* const* q, const float* kt, int64_t pairs,
 void run_item_bf16(const Problem<c10::BFloat16>& p, const WorkItem& item, Scratch& s) {
   using T = c10::BFloat16;
   const ItemGeometry g(p, item);
-  const T* zero_row = start_item(p, item, g, s);
+  const T* zero_row = start_item(p, item, g, s, false);
   const int64_t dim = p.dim, pairs = dim / 2, per_head = item.num_queries * (p.heads / p.kv_heads);
   s.packed.resize(pairs * 16);  // one head's transposed keys of one chunk
   float* kt = s.packed.data();
@@ -117,7 +117,7 @@ void run_item_bf16(const Problem<c10::BFloat16>& p, const WorkItem& item, Scratc
 constexpr bool kHaveBf16Path = true;
 #else
 void run_item_bf16(const Problem<c10::BFloat16>& p, const WorkItem& item, Scratch& s) {
-  run_item_avx512(p, item, s, nullptr);
+  run_item_avx512(p, item, s, nullptr, false);
 }
 constexpr bool kHaveBf16Path = false;
 #endif

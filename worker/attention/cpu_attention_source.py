@@ -230,9 +230,11 @@ void run(const Problem<T>& p, int64_t num_seqs) {
   const auto bins = assign(std::move(items), threads);
   auto work = [&](int64_t begin, int64_t end) {
     Scratch scratch;
-    for (int64_t t = begin; t < end; ++t)
+    for (int64_t t = begin; t < end; ++t) {
+      bool read_ahead = false;  // whether the previous item prefetched this one's K/V
       for (const WorkItem& item : bins[t]) {
         const WorkItem* next = &item + 1 < bins[t].data() + bins[t].size() ? &item + 1 : nullptr;
+        const bool prefetched = std::exchange(read_ahead, false);
         if constexpr (std::is_same_v<T, c10::BFloat16>) {
           if (bf16_path && item.num_queries * (p.heads / p.kv_heads) >= BF16_MIN_ROWS) {
             run_item_bf16(p, item, scratch);
@@ -240,10 +242,14 @@ void run(const Problem<T>& p, int64_t num_seqs) {
           }
         }
         if constexpr (kVectorType) {
-          if (vector_path) { run_item_avx512(p, item, scratch, next); continue; }
+          if (vector_path) {
+            read_ahead = run_item_avx512(p, item, scratch, next, prefetched);
+            continue;
+          }
         }
         run_item_portable(p, item, scratch);
       }
+    }
   };
   if (threads == 1) work(0, 1);
   else at::parallel_for(0, threads, 1, work);
