@@ -1,12 +1,18 @@
 """The model's forward pass for the runner: compiled with torch.compile (inductor)
 unless the engine runs eager, with a fallback to eager when compilation fails.
 
-What is compiled is one decoder layer (`worker.models.llama.decoder_layer`):
-norms, projections, rotary, MLP and residuals fused around the attention,
-which is an opaque custom op taking the step's metadata from the step context
-(see worker.attention.step_context). The layer's weights and index are graph
-inputs, so one graph serves all layers (compiling the whole stack would take
-about thirty times longer, on every start). The token dimension is dynamic,
+What is compiled is a group of consecutive decoder layers
+(`worker.models.llama.decoder_layers`): norms, projections, rotary, MLP and
+residuals fused around the attention, which is an opaque custom op taking the
+step's metadata from the step context (see worker.attention.step_context).
+The layers' weights and indices are graph inputs, so one graph serves every
+group. A group is the largest divisor of the layer count up to
+`MAX_LAYERS_PER_GRAPH` (a remainder group would be a second graph): each call
+of a compiled graph costs about 0.2 ms of Python in dynamo's and inductor's
+wrappers, and six layers a call instead of one made SmolLM2's decode forward
+3-7 % faster at 64 sequences and 2 % at 256 (bit for bit the same output)
+for 10 % more compile time; all 30 layers in one graph took 20 s to compile,
+on every start. The token dimension is dynamic,
 so the same graph serves every batch size: nothing recompiles while serving.
 Batches of one token are padded to two because the compiler specializes
 size-1 dimensions (one more graph otherwise). The graph is built
@@ -29,6 +35,12 @@ from worker.attention.step_context import step_context
 logger = logging.getLogger(__name__)
 
 MIN_TOKENS = 2  # smallest compiled batch (see the module docstring)
+MAX_LAYERS_PER_GRAPH = 6
+
+
+def layers_per_graph(num_layers: int, limit: int = MAX_LAYERS_PER_GRAPH) -> int:
+    """The largest divisor of num_layers that is at most `limit`: every group the same size."""
+    return max(size for size in range(1, min(limit, num_layers) + 1) if num_layers % size == 0)
 
 
 def inductor_available() -> bool:
@@ -50,16 +62,18 @@ class ModelForward:
         # The whole rotary table up front: a table that grows would change a graph constant.
         model.rotary.reserve(max_model_len + 1, self.dtype, self.device)
         self.compile_seconds = 0.0
+        self.group_size = 1  # layers a call; compiled, layers_per_graph
         self._compiled = None
         if compile and not inductor_available():
             logger.warning("torch.compile needs a C++ compiler (g++) on CPU; running the model eager")
             compile = False
         if compile:
-            from worker.models.llama import decoder_layer
+            from worker.models.llama import decoder_layers
             # emulate_precision_casts: round fused bf16 intermediates as eager does, so the
             # compiled step computes the eager function (bf16 logits within ~1e-3, not ~1e-2).
-            self._compiled = torch.compile(decoder_layer, dynamic=True, fullgraph=True,
+            self._compiled = torch.compile(decoder_layers, dynamic=True, fullgraph=True,
                                            options={"emulate_precision_casts": True})
+            self.group_size = layers_per_graph(len(model.layers))
 
     @property
     def compiled(self) -> bool:
@@ -76,7 +90,7 @@ class ModelForward:
                 input_ids = torch.cat([input_ids, input_ids.new_zeros(pad)])
                 positions = torch.cat([positions, positions.new_zeros(pad)])
             try:
-                return self.model.forward_tokens(input_ids, positions, self._compiled)[:num_tokens]
+                return self.model.forward_tokens(input_ids, positions, self._compiled, self.group_size)[:num_tokens]
             except Exception as exc:  # a compiler/toolchain failure must not take serving down
                 logger.warning("compiled model step failed (%s: %s); running eager from now on",
                                type(exc).__name__, str(exc).strip().splitlines()[-1] if str(exc).strip() else "")

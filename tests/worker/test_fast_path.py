@@ -240,6 +240,24 @@ def test_no_recompilation_while_serving(tiny_llama):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
 
 
+def test_layers_per_graph_is_the_largest_divisor_up_to_the_limit():
+    from worker.compiled_forward import layers_per_graph
+    assert [layers_per_graph(n, limit=6) for n in (1, 2, 7, 12, 28, 30, 32)] == [1, 2, 1, 6, 4, 6, 4]
+
+
+def test_one_graph_serves_every_group_of_layers(tmp_path):
+    """Twelve layers run as two compiled groups of six: one graph, reused by both groups and by
+    every batch after start-up, computing what eager computes (the tokens transformers picks)."""
+    hf_model = build_tiny_hf_model("LlamaForCausalLM", tmp_path, num_hidden_layers=12)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    llm = engine(tmp_path, "float32", eager=False, max_num_batched_tokens=33)
+    assert llm.worker.forward.group_size == 6
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs + 1
+    requests = tiny_requests(6, seed=5)
+    assert greedy_tokens(llm, requests) == [hf_greedy(hf_model, r.prompt_token_ids, 24) for r in requests]
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs + 1
+
+
 def test_compile_failure_falls_back_to_eager(tiny_llama, caplog):
     _, directory = tiny_llama
     requests = tiny_requests(4, seed=4)

@@ -8,7 +8,7 @@ and gate/up are stored fused, each one matmul per layer.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -94,6 +94,16 @@ def decoder_layer(layer: DecoderLayer, hidden: torch.Tensor, cos: torch.Tensor, 
     return hidden + linear(activated, layer.down_weight, layer.down_bias, layer.down_packed)
 
 
+def decoder_layers(layers: Sequence[DecoderLayer], hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   layer_indices: Sequence[int]) -> torch.Tensor:
+    """Consecutive layers in one call, `decoder_layer` each. Compiled, one graph covers a
+    group of layers, so a step passes through dynamo's Python wrappers once per group
+    rather than once per layer (see worker.compiled_forward)."""
+    for layer, index in zip(layers, layer_indices):
+        hidden = decoder_layer(layer, hidden, cos, sin, index)
+    return hidden
+
+
 class ModelSizes:
     """The shape numbers every layer needs, read once from the HF config."""
 
@@ -154,14 +164,15 @@ class LlamaForCausalLM(nn.Module):
             return self.forward_tokens(input_ids, positions)
 
     def forward_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                       layer_fn: Callable[..., torch.Tensor] = decoder_layer) -> torch.Tensor:
+                       layers_fn: Callable[..., torch.Tensor] = decoder_layers, group_size: int = 1) -> torch.Tensor:
         """The pure tensor part of `forward`: needs an open step context and a rotary
-        table covering every position (`rotary.reserve`). `layer_fn` runs each layer
-        (`decoder_layer`, or a compiled version of it)."""
+        table covering every position (`rotary.reserve`). `layers_fn` runs the layers
+        `group_size` at a time (`decoder_layers`, or a compiled version of it)."""
         hidden = F.embedding(input_ids, self.embed_tokens)
         cos, sin = self.rotary.lookup(positions)
-        for layer in self.layers:
-            hidden = layer_fn(layer, hidden, cos, sin, layer.layer_index)
+        for first in range(0, len(self.layers), group_size):
+            group = list(self.layers[first:first + group_size])
+            hidden = layers_fn(group, hidden, cos, sin, [layer.layer_index for layer in group])
         return rms_norm(hidden, self.norm, self.sizes.eps)
 
     @torch.no_grad()
