@@ -7,8 +7,9 @@ horizontal sum; exp is a vectorized polynomial; values are widened in
 registers and added into register-resident accumulators of a few query rows
 at a time. Without AVX-512 the portable loops run instead.
 
-Decode items are bound by memory: while one computes, it prefetches the K/V
-of the thread's next item (`ReadAhead`), so that memory and compute overlap
+Decode items are bound by memory about as much as by compute (see
+docs/benchmarks.md): while one computes, it prefetches the K/V of the
+thread's next item (`ReadAhead`), so that memory and compute overlap
 instead of taking turns; an item nothing read ahead (a thread's first) reads
 its own K/V into L2 with plain sequential loads first (`stream_kv`).
 """
