@@ -47,8 +47,8 @@ def test_throughput_reports_tokens_and_scheduler_time(tiny):
     assert result["system"] == "pagedserve" and result["requests"] == 6
     assert result["output_tokens"] == sum(r.max_tokens for r in requests)
     assert result["prompt_tokens"] == sum(len(r.prompt_token_ids) for r in requests)
-    # elapsed_s is printed rounded to milliseconds, and a tiny run takes only tens of them.
-    assert result["output_tokens_per_s"] == pytest.approx(result["output_tokens"] / result["elapsed_s"], rel=0.05)
+    # elapsed_s is reported to the microsecond, so the rate agrees with it even on a run of a few milliseconds.
+    assert result["output_tokens_per_s"] == pytest.approx(result["output_tokens"] / result["elapsed_s"], rel=1e-3)
     assert result["total_tokens_per_s"] > result["output_tokens_per_s"] > 0
     assert result["steps"] >= max(r.max_tokens for r in requests)
     assert 0 < result["scheduler_ms_per_step"] < result["execute_ms_per_step"] * 10
