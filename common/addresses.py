@@ -1,7 +1,9 @@
 """Default internal addresses; each can be set by flag or PAGEDSERVE_* environment variable."""
 from __future__ import annotations
 
+import errno
 import os
+import socket
 
 DEFAULTS = {
     "SCHEDULER_ADDRESS": "tcp://127.0.0.1:5555",  # frontends -> scheduler (ZMQ)
@@ -14,3 +16,36 @@ DEFAULTS = {
 
 def default_address(name: str) -> str:
     return os.environ.get(f"PAGEDSERVE_{name}", DEFAULTS[name])
+
+
+def unix_socket_path(address: str) -> str | None:
+    """The file of a ZeroMQ `ipc://` or gRPC `unix:` address (None for others)."""
+    for prefix in ("ipc://", "unix://", "unix:"):
+        if address.startswith(prefix):
+            return address[len(prefix):]
+    return None
+
+
+def refuse_if_in_use(address: str) -> None:
+    """Raise if a live process listens on this Unix-socket address.
+
+    Binding a Unix socket replaces its file without an error (ZeroMQ and gRPC
+    unlink it first), so a second copy of a component would silently take the
+    address over while the first still serves (and the first would delete the
+    file when it exits). TCP refuses such a bind by itself (EADDRINUSE); this
+    makes Unix sockets do the same. A stale file (nobody listening) is fine."""
+    path = unix_socket_path(address)
+    if path is None or not os.path.exists(path):
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(path)
+    except OSError as e:
+        if e.errno in (errno.ECONNREFUSED, errno.ENOENT, errno.ENOTSOCK):
+            return  # left behind by a process that is gone
+        raise OSError(e.errno, f"cannot check {address}: {e.strerror}") from None
+    finally:
+        probe.close()
+    raise OSError(errno.EADDRINUSE, f"{address} is in use: another process listens on it (is this component "
+                                    f"already running?)")

@@ -30,6 +30,7 @@ class MessageType(enum.IntEnum):
     STEP_PLAN = 22
     STEP_RESULT = 23
     SHUTDOWN = 24
+    WORKER_GOODBYE = 25
     # frontend <-> tokenizer pool
     TOKENIZE = 30
     RENDER_CHAT = 31
@@ -207,6 +208,13 @@ class Shutdown(msgspec.Struct, **_STRUCT):
     reason: str = ""
 
 
+class WorkerGoodbye(msgspec.Struct, **_STRUCT):
+    """A worker stopping on purpose (SIGTERM, Ctrl-C): the plan it has not
+    answered was never run, so unlike a crash this casts no suspicion on the
+    plan's requests."""
+    reason: str = ""
+
+
 # --------------------------------------------------------------------------
 # frontend <-> tokenizer pool
 
@@ -262,6 +270,7 @@ MESSAGE_TYPES: dict[MessageType, type[msgspec.Struct]] = {
     MessageType.STEP_PLAN: StepPlan,
     MessageType.STEP_RESULT: StepResult,
     MessageType.SHUTDOWN: Shutdown,
+    MessageType.WORKER_GOODBYE: WorkerGoodbye,
     MessageType.TOKENIZE: TokenizeJob,
     MessageType.RENDER_CHAT: RenderChatJob,
     MessageType.DETOKENIZE: DetokenizeJob,

@@ -13,6 +13,8 @@ MAX_SAMPLES = 128  # n and best_of
 MAX_LOGPROBS = 20  # logprobs, top_logprobs and prompt_logprobs (OpenAI's top_logprobs limit)
 MAX_LOGIT_BIAS = 100.0  # |bias|, as OpenAI
 MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty|, as OpenAI
+MAX_STOP_STRINGS = 256  # each is looked for after every token: the frontend's cost grows with their number
+_INT64_MAX = (1 << 63) - 1  # what the wire format carries
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -104,14 +106,16 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             _check_token_id("logit_bias", token_id, vocab_size)
             _check_float("logit_bias", bias, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
         if self.max_tokens is not None:
-            _check_int("max_tokens", self.max_tokens, 1, None)
-        _check_int("min_tokens", self.min_tokens, 0, None)
+            _check_int("max_tokens", self.max_tokens, 1, _INT64_MAX)
+        _check_int("min_tokens", self.min_tokens, 0, _INT64_MAX)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise _bad("min_tokens", f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         for token_id in self.stop_token_ids:
             _check_token_id("stop_token_ids", token_id, vocab_size)
         if any(not isinstance(s, str) for s in self.stop):
             raise _bad("stop", "stop must be a string or a list of strings")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise _bad("stop", f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(self.stop)}")
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         if self.prompt_logprobs is not None:

@@ -93,17 +93,20 @@ class Supervisor:
         self.stopping = True
 
     def stop_all(self) -> None:
-        """SIGTERM everything (API first, so no new work arrives), then SIGKILL stragglers."""
+        """Stop the API first and wait for it: it takes no new work and lets the
+        requests in flight finish within its grace period, which needs the rest
+        still running. Then SIGTERM the others; SIGKILL stragglers."""
         self.stopping = True
         running = [c for c in reversed(self.components) if c.process and c.process.poll() is None]
-        for c in running:
-            logger.info("stopping %s (pid %d)", c.name, c.process.pid)
-            c.process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE_S
-        for c in running:
-            try:
-                c.process.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                logger.warning("%s did not stop in time; killing it", c.name)
-                c.process.kill()
-                c.process.wait()
+        for batch in (running[:1], running[1:]):
+            for c in batch:
+                logger.info("stopping %s (pid %d)", c.name, c.process.pid)
+                c.process.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + STOP_GRACE_S
+            for c in batch:
+                try:
+                    c.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    logger.warning("%s did not stop in time; killing it", c.name)
+                    c.process.kill()
+                    c.process.wait()

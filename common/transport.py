@@ -24,6 +24,7 @@ from typing import Iterable
 import msgspec
 import zmq
 
+from common.addresses import refuse_if_in_use
 from common.protocol import MESSAGE_TYPES, TYPE_OF, MessageType
 
 logger = logging.getLogger(__name__)
@@ -164,11 +165,21 @@ def make_socket(ctx: zmq.Context, kind: int, *, bind: str | None = None,
     if kind == zmq.ROUTER:
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted peer reclaims its identity
         sock.setsockopt(zmq.SNDHWM, 0)  # a ROUTER drops silently at the high-water mark: never drop outputs
-    if bind:
-        sock.bind(bind)
-    if connect:
-        sock.connect(connect)
+    try:
+        if bind:
+            bind_exclusive(sock, bind)
+        if connect:
+            sock.connect(connect)
+    except BaseException:
+        sock.close(linger=0)  # else the context could never terminate
+        raise
     return sock
+
+
+def bind_exclusive(sock: zmq.Socket, address: str) -> None:
+    """Bind, refusing an `ipc://` address another live process listens on (as TCP does)."""
+    refuse_if_in_use(address)
+    sock.bind(address)
 
 
 def send(sock: zmq.Socket, msg: msgspec.Struct, *, to: bytes | None = None, flags: int = 0) -> None:

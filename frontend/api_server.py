@@ -19,7 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common.errors import InvalidRequestError, PagedServeError
-from frontend.http_guards import RequestGuard
+from frontend.http_guards import GuardRefusal, RequestGuard
 from frontend.openai_protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from frontend.serving_chat import create_chat_completion
 from frontend.serving_completions import create_completion
@@ -82,6 +82,8 @@ def build_app(state: FrontendState, *, api_key: str | None = None, max_body_byte
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if isinstance(exc, GuardRefusal):
+            return error_response(exc.error)
         # Unknown routes and methods, in the same error shape as everything else.
         error = PagedServeError(str(exc.detail))
         error.http_status, error.error_type = exc.status_code, "invalid_request_error"

@@ -143,7 +143,7 @@ class EngineClient:
             cache_salt=cache_salt)
         try:
             frames = encode(request)
-        except (OverflowError, TypeError, msgspec.EncodeError) as e:  # e.g. an integer beyond 64 bits
+        except (OverflowError, TypeError, UnicodeEncodeError, msgspec.EncodeError) as e:  # e.g. an integer beyond 64 bits
             raise InvalidRequestError(f"the request holds a value that cannot be sent: {e}") from None
         stream = _RequestStream()
         if not self._streams:

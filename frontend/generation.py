@@ -68,7 +68,7 @@ class Generator:
         info = await self.control.model_info()
         return info.vocab_size if info is not None and info.vocab_size else len(self.tokenizer)
 
-    async def validate(self, prompt_token_ids: list[int], max_tokens: int | None, *,
+    async def validate(self, prompt_token_ids: list[int], max_tokens: int | None, *, min_tokens: int = 0,
                        prompt_param: str = "prompt", max_tokens_param: str = "max_tokens") -> None:
         """Reject prompts the scheduler would reject, with a message naming the limits."""
         if not prompt_token_ids:
@@ -86,6 +86,11 @@ class Generator:
                 f"This model's maximum context length is {max_len} tokens. However, your request has "
                 f"{prompt_len} input tokens, leaving no room for output. Please reduce the length of the "
                 f"input.", param=prompt_param, code="context_length_exceeded")
+        if max_tokens is None and min_tokens > max_len - prompt_len:
+            raise InvalidRequestError(
+                f"min_tokens ({min_tokens}) is more than the {max_len - prompt_len} tokens that fit after the "
+                f"{prompt_len}-token input in this model's maximum context length of {max_len} tokens",
+                param="min_tokens", code="context_length_exceeded")
         if max_tokens is not None and prompt_len + max_tokens > max_len:
             raise InvalidRequestError(
                 f"This model's maximum context length is {max_len} tokens. However, you requested "

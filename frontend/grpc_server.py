@@ -129,7 +129,8 @@ class PagedServeServicer(pagedserve_pb2_grpc.PagedServeServicer):
             echo = last.content if last.role == "assistant" else ""  # vLLM's chat echo
         else:
             raise _invalid("a prompt is required: one of text, token_ids or chat", "prompt")
-        await state.generator.validate(prompt_ids, params.max_tokens, prompt_param=field)
+        await state.generator.validate(prompt_ids, params.max_tokens, min_tokens=params.min_tokens,
+                                       prompt_param=field)
         await state.engine.ensure_connected()
         return GenerationRequest(
             request_id=request.request_id or random_id("grpc"), prompt_token_ids=prompt_ids,
@@ -212,13 +213,18 @@ async def _best_of_responses(reply: _Reply, deltas: AsyncIterator[GenerationDelt
                              sample.stop_reason, prompt_logprobs if rank == 0 else None, last if final else None)
 
 
+OPEN_METHODS = frozenset({"/pagedserve.v1.PagedServe/Health"})  # like HTTP /health: for probes without the key
+
+
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
-    """With --api-key, every call needs `authorization: Bearer <key>` metadata."""
+    """With --api-key, every call but Health needs `authorization: Bearer <key>` metadata."""
 
     def __init__(self, api_key: str):
         self.api_key = api_key
 
     async def intercept_service(self, continuation, handler_call_details):
+        if handler_call_details.method in OPEN_METHODS:
+            return await continuation(handler_call_details)
         metadata = dict(handler_call_details.invocation_metadata or ())
         if api_key_matches(metadata.get("authorization"), self.api_key):
             return await continuation(handler_call_details)

@@ -30,6 +30,15 @@ def api_key_matches(authorization: str | None, api_key: str) -> bool:
     return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
 
 
+class GuardRefusal(HTTPException):
+    """A refusal raised while the app reads the body: FastAPI passes HTTPExceptions
+    through to the app's handler (others become a 400 "error parsing the body")."""
+
+    def __init__(self, error: PagedServeError):
+        super().__init__(error.http_status, error.message)
+        self.error = error
+
+
 class RequestGuard:
     def __init__(self, app: ASGIApp, *, api_key: str | None = None, max_body_bytes: int | None = None):
         self.app = app
@@ -55,7 +64,7 @@ class RequestGuard:
 
     def _limited(self, receive: Receive) -> Receive:
         """`receive` that fails once the body passes the limit (a chunked body
-        has no Content-Length). The HTTPException reaches the app's handler,
+        has no Content-Length). The GuardRefusal reaches the app's handler,
         which answers in the OpenAI shape."""
         received = 0
         limit = self.max_body_bytes
@@ -66,7 +75,7 @@ class RequestGuard:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > limit:
-                    raise HTTPException(413, PayloadTooLargeError(limit).message)
+                    raise GuardRefusal(PayloadTooLargeError(limit))
             return message
         return limited_receive
 

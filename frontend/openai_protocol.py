@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from common.errors import InvalidRequestError
 from common.sampling_params import SamplingParams
@@ -31,6 +31,16 @@ class StreamOptions(OpenAIBaseModel):
 
 class SamplingRequest(OpenAIBaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_is_unicode(cls, data: Any) -> Any:
+        # JSON may spell a lone UTF-16 surrogate ("\ud800"): no UTF-8 text has one, so
+        # neither the tokenizer nor any message could carry it.
+        if (path := _lone_surrogate_path(data)) is not None:
+            raise InvalidRequestError(f"{path or 'the body'} holds a lone UTF-16 surrogate, which is not "
+                                      f"valid Unicode text", param=path or None)
+        return data
     model: str | None = None
     n: int = 1
     best_of: int | None = None
@@ -54,7 +64,7 @@ class SamplingRequest(OpenAIBaseModel):
     spaces_between_special_tokens: bool = True
     prompt_logprobs: int | None = None
     echo: bool = False
-    priority: int = 0  # lower runs first
+    priority: int = Field(0, ge=-(1 << 63), lt=1 << 63)  # lower runs first
     cache_salt: str | None = None
     user: str | None = None  # accepted, not used
 
@@ -183,14 +193,20 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
+    functions: list[dict[str, Any]] | None = None  # the deprecated spelling of tools
+    function_call: Any = None  # ... and of tool_choice
     response_format: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs to be true", param="top_logprobs")
-        if self.tools:
-            raise NotSupportedError("tools", "tool calling")
+        if self.tools or self.functions:
+            raise NotSupportedError("tools" if self.tools else "functions", "tool calling")
+        # Without tools only "none" (or "auto", which then means none) asks for nothing this server lacks.
+        for param, choice in (("tool_choice", self.tool_choice), ("function_call", self.function_call)):
+            if choice not in (None, "none", "auto"):
+                raise NotSupportedError(param, f"{param} {choice!r} (tool calling)")
         if self.response_format is not None and self.response_format.get("type", "text") != "text":
             raise NotSupportedError("response_format", "structured output (response_format)")
         if self.continue_final_message and self.add_generation_prompt:
@@ -228,3 +244,26 @@ class ChatCompletionRequest(SamplingRequest):
             return ""
         last = self.messages[-1]
         return (last.text_content(len(self.messages) - 1) or "") if last.role == role else ""
+
+
+def _lone_surrogate_path(value: Any, path: str = "") -> str | None:
+    """The JSON path ("messages[0].content") of the first string holding a lone
+    surrogate, "" for the value itself, None when there is none."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            found = _lone_surrogate_path(key, path) if isinstance(key, str) else None
+            if found is None:
+                found = _lone_surrogate_path(item, f"{path}.{key}" if path else str(key))
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            if not isinstance(item, (int, float)):  # token-id lists: nothing to look at
+                if (found := _lone_surrogate_path(item, f"{path}[{index}]")) is not None:
+                    return found
+    return None

@@ -19,7 +19,7 @@ from frontend.logprobs_format import TokenTexts, chat_logprobs, prompt_logprobs_
 from frontend.openai_protocol import ChatCompletionRequest
 from frontend.openai_responses import (ChatChoice, ChatCompletionChunk, ChatCompletionResponse, ChatMessage,
                                        ChatStreamChoice, DeltaMessage, UsageInfo)
-from frontend.state import SYSTEM_FINGERPRINT, FrontendState, request_base_id
+from frontend.state import SYSTEM_FINGERPRINT, FrontendState, request_ids
 
 ROLE = "assistant"
 
@@ -68,12 +68,14 @@ async def create_chat_completion(state: FrontendState, body: ChatCompletionReque
     except InvalidRequestError as e:  # the pool's reply names no parameter; the messages are at fault
         e.param = e.param or "messages"
         raise
-    await generator.validate(prompt_ids, max_tokens, prompt_param="messages", max_tokens_param=max_tokens_param)
+    await generator.validate(prompt_ids, max_tokens, min_tokens=params.min_tokens, prompt_param="messages",
+                             max_tokens_param=max_tokens_param)
     await state.engine.ensure_connected()
 
-    reply = _Reply(id=request_base_id(raw_request, "chatcmpl"), created=int(time.time()), model=state.model_name,
+    response_id, engine_id = request_ids(raw_request, "chatcmpl")
+    reply = _Reply(id=response_id, created=int(time.time()), model=state.model_name,
                    body=body, texts=generator.token_texts, num_prompt_tokens=len(prompt_ids))
-    request = GenerationRequest(request_id=reply.id, prompt_token_ids=prompt_ids, sampling_params=params,
+    request = GenerationRequest(request_id=engine_id, prompt_token_ids=prompt_ids, sampling_params=params,
                                 arrival_time=arrival, priority=body.priority, cache_salt=body.cache_salt)
     deltas = generator.generate(request)
 

@@ -19,7 +19,7 @@ from frontend.generation import GenerationDelta, GenerationRequest
 from frontend.logprobs_format import TokenTexts, completion_logprobs, prompt_logprobs_json
 from frontend.openai_protocol import CompletionRequest
 from frontend.openai_responses import CompletionChoice, CompletionResponse, UsageInfo
-from frontend.state import SYSTEM_FINGERPRINT, FrontendState, request_base_id
+from frontend.state import SYSTEM_FINGERPRINT, FrontendState, request_ids
 
 
 @dataclass(slots=True)
@@ -77,17 +77,17 @@ async def create_completion(state: FrontendState, body: CompletionRequest, raw_r
     prompts = body.prompts()
     prompt_ids = await asyncio.gather(*(_prompt_token_ids(state, p, body.add_special_tokens) for p in prompts))
     for ids in prompt_ids:
-        await generator.validate(ids, body.max_tokens)
+        await generator.validate(ids, body.max_tokens, min_tokens=params.min_tokens)
     await state.engine.ensure_connected()
 
-    base_id = request_base_id(raw_request, "cmpl")
-    reply = _Reply(id=base_id, created=int(time.time()), model=state.model_name, body=body,
+    response_id, engine_id = request_ids(raw_request, "cmpl")
+    reply = _Reply(id=response_id, created=int(time.time()), model=state.model_name, body=body,
                    texts=generator.token_texts, prompts=[
                        _Prompt(ids, (p if isinstance(p, str) else state.tokenizer.decode(ids)) if body.echo else None,
                                samples=[SampleResult(i) for i in range(params.num_samples)])
                        for p, ids in zip(prompts, prompt_ids)])
     requests = [GenerationRequest(
-        request_id=f"{base_id}-{i}", prompt_token_ids=ids, sampling_params=params, arrival_time=arrival,
+        request_id=f"{engine_id}-{i}", prompt_token_ids=ids, sampling_params=params, arrival_time=arrival,
         priority=body.priority, cache_salt=body.cache_salt) for i, ids in enumerate(prompt_ids)]
     merged = merge_async_iterators([generator.generate(r) for r in requests])
 

@@ -60,7 +60,14 @@ def random_id(prefix: str) -> str:
     return f"{prefix}-{secrets.token_hex(16)}"
 
 
-def request_base_id(raw_request, prefix: str) -> str:
-    """The response id: from the client's X-Request-Id header when given (as vLLM does)."""
+def request_ids(raw_request, prefix: str) -> tuple[str, str]:
+    """(the response id, the scheduler's id for it). The response id comes from
+    the client's X-Request-Id header when given (as vLLM does); the scheduler's
+    then gets a random suffix, since clients and proxies may send one header
+    value on many concurrent requests."""
     header = raw_request.headers.get("x-request-id")
-    return f"{prefix}-{header}" if header else random_id(prefix)
+    if not header:
+        response_id = random_id(prefix)
+        return response_id, response_id
+    response_id = f"{prefix}-{header}"
+    return response_id, f"{response_id}-{secrets.token_hex(4)}"

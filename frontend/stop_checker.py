@@ -62,10 +62,14 @@ class StopChecker:
         text = self._pending
         longest = 0
         for stop in self.stop:
-            for length in range(min(len(stop) - 1, len(text)), longest, -1):
-                if text.endswith(stop[:length]):
-                    longest = length
+            # Such a suffix starts with stop[0]: only try where that character occurs
+            # (earliest first, i.e. longest first), not every length.
+            start = text.find(stop[0], max(len(text) - len(stop) + 1, 0))
+            while start != -1 and len(text) - start > longest:
+                if stop.startswith(text[start:]):
+                    longest = len(text) - start
                     break
+                start = text.find(stop[0], start + 1)
         return longest
 
     def _release(self, upto: int) -> str:

@@ -87,7 +87,13 @@ class Scheduler:
                 f"The prompt has {num_prompt} tokens, but the maximum context length (max_model_len) is "
                 f"{self.max_model_len} tokens, which leaves no room for an output token; shorten the prompt",
                 param="prompt", code="context_length_exceeded")
-        num_samples = engine_request.sampling_params.num_samples
+        params = engine_request.sampling_params
+        if params.max_tokens is None and params.min_tokens > self.max_model_len - num_prompt:
+            raise InvalidRequestError(
+                f"min_tokens ({params.min_tokens}) is more than the {self.max_model_len - num_prompt} tokens "
+                f"that fit after the prompt in max_model_len ({self.max_model_len})", param="min_tokens",
+                code="context_length_exceeded")
+        num_samples = params.num_samples
         ids = [request_id] + [sample_request_id(request_id, i) for i in range(num_samples if num_samples > 1 else 0)]
         if any(i in self._requests or i in self._groups or self._is_future_sample(i) for i in ids):
             raise InvalidRequestError(f"Request id {request_id!r} is already in flight", param="request_id")
@@ -103,6 +109,13 @@ class Scheduler:
         group = self._groups.get(parent_request_id(request_id))
         return group is not None and any(request_id == sample_request_id(group.request_id, i)
                                          for i in range(group.num_samples))
+
+    def client_request_id(self, request_id: str) -> str:
+        """The id the client gave for a live request or one of its samples (the id
+        itself when unknown). Looked up, never parsed: a client's own id may look
+        like a sample id ("job#1")."""
+        request = self._requests.get(request_id)
+        return request.external_id if request is not None else request_id
 
     def _new_request(self, engine_request: EngineRequest, sample_index: int, arrival_order: int) -> Request:
         return Request(engine_request, arrival_order, self.max_model_len, self.block_size,

@@ -23,7 +23,6 @@ Failures it survives (see docs/operations.md):
 from __future__ import annotations
 
 import logging
-import queue
 import time
 import uuid
 from collections import defaultdict
@@ -35,9 +34,10 @@ import zmq
 from common.config import EngineConfig
 from common.errors import InvalidRequestError
 from common.protocol import (Abort, EngineError, EngineOutputs, EngineRequest, FrontendHello, MessageType,
-                             RequestOutput, StepPlan, StepResult, WorkerHello, WorkerReady, PROTOCOL_VERSION,
-                             parent_request_id)
-from common.transport import MessageDecoder, make_socket, send
+                             RequestOutput, StepPlan, StepResult, WorkerGoodbye, WorkerHello, WorkerReady,
+                             PROTOCOL_VERSION)
+from common.transport import MessageDecoder, bind_exclusive, make_socket, send
+from scheduler.command_inbox import CommandInbox
 from scheduler.connections import PeerTracker, enable_heartbeats
 from scheduler.control import ControlSnapshot, ControlState
 from scheduler.scheduler import Scheduler
@@ -47,7 +47,7 @@ from scheduler.worker_registry import CrashLedger, Verdict, WorkerRegistry, peer
 logger = logging.getLogger(__name__)
 
 FRONTEND_TYPES = (MessageType.ENGINE_REQUEST, MessageType.ABORT, MessageType.FRONTEND_HELLO)
-WORKER_TYPES = (MessageType.WORKER_HELLO, MessageType.STEP_RESULT)
+WORKER_TYPES = (MessageType.WORKER_HELLO, MessageType.STEP_RESULT, MessageType.WORKER_GOODBYE)
 IDLE_POLL_MS = 1000
 OVERLOADED_STATUS = 429
 
@@ -64,16 +64,14 @@ class SchedulerService:
         self.ctx = zmq.Context.instance()
         self.frontends = make_socket(self.ctx, zmq.ROUTER)
         enable_heartbeats(self.frontends)
-        self.frontends.bind(frontend_address)
+        bind_exclusive(self.frontends, frontend_address)
         self.workers = make_socket(self.ctx, zmq.ROUTER)
         enable_heartbeats(self.workers)
         self.workers.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a plan sent to a vanished worker raises
-        self.workers.bind(worker_address)
+        bind_exclusive(self.workers, worker_address)
         self.frontend_peers = PeerTracker(self.frontends)
         self.worker_peers = PeerTracker(self.workers)
-        self._wakeup_address = f"inproc://scheduler-wakeup-{id(self)}"
-        self.wakeup = make_socket(self.ctx, zmq.PULL, bind=self._wakeup_address)
-        self.commands: queue.Queue[tuple[str, Future]] = queue.Queue()
+        self.inbox = CommandInbox(self.ctx)  # from the gRPC control service's threads
         self.frontend_decoder = MessageDecoder(FRONTEND_TYPES)
         self.worker_decoder = MessageDecoder(WORKER_TYPES)
         self.scheduler: Scheduler | None = None
@@ -91,22 +89,12 @@ class SchedulerService:
 
     # --- called from other threads ------------------------------------------
     def request_reset_prefix_cache(self) -> Future:
-        future: Future = Future()
-        self.commands.put(("reset_prefix_cache", future))
-        sock = self.ctx.socket(zmq.PUSH)  # one per call: zmq sockets are not thread-safe
-        try:
-            sock.connect(self._wakeup_address)
-            sock.send(b"", flags=zmq.NOBLOCK)
-        except zmq.Again:
-            pass  # the loop has a wakeup pending already
-        finally:
-            sock.close(linger=0)
-        return future
+        return self.inbox.submit("reset_prefix_cache")
 
     # --- the engine loop --------------------------------------------------------
     def run(self) -> None:
         poller = zmq.Poller()
-        for sock in (self.frontends, self.workers, self.wakeup, self.frontend_peers.monitor,
+        for sock in (self.frontends, self.workers, self.inbox.socket, self.frontend_peers.monitor,
                      self.worker_peers.monitor):
             poller.register(sock, zmq.POLLIN)
         while self.running:
@@ -125,7 +113,7 @@ class SchedulerService:
             if self.frontend_peers.monitor in events:
                 for peer in self.frontend_peers.disconnected_peers():
                     self._frontend_gone(peer, "disconnected")
-            if self.wakeup in events:
+            if self.inbox.socket in events:
                 self._drain_commands()
             self._expire_silent_frontends()
             self._check_step_timeout()
@@ -139,8 +127,9 @@ class SchedulerService:
         self.running = False
         self.frontend_peers.close()
         self.worker_peers.close()
-        for sock in (self.frontends, self.workers, self.wakeup):
+        for sock in (self.frontends, self.workers):
             sock.close(linger=0)
+        self.inbox.close()
 
     def _ready_to_step(self) -> bool:
         return (self.registry.identity is not None and self.step_in_flight is None
@@ -180,8 +169,7 @@ class SchedulerService:
             else:
                 self._add_request(peer, msg)
         elif isinstance(msg, Abort):
-            # A sample id (n > 1) belongs to its request's owner.
-            self._abort([rid for rid in msg.request_ids if self.owner.get(parent_request_id(rid)) == peer])
+            self._on_abort(peer, msg.request_ids)
         elif isinstance(msg, FrontendHello):
             if msg.protocol_version != PROTOCOL_VERSION:
                 logger.error("frontend %r speaks protocol %d, we speak %d", peer, msg.protocol_version,
@@ -199,6 +187,15 @@ class SchedulerService:
             send(self.frontends, EngineError(request_id=req.request_id, message=e.message), to=peer)
             return
         self.owner[req.request_id] = peer
+
+    def _on_abort(self, peer: bytes, request_ids: list[str]) -> None:
+        """Abort what this frontend asked for: its requests, or samples of them (n > 1)."""
+        dropped = set(request_ids)
+        self.pending = [(owner, req) for owner, req in self.pending
+                        if owner != peer or req.request_id not in dropped]
+        if self.scheduler is not None:
+            self._abort([rid for rid in request_ids
+                         if self.owner.get(self.scheduler.client_request_id(rid)) == peer])
 
     def _abort(self, request_ids: list[str]) -> None:
         if request_ids and self.scheduler is not None:
@@ -271,6 +268,11 @@ class SchedulerService:
             outputs = self.scheduler.update(plan, msg)
             self._publish_outputs(outputs)
             self.stats_logger.record_step(plan, outputs)
+        elif isinstance(msg, WorkerGoodbye):
+            if peer == self.registry.identity:
+                self._on_worker_lost(f"it is stopping: {msg.reason}", crashed=False)
+            elif self.registry.standby.pop(peer, None) is not None:
+                logger.info("standby worker %s stopped: %s", _name(peer), msg.reason)
 
     def _reply_worker(self, peer: bytes, reply: WorkerReady) -> bool:
         try:
@@ -318,17 +320,19 @@ class SchedulerService:
             self._add_request(frontend, req)
         self.pending.clear()
 
-    def _on_worker_lost(self, reason: str) -> None:
-        """Keep every request: back to waiting with its tokens, recomputed by the next worker."""
+    def _on_worker_lost(self, reason: str, crashed: bool = True) -> None:
+        """Keep every request: back to waiting with its tokens, recomputed by the next worker.
+        Only a crash (not a worker stopping on purpose) counts against the lost step's requests."""
         peer = self.registry.lose()
         self.worker_peers.forget(peer)
         plan, self.step_in_flight = self.step_in_flight, None  # its result will never come
         moved = self.scheduler.requeue_running()
         self.scheduler.reset_prefix_cache_for_new_worker()
-        logger.error("worker %s lost (%s): %d running requests moved back to the waiting queue with their "
-                     "tokens; %d requests wait for a worker to register", _name(peer), reason, moved,
-                     len(self.scheduler.waiting))
-        if plan is not None:
+        logger.log(logging.ERROR if crashed else logging.WARNING,
+                   "worker %s lost (%s): %d running requests moved back to the waiting queue with their "
+                   "tokens; %d requests wait for a worker to register", _name(peer), reason, moved,
+                   len(self.scheduler.waiting))
+        if plan is not None and crashed:
             self._fail_suspects(list(plan.num_scheduled_tokens))
         for standby, hello in list(self.registry.standby.items()):
             self._on_worker_hello(standby, hello)  # the longest-waiting standby worker takes over at once
@@ -338,7 +342,8 @@ class SchedulerService:
     def _fail_suspects(self, request_ids: list[str]) -> None:
         """Charge a worker death to every request of the lost step; fail the
         ones charged twice rather than feed them to the next worker."""
-        suspects = [rid for rid in self.crashes.charge(request_ids) if rid in self.owner]
+        charged = self.crashes.charge([self.scheduler.client_request_id(rid) for rid in request_ids])
+        suspects = [rid for rid in charged if rid in self.owner]
         for request_id in suspects:
             deaths = self.crashes.deaths[request_id]
             logger.error("request %s was running when %d workers died: failing it", request_id, deaths)
@@ -370,13 +375,7 @@ class SchedulerService:
 
     # --- control -----------------------------------------------------------------
     def _drain_commands(self) -> None:
-        while True:
-            try:
-                self.wakeup.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-        while not self.commands.empty():
-            name, future = self.commands.get_nowait()
+        for name, future in self.inbox.take():
             if name == "reset_prefix_cache":
                 future.set_result(self.scheduler.reset_prefix_cache() if self.scheduler else False)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from common.protocol import PROTOCOL_VERSION, WorkerHello, parent_request_id
+from common.protocol import PROTOCOL_VERSION, WorkerHello
 
 # What must match for a new worker to take over the requests of a lost one.
 WORKER_SHAPE = ("model_name", "num_blocks", "block_size", "max_model_len", "vocab_size", "eos_token_ids")
@@ -83,10 +83,10 @@ class CrashLedger:
         self.deaths: dict[str, int] = {}  # request id -> worker deaths during its steps
 
     def charge(self, request_ids: list[str]) -> list[str]:
-        """Charge a death to each request (a sample counts for its request);
-        return those at the limit."""
+        """Charge a death to each request (client ids: the samples of one request
+        are charged once); return those at the limit."""
         over = []
-        for request_id in dict.fromkeys(map(parent_request_id, request_ids)):
+        for request_id in dict.fromkeys(request_ids):
             self.deaths[request_id] = self.deaths.get(request_id, 0) + 1
             if self.deaths[request_id] >= self.limit:
                 over.append(request_id)

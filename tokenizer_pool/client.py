@@ -75,7 +75,7 @@ class TokenizerClient:
         a pool that cannot answer raises TokenizerUnavailableError."""
         try:
             frames = encode(job)
-        except (OverflowError, TypeError, msgspec.EncodeError) as e:  # e.g. an integer beyond 64 bits
+        except (OverflowError, TypeError, UnicodeEncodeError, msgspec.EncodeError) as e:  # e.g. an integer beyond 64 bits
             raise InvalidRequestError(f"the request holds a value that cannot be sent: {e}") from None
         self._start()
         loop = asyncio.get_running_loop()

@@ -24,7 +24,7 @@ import msgspec
 import zmq
 
 from common.protocol import MessageType, TokenizerReady, TokenizerReply
-from common.transport import BadFrame, MessageDecoder, encode, make_socket
+from common.transport import BadFrame, MessageDecoder, bind_exclusive, encode, make_socket
 from tokenizer_pool.balancer import Balancer, Job, PendingJob, QueueFull
 from tokenizer_pool.errors import POOL_ERROR_PREFIX, UNAVAILABLE_STATUS
 
@@ -53,7 +53,7 @@ class Router:
     def _bind(ctx: zmq.Context, addr: str) -> zmq.Socket:
         sock = make_socket(ctx, zmq.ROUTER)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unknown peer raises instead of vanishing silently
-        sock.bind(addr)
+        bind_exclusive(sock, addr)
         return sock
 
     def close(self) -> None:

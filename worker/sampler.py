@@ -308,7 +308,7 @@ def _top_k_top_p_candidates(logits: torch.Tensor, k: torch.Tensor,
     probs = (values - normalizer.unsqueeze(1)).exp()
     cumulative = probs.cumsum(dim=-1)
     solved = top_k_within | ((k == vocab) & (cumulative[:, -1] >= p))
-    values = values.masked_fill(cumulative - probs >= p.unsqueeze(1), float("-inf"))
+    values = values.masked_fill((cumulative - probs >= p.unsqueeze(1)) & (ranks > 0), float("-inf"))
     out = torch.full_like(logits, float("-inf")).scatter_(1, indices, values)
     return solved, out
 
@@ -319,8 +319,8 @@ def _top_k_top_p_sorted(logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor) 
     sorted_logits = sorted_logits.masked_fill(ranks.unsqueeze(0) >= k.unsqueeze(1), float("-inf"))
     sorted_probs = sorted_logits.softmax(dim=-1)
     # Mass strictly before each token: a token is kept while that is < p, so
-    # the most likely token always stays and the kept set is the smallest
-    # prefix reaching p.
+    # the kept set is the smallest prefix reaching p. The most likely token
+    # always stays, even for a p that float32 rounds to 0.
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    sorted_logits = sorted_logits.masked_fill(mass_before >= p.unsqueeze(1), float("-inf"))
+    sorted_logits = sorted_logits.masked_fill((mass_before >= p.unsqueeze(1)) & (ranks > 0), float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)

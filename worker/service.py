@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import zmq
 
-from common.protocol import MessageType, Shutdown, StepPlan, WorkerReady
+from common.protocol import MessageType, Shutdown, StepPlan, WorkerGoodbye, WorkerReady
 from common.transport import MessageDecoder, make_socket, recv, send
 
 if TYPE_CHECKING:  # torch-free at import: test doubles drive this service too
@@ -28,6 +28,7 @@ logger = logging.getLogger(__name__)
 
 HELLO_RETRY_S = 2.0
 IDLE_HELLO_S = 2.0  # while idle, re-announce so a restarted scheduler learns about us
+GOODBYE_LINGER_MS = 500  # how long closing waits to deliver the goodbye
 
 
 def worker_identity(rank: int) -> bytes:
@@ -48,6 +49,7 @@ class WorkerService:
         self.scheduler_id: str | None = None
         self.standing_by = False
         self.running = True
+        self.goodbye_sent = False
 
     def handshake(self) -> None:
         """Say hello until the scheduler accepts; raise if it refuses or times out."""
@@ -85,6 +87,16 @@ class WorkerService:
                 return
             elif isinstance(msg, WorkerReady):
                 self._on_ready(msg)
+        self._say_goodbye("stopped by a signal")
+
+    def _say_goodbye(self, reason: str) -> None:
+        """Tell the scheduler this is no crash: a restart by an operator (or a
+        rolling update) must not count against the requests of the last plan."""
+        try:
+            send(self.sock, WorkerGoodbye(reason=reason), flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            return  # no scheduler connected: nobody to tell
+        self.goodbye_sent = True
 
     def _on_ready(self, msg: WorkerReady) -> bool:
         """Apply the scheduler's answer; True once registered."""
@@ -115,4 +127,4 @@ class WorkerService:
 
     def close(self) -> None:
         self.running = False
-        self.sock.close(linger=0)
+        self.sock.close(linger=GOODBYE_LINGER_MS if self.goodbye_sent else 0)

@@ -136,11 +136,21 @@ def test_garbage_on_every_internal_socket_is_dropped(server, client):
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_stopping_serve_leaves_no_process(tmp_path, sig):
+    """... and a request in flight when it is told to stop still finishes: the API
+    stops first, and the rest only once it has let its requests end."""
     srv = Server(tmp_path, ["--disable-log-stats", "--tokenizer-pool-size", "2"])
     try:
         srv.wait_ready()
         pids = descendants(srv.proc.pid)
         assert len(pids) >= 6
+        client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0)
+        stream = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=48, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True})
+        chunks = [next(iter(stream))]
+        srv.proc.send_signal(sig)
+        chunks += list(stream)
+        assert sum(len(c.choices[0].text) > 0 for c in chunks) > 1
+        assert chunks[-1].choices[0].finish_reason == "length"
     finally:
         code = srv.stop(sig)
     assert code == 0

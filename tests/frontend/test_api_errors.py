@@ -35,6 +35,9 @@ def assert_error(response: httpx.Response, status: int, param: str | None, *frag
     ("max_tokens", "many", "max_tokens"),  # a type error, caught by the body schema
     ("temperature", "hot", "temperature"),
     ("stop", 5, "stop"),
+    ("stop", ["x"] * 257, "256"),
+    ("min_tokens", 1 << 64, "min_tokens"),  # beyond what the wire carries: refused before any stream starts
+    ("priority", 1 << 64, "priority"),
 ])
 def test_bad_sampling_values_are_400s_naming_the_parameter(server, field, value, fragment):
     body = {"model": "tiny-model", "prompt": "Hi", "max_tokens": 16, field: value}
@@ -49,10 +52,33 @@ def test_unsupported_completion_options_are_400s(server, field, value):
 
 
 @pytest.mark.parametrize("field, value", [("tools", [{"type": "function", "function": {"name": "f"}}]),
-                                          ("response_format", {"type": "json_object"})])
+                                          ("response_format", {"type": "json_object"}),
+                                          ("tool_choice", "required"),  # without tools: never silently ignored
+                                          ("tool_choice", {"type": "function", "function": {"name": "f"}}),
+                                          ("functions", [{"name": "f"}]),
+                                          ("function_call", {"name": "f"})])
 def test_unsupported_chat_options_are_400s(server, field, value):
     body = {"model": "tiny-model", "messages": CHAT, field: value}
     assert_error(post(server, "/chat/completions", body), 400, field, "not supported")
+
+
+def test_tool_choice_none_needs_no_tools(server):
+    body = {"model": "tiny-model", "messages": CHAT, "max_tokens": 2, "tool_choice": "none"}
+    assert post(server, "/chat/completions", body).status_code == 200
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/chat/completions", '{"messages": [{"role": "user", "content": "\\ud800 hi"}]}', "messages[0].content"),
+    ("/chat/completions", '{"messages": [{"role": "\\udfff", "content": "hi"}]}', "messages[0].role"),
+    ("/completions", '{"prompt": "hi", "stop": ["ok", "\\ud800"]}', "stop[1]"),
+    ("/completions", '{"prompt": "hi", "model": "\\ud800"}', "model"),
+    ("/completions", '{"prompt": ["fine", "\\udbff"]}', "prompt[1]"),
+])
+def test_lone_surrogates_are_400s(server, path, body, param):
+    """JSON can spell half a UTF-16 pair; no text has one (a whole pair is fine)."""
+    assert_error(post(server, path, body), 400, param, "surrogate")
+    emoji = '{"prompt": "\\ud83d\\ude00", "max_tokens": 2}'
+    assert post(server, "/completions", emoji).status_code == 200
 
 
 def test_malformed_bodies(server):
@@ -91,6 +117,12 @@ def test_prompt_too_long_names_both_lengths(server):
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model="tiny-model", prompt=too_long, max_tokens=None)
     assert info.value.status_code == 400
+
+
+def test_min_tokens_beyond_the_context_is_a_400(server):
+    """Without max_tokens the output may fill the context, but no more."""
+    assert_error(post(server, "/completions", {"prompt": [5] * 10, "max_tokens": None, "min_tokens": MAX_MODEL_LEN}),
+                 400, "min_tokens", str(MAX_MODEL_LEN - 10))
 
 
 def test_out_of_vocabulary_token_ids_are_400s(server):

@@ -2,6 +2,8 @@
 the SamplingParams the engine runs (fake scheduler, real frontend process)."""
 from __future__ import annotations
 
+import re
+
 import httpx
 
 from common.grpc_gen import pagedserve_pb2 as pb
@@ -13,6 +15,13 @@ import grpc
 
 def sent(server, request_id: str):
     return next(r for r in reversed(server.scheduler.snapshot().requests) if r.request_id == request_id)
+
+
+def sent_over_http(server, response_id: str, prompt_index: int | None = None):
+    """The request the scheduler got for a response whose id came from X-Request-Id:
+    the scheduler's id is that with a random suffix (then the prompt's index)."""
+    pattern = re.escape(response_id) + "-[0-9a-f]{8}" + ("" if prompt_index is None else f"-{prompt_index}")
+    return next(r for r in reversed(server.scheduler.snapshot().requests) if re.fullmatch(pattern, r.request_id))
 
 
 def post(server, path: str, body: dict, request_id: str) -> httpx.Response:
@@ -35,7 +44,7 @@ EXPECTED = SamplingParams(n=2, best_of=3, temperature=0.5, top_p=0.9, top_k=7, m
 def test_completion_fields(server):
     response = post(server, "/completions", {"prompt": "Hi", "logprobs": 4, **FIELDS}, "fields-1")
     assert response.status_code == 200, response.text
-    request = sent(server, "cmpl-fields-1-0")
+    request = sent_over_http(server, "cmpl-fields-1", 0)
     assert request.priority == -3
     assert request.sampling_params == SamplingParams(**{**_fields(EXPECTED), "logprobs": 4})
 
@@ -44,20 +53,20 @@ def test_chat_fields(server):
     body = {"messages": [{"role": "user", "content": "Hi"}], "logprobs": True, "top_logprobs": 3, **FIELDS,
             "max_tokens": None, "max_completion_tokens": 9}
     assert post(server, "/chat/completions", body, "fields-2").status_code == 200
-    assert sent(server, "chatcmpl-fields-2").sampling_params == SamplingParams(**{**_fields(EXPECTED), "logprobs": 3})
+    assert sent_over_http(server, "chatcmpl-fields-2").sampling_params == SamplingParams(**{**_fields(EXPECTED), "logprobs": 3})
     body = {"messages": [{"role": "user", "content": "Hi"}], "logprobs": True}
     assert post(server, "/chat/completions", body, "fields-3").status_code == 200
-    params = sent(server, "chatcmpl-fields-3").sampling_params
+    params = sent_over_http(server, "chatcmpl-fields-3").sampling_params
     assert params.logprobs == 0 and params.max_tokens is None  # as many as fit
 
 
 def test_defaults_and_echo_with_logprobs(server):
     assert post(server, "/completions", {"prompt": "Hi"}, "fields-4").status_code == 200
-    assert sent(server, "cmpl-fields-4-0").sampling_params == SamplingParams(max_tokens=None)
+    assert sent_over_http(server, "cmpl-fields-4", 0).sampling_params == SamplingParams(max_tokens=None)
     body = {"prompt": "Hello, world", "echo": True, "logprobs": 2, "max_tokens": 3}
     response = post(server, "/completions", body, "fields-5")
     assert response.status_code == 200
-    params = sent(server, "cmpl-fields-5-0").sampling_params
+    params = sent_over_http(server, "cmpl-fields-5", 0).sampling_params
     assert params.logprobs == 2 and params.prompt_logprobs == 2  # the echoed prompt's logprobs
     prompt = server.tokenizer.encode("Hello, world")
     logprobs = response.json()["choices"][0]["logprobs"]

@@ -10,6 +10,7 @@ import time
 
 import grpc
 import httpx
+import pytest
 
 from common.grpc_gen import pagedserve_pb2 as pb
 from common.grpc_gen import pagedserve_pb2_grpc as pb_grpc
@@ -42,11 +43,12 @@ def test_http_non_streamed_disconnect_frees_blocks(slow_stack):
     slow_stack.wait_all_blocks_free(timeout=1.0)
 
 
-def test_grpc_cancel_frees_blocks(slow_stack):
+@pytest.mark.parametrize("request_id", ["", "job#1"])  # the second looks like the id of a sample
+def test_grpc_cancel_frees_blocks(slow_stack, request_id):
     slow_stack.wait_all_blocks_free()
     with grpc.insecure_channel(slow_stack.grpc_address) as channel:
         call = pb_grpc.PagedServeStub(channel).Generate(pb.GenerateRequest(
-            text="one two", sampling_params=pb.SamplingParams(max_tokens=90)), timeout=30)
+            request_id=request_id, text="one two", sampling_params=pb.SamplingParams(max_tokens=90)), timeout=30)
         next(call)
         call.cancel()
     slow_stack.wait_all_blocks_free(timeout=1.0)

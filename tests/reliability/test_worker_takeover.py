@@ -66,6 +66,31 @@ def test_a_standby_worker_takes_over_and_outputs_do_not_change(slow_stack):
     slow_stack.wait_all_blocks_free()
 
 
+def test_workers_stopped_on_purpose_cast_no_suspicion_on_their_requests(slow_stack):
+    """Two SIGTERMs during one request (an operator restarting workers) are no
+    crashes: the request finishes, where two crashes would have failed it."""
+    slow_stack.wait_all_blocks_free()
+    chunks: list[float] = []
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        stream = pool.submit(stream_completion, slow_stack, "one two", 60, chunks)
+        for round in range(2):
+            stopping = slow_stack.scheduler.log().count("it is stopping")
+            standing_by = slow_stack.scheduler.log().count("stands by")
+            slow_stack.workers.append(slow_stack.start_worker())
+            wait_for_log(slow_stack.scheduler, r"(stands by[\s\S]*){%d}" % (standing_by + 1))
+            seen = len(chunks)
+            deadline = time.monotonic() + 10
+            while len(chunks) < seen + 5 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            registered = next(w for w in slow_stack.workers if w.proc.poll() is None)
+            os.kill(registered.proc.pid, signal.SIGTERM)
+            registered.proc.wait(timeout=10)
+            wait_for_log(slow_stack.scheduler, r"(it is stopping[\s\S]*){%d}" % (stopping + 1))
+        assert stream.result(timeout=30) == (slow_stack.expected_text(60), [])
+    assert "workers died" not in slow_stack.scheduler.log()
+    slow_stack.wait_all_blocks_free()
+
+
 def test_a_request_that_kills_two_workers_is_failed_and_the_third_serves_on(slow_stack):
     slow_stack.wait_all_blocks_free()
     standing_by = slow_stack.scheduler.log().count("stands by")

@@ -74,6 +74,22 @@ def test_aborting_one_sample_or_the_whole_request():
     assert_no_leaked_blocks(scheduler)
 
 
+def test_client_ids_are_looked_up_never_parsed_as_sample_ids():
+    """A client's id may look like a sample id: "job#1" is a request of its own."""
+    scheduler, worker = make_scheduler(num_blocks=40, block_size=BLOCK, max_model_len=64)
+    scheduler.add_request(make_request("job#1", [5, 6, 7], max_tokens=30, ignore_eos=True))
+    scheduler.add_request(make_request("r", [5, 6, 7, 8, 9], max_tokens=30, n=2, ignore_eos=True))
+    for _ in range(2):
+        step(scheduler, worker)
+    assert [scheduler.client_request_id(i) for i in ("job#1", "r#0", "r#1", "r", "gone")] == [
+        "job#1", "r", "r", "r", "gone"]
+    [aborted] = scheduler.abort_requests(["job#1"])
+    assert (aborted.request_id, aborted.finish_reason) == ("job#1", FinishReason.ABORT)
+    assert len(scheduler.abort_requests(["r"])) == 2 and not scheduler.has_unfinished_requests()
+    step(scheduler, worker)
+    assert_no_leaked_blocks(scheduler)
+
+
 def test_aborting_before_the_fork_ends_every_sample():
     scheduler, worker = make_scheduler(num_blocks=40, block_size=BLOCK, max_model_len=64, max_num_batched_tokens=4)
     scheduler.add_request(make_request("r", list(range(10, 30)), max_tokens=5, n=4))

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from common.sampling_params import SamplingParams
-from worker.sampler import Sampler, SamplingMetadata, apply_min_p, apply_top_k_top_p, step_seed
+from worker.sampler import (Sampler, SamplingMetadata, _top_k_top_p_sorted, apply_min_p, apply_top_k_top_p,
+                            step_seed)
 
 
 def log_probs(*probs: float) -> torch.Tensor:
@@ -88,6 +89,15 @@ def test_top_p_keeps_smallest_prefix_reaching_p(top_p, expected):
     out = apply_top_k_top_p(logits.unsqueeze(0), None, torch.tensor([top_p]))[0]
     assert kept(out) == expected
     assert torch.equal(out[expected], logits[expected])
+
+
+def test_a_top_p_that_rounds_to_zero_keeps_the_top_token():
+    """1e-46 passes validation (it is > 0) but is 0 in float32: the top token still stays."""
+    torch.manual_seed(3)
+    logits = torch.randn(8, 1000)
+    assert sample(logits, [SamplingParams(temperature=1.0, top_p=1e-46)] * 8) == logits.argmax(dim=-1).tolist()
+    out = _top_k_top_p_sorted(logits, torch.full((8,), 1000), torch.zeros(8))  # the path for rows not solved early
+    assert torch.equal(out.argmax(dim=-1), logits.argmax(dim=-1)) and torch.isfinite(out).sum().item() == 8
 
 
 def test_top_p_is_applied_after_top_k_renormalization():
