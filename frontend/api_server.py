@@ -23,6 +23,7 @@ from frontend.http_guards import GuardRefusal, RequestGuard
 from frontend.openai_protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from frontend.serving_chat import create_chat_completion
 from frontend.serving_completions import create_completion
+from frontend.serving_tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 from frontend.state import FrontendState
 
 logger = logging.getLogger(__name__)
@@ -102,12 +103,29 @@ def build_app(state: FrontendState, *, api_key: str | None = None, max_body_byte
     async def chat_completions(body: ChatCompletionRequest, raw_request: Request) -> Response:
         return await create_chat_completion(state, body, raw_request)
 
+    async def model_cards() -> list[ModelCard]:
+        max_model_len = await state.max_model_len()
+        return [ModelCard(id=name, created=state.created, root=state.model_root, max_model_len=max_model_len)
+                for name in state.served_model_names]
+
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        max_model_len = await state.max_model_len()
-        cards = [ModelCard(id=name, created=state.created, root=state.model_root, max_model_len=max_model_len)
-                 for name in state.served_model_names]
-        return JSONResponse(ModelList(data=cards).model_dump())
+        return JSONResponse(ModelList(data=await model_cards()).model_dump())
+
+    # The openai client's `models.retrieve(id)`; ids may hold slashes ("org/name").
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> JSONResponse:
+        state.check_model(model)
+        card = next(card for card in await model_cards() if card.id == model)
+        return JSONResponse(card.model_dump())
+
+    @app.post("/tokenize")
+    async def tokenize_route(body: TokenizeRequest) -> JSONResponse:
+        return JSONResponse((await tokenize(state, body)).model_dump())
+
+    @app.post("/detokenize")
+    async def detokenize_route(body: DetokenizeRequest) -> JSONResponse:
+        return JSONResponse((await detokenize(state, body)).model_dump())
 
     @app.get("/health")
     async def health() -> Response:

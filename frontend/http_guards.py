@@ -1,9 +1,10 @@
 """Checks every HTTP request passes before the API sees it (a pure ASGI
 middleware, so streamed responses are untouched):
 
-- the API key: with `--api-key` set, every `/v1/...` route needs
-  `Authorization: Bearer <key>` (compared in constant time); `/health`,
-  `/metrics` and `/version` stay open for probes and scrapers;
+- the API key: with `--api-key` set, every `/v1/...` route, `/tokenize` and
+  `/detokenize` need `Authorization: Bearer <key>` (compared in constant
+  time); `/health`, `/metrics` and `/version` stay open for probes and
+  scrapers;
 - the body size: a body above the limit is refused with 413, from its
   Content-Length when it has one, else as soon as the bytes read pass it.
 
@@ -21,6 +22,8 @@ from common.errors import PagedServeError
 from frontend.errors import AuthenticationError, PayloadTooLargeError
 
 PROTECTED_PREFIX = "/v1"
+# Outside /v1 but using the model's tokenizer: as closed as generation (vLLM leaves them open).
+PROTECTED_PATHS = frozenset({"/tokenize", "/detokenize"})
 
 
 def api_key_matches(authorization: str | None, api_key: str) -> bool:
@@ -81,7 +84,7 @@ class RequestGuard:
 
 
 def _is_protected(path: str) -> bool:
-    return path == PROTECTED_PREFIX or path.startswith(PROTECTED_PREFIX + "/")
+    return path == PROTECTED_PREFIX or path.startswith(PROTECTED_PREFIX + "/") or path in PROTECTED_PATHS
 
 
 async def _send_error(send: Send, error: PagedServeError, extra_headers: list[tuple[bytes, bytes]]) -> None:

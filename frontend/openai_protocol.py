@@ -29,8 +29,8 @@ class StreamOptions(OpenAIBaseModel):
     continuous_usage_stats: bool | None = False
 
 
-class SamplingRequest(OpenAIBaseModel):
-    """Fields shared by /v1/completions and /v1/chat/completions."""
+class TextRequest(OpenAIBaseModel):
+    """A body whose strings go to the tokenizer."""
 
     @model_validator(mode="before")
     @classmethod
@@ -41,6 +41,10 @@ class SamplingRequest(OpenAIBaseModel):
             raise InvalidRequestError(f"{path or 'the body'} holds a lone UTF-16 surrogate, which is not "
                                       f"valid Unicode text", param=path or None)
         return data
+
+
+class SamplingRequest(TextRequest):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
     model: str | None = None
     n: int = 1
     best_of: int | None = None
@@ -182,15 +186,37 @@ class ChatMessageParam(OpenAIBaseModel):
         return "\n".join(texts)
 
 
-class ChatCompletionRequest(SamplingRequest):
+class ChatTemplateRequest(OpenAIBaseModel):
+    """Messages and how the chat template renders them (chat completions, /tokenize)."""
     messages: list[ChatMessageParam] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def check_template_options(self) -> None:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise InvalidRequestError("continue_final_message and add_generation_prompt cannot both be true",
+                                      param="continue_final_message")
+        # The tokenizer pool refuses these too, but its reply cannot name the parameter.
+        if reserved := sorted(RESERVED_TEMPLATE_KWARGS & (self.chat_template_kwargs or {}).keys()):
+            raise InvalidRequestError(f"chat_template_kwargs may not set {reserved}", param="chat_template_kwargs")
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        messages = []
+        for index, message in enumerate(self.messages):
+            entry: dict[str, Any] = {"role": message.role, "content": message.text_content(index)}
+            for name in ("name", "tool_calls", "tool_call_id"):
+                if getattr(message, name) is not None:
+                    entry[name] = getattr(message, name)
+            messages.append(entry)
+        return messages
+
+
+class ChatCompletionRequest(SamplingRequest, ChatTemplateRequest):
     max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     functions: list[dict[str, Any]] | None = None  # the deprecated spelling of tools
@@ -209,12 +235,7 @@ class ChatCompletionRequest(SamplingRequest):
                 raise NotSupportedError(param, f"{param} {choice!r} (tool calling)")
         if self.response_format is not None and self.response_format.get("type", "text") != "text":
             raise NotSupportedError("response_format", "structured output (response_format)")
-        if self.continue_final_message and self.add_generation_prompt:
-            raise InvalidRequestError("continue_final_message and add_generation_prompt cannot both be true",
-                                      param="continue_final_message")
-        # The tokenizer pool refuses these too, but its reply cannot name the parameter.
-        if reserved := sorted(RESERVED_TEMPLATE_KWARGS & (self.chat_template_kwargs or {}).keys()):
-            raise InvalidRequestError(f"chat_template_kwargs may not set {reserved}", param="chat_template_kwargs")
+        self.check_template_options()
 
     def requested_max_tokens(self) -> tuple[int | None, str]:
         """(max tokens, the parameter that set it)."""
@@ -227,16 +248,6 @@ class ChatCompletionRequest(SamplingRequest):
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self.to_sampling_params(max_tokens, logprobs, vocab_size,
                                        {"max_tokens": max_tokens_param, "logprobs": "top_logprobs"})
-
-    def template_messages(self) -> list[dict[str, Any]]:
-        messages = []
-        for index, message in enumerate(self.messages):
-            entry: dict[str, Any] = {"role": message.role, "content": message.text_content(index)}
-            for name in ("name", "tool_calls", "tool_call_id"):
-                if getattr(message, name) is not None:
-                    entry[name] = getattr(message, name)
-            messages.append(entry)
-        return messages
 
     def echoed_text(self, role: str) -> str:
         """vLLM's chat echo: the last message's content, when it has the reply's role."""

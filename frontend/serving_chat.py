@@ -16,7 +16,7 @@ from frontend.async_utils import cancel_on_disconnect
 from frontend.choices import SampleResult, best_samples
 from frontend.generation import GenerationDelta, GenerationRequest
 from frontend.logprobs_format import TokenTexts, chat_logprobs, prompt_logprobs_json
-from frontend.openai_protocol import ChatCompletionRequest
+from frontend.openai_protocol import ChatCompletionRequest, ChatTemplateRequest
 from frontend.openai_responses import (ChatChoice, ChatCompletionChunk, ChatCompletionResponse, ChatMessage,
                                        ChatStreamChoice, DeltaMessage, UsageInfo)
 from frontend.state import SYSTEM_FINGERPRINT, FrontendState, request_ids
@@ -61,13 +61,7 @@ async def create_chat_completion(state: FrontendState, body: ChatCompletionReque
     generator = state.generator
     params = body.sampling_params(await generator.vocab_size())
     max_tokens, max_tokens_param = body.requested_max_tokens()
-    try:
-        prompt_ids = await state.tokenizer_client.render_chat(
-            body.template_messages(), add_generation_prompt=body.add_generation_prompt,
-            continue_final_message=body.continue_final_message, chat_template_kwargs=body.chat_template_kwargs)
-    except InvalidRequestError as e:  # the pool's reply names no parameter; the messages are at fault
-        e.param = e.param or "messages"
-        raise
+    prompt_ids = await render_chat_prompt(state, body)
     await generator.validate(prompt_ids, max_tokens, min_tokens=params.min_tokens, prompt_param="messages",
                              max_tokens_param=max_tokens_param)
     await state.engine.ensure_connected()
@@ -86,6 +80,17 @@ async def create_chat_completion(state: FrontendState, body: ChatCompletionReque
     if not completed:
         return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
     return JSONResponse(response.model_dump())
+
+
+async def render_chat_prompt(state: FrontendState, body: ChatTemplateRequest) -> list[int]:
+    """The prompt's token ids: the messages through the chat template, in the tokenizer pool."""
+    try:
+        return await state.tokenizer_client.render_chat(
+            body.template_messages(), add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message, chat_template_kwargs=body.chat_template_kwargs)
+    except InvalidRequestError as e:  # the pool's reply names no parameter; the messages are at fault
+        e.param = e.param or "messages"
+        raise
 
 
 async def _collect(reply: _Reply, deltas: AsyncIterator[GenerationDelta], num_samples: int) -> ChatCompletionResponse:

@@ -21,6 +21,19 @@ def test_models_lists_every_served_name(server):
     assert [m["max_model_len"] for m in raw["data"]] == [MAX_MODEL_LEN] * len(SERVED_NAMES)
 
 
+def test_models_retrieve_one_by_id(server):
+    client = openai.OpenAI(base_url=server.api_url, api_key="x", max_retries=0)
+    card = client.models.retrieve("tiny-alias")
+    assert (card.id, card.object, card.owned_by) == ("tiny-alias", "model", "pagedserve")
+    assert httpx.get(server.api_url + "/models/tiny-alias").json()["max_model_len"] == MAX_MODEL_LEN
+    # An unknown id, with or without an org prefix, is OpenAI's 404 naming the model.
+    for unknown in ("gpt-4o", "some-org/tiny-model"):
+        with pytest.raises(openai.NotFoundError) as caught:
+            client.models.retrieve(unknown)
+        error = caught.value.body
+        assert error["code"] == "model_not_found" and unknown in error["message"]
+
+
 def test_health_follows_the_scheduler(server):
     assert httpx.get(server.base_url + "/health").status_code == 200
     server.control.healthy = False

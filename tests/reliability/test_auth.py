@@ -21,8 +21,11 @@ def call(stack, method: str, path: str, authorization: str | None, body: dict | 
 
 
 @pytest.mark.parametrize("authorization", WRONG_KEYS)
-@pytest.mark.parametrize("method, path, body", [("GET", "/v1/models", None), ("POST", "/v1/completions", COMPLETION),
+@pytest.mark.parametrize("method, path, body", [("GET", "/v1/models", None), ("GET", f"/v1/models/{MODEL_NAME}", None),
+                                                ("POST", "/v1/completions", COMPLETION),
                                                 ("POST", "/v1/chat/completions", CHAT),
+                                                ("POST", "/tokenize", {"prompt": "hi"}),
+                                                ("POST", "/detokenize", {"tokens": [1]}),
                                                 ("GET", "/v1/no-such-route", None)])
 def test_http_without_the_right_key_is_401(fast_stack, authorization, method, path, body):
     response = call(fast_stack, method, path, authorization, body)
@@ -39,6 +42,8 @@ def test_http_with_the_key_succeeds(fast_stack):
     assert completion.status_code == 200 and completion.json()["usage"]["completion_tokens"] == 4
     chat = call(fast_stack, "POST", "/v1/chat/completions", f"bearer  {API_KEY}", CHAT)  # scheme is case-insensitive
     assert chat.status_code == 200 and chat.json()["choices"][0]["message"]["content"]
+    tokens = call(fast_stack, "POST", "/tokenize", key, {"prompt": "Hello there"}).json()["tokens"]
+    assert call(fast_stack, "POST", "/detokenize", key, {"tokens": tokens}).json() == {"prompt": "Hello there"}
 
 
 @pytest.mark.parametrize("path", ["/health", "/metrics", "/version"])
