@@ -195,6 +195,14 @@ class EngineClient:
         if self._queue_full:
             raise OverloadedError()
 
+    def end_all(self, error: Exception) -> None:
+        """End every in-flight request with `error` and tell the scheduler, which
+        is still there, to drop them (the frontend is going away)."""
+        request_ids = list(self._streams)
+        for stream in self._streams.values():
+            stream.queue.put_nowait(error)
+        self.abort(request_ids)
+
     def _fail_all(self, error: Exception) -> None:
         """Fail every in-flight request; remember them so that a scheduler which
         is still (or again) there is told to drop them."""

@@ -76,10 +76,23 @@ class Server:
     eos_token_id: int
     slow_token: int
     reject_token: int
+    frontend_args: list[str]  # to start another frontend in front of the same fakes
 
     @property
     def api_url(self) -> str:
         return self.base_url + "/v1"
+
+
+def start_frontend(args: list[str], log_path: Path) -> tuple[Process, str, str]:
+    """A frontend process; returns it, its base URL and its gRPC address once it is healthy."""
+    frontend = Process("frontend.cli", args, log_path)
+    try:
+        match = frontend.wait_for_log(r"OpenAI API on (http://[\d.]+:\d+)/v1, gRPC on ([\d.]+:\d+)")
+        wait_healthy(match.group(1) + "/health")
+    except BaseException:
+        frontend.stop()
+        raise
+    return frontend, match.group(1), match.group(2)
 
 
 def wait_healthy(url: str, timeout: float = 30.0) -> None:
@@ -115,18 +128,18 @@ def server(tmp_path_factory) -> Server:
     pool = Process("tokenizer_pool.cli", [
         "--model", str(tokenizer_dir), "--tokenizer-pool-size", "1", "--frontend-address", tokenizer_address,
         "--backend-address", f"tcp://127.0.0.1:{free_port()}"], tmp / "pool.log")
-    frontend = Process("frontend.cli", [
+    frontend_args = [
         "--model", str(tokenizer_dir), "--served-model-name", *SERVED_NAMES, "--port", "0", "--grpc-port", "0",
         "--scheduler-address", scheduler.address, "--scheduler-control-address", control_address,
-        "--tokenizer-address", tokenizer_address], tmp / "frontend.log")
+        "--tokenizer-address", tokenizer_address]
+    frontend = None
     try:
-        match = frontend.wait_for_log(r"OpenAI API on (http://[\d.]+:\d+)/v1, gRPC on ([\d.]+:\d+)")
-        base_url, grpc_address = match.group(1), match.group(2)
-        wait_healthy(base_url + "/health")
+        frontend, base_url, grpc_address = start_frontend(frontend_args, tmp / "frontend.log")
         yield Server(base_url, grpc_address, tokenizer, scheduler, control, frontend, eos, slow_token,
-                     reject_token)
+                     reject_token, frontend_args)
     finally:
-        frontend.stop()
+        if frontend is not None:
+            frontend.stop()
         pool.stop()
         control.stop()
         scheduler.stop()
