@@ -25,6 +25,7 @@ from frontend.errors import AuthenticationError, grpc_code
 from frontend.http_guards import api_key_matches
 from frontend.generation import GenerationDelta, GenerationRequest
 from frontend.logprobs_format import TokenTexts
+from frontend.serving_tokenize import detokenize_ids
 from frontend.state import FrontendState, random_id
 
 _FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
@@ -97,6 +98,15 @@ class PagedServeServicer(pagedserve_pb2_grpc.PagedServeServicer):
             await context.abort(grpc_code(e), e.message)
         return pb.TokenizeResponse(token_ids=ids, count=len(ids),
                                    max_model_len=await self.state.max_model_len() or 0)
+
+    async def Detokenize(self, request: pb.DetokenizeRequest,
+                         context: grpc.aio.ServicerContext) -> pb.DetokenizeResponse:
+        try:
+            text = await detokenize_ids(self.state, request.model or None, list(request.token_ids),
+                                        param="token_ids")
+        except PagedServeError as e:
+            await context.abort(grpc_code(e), e.message)
+        return pb.DetokenizeResponse(text=text)
 
     async def ListModels(self, request, context) -> pb.ListModelsResponse:
         max_model_len = await self.state.max_model_len() or 0

@@ -66,11 +66,16 @@ async def tokenize(state: FrontendState, body: TokenizeRequest) -> TokenizeRespo
 
 
 async def detokenize(state: FrontendState, body: DetokenizeRequest) -> DetokenizeResponse:
-    state.check_model(body.model)
+    return DetokenizeResponse(prompt=await detokenize_ids(state, body.model, body.tokens, param="tokens"))
+
+
+async def detokenize_ids(state: FrontendState, model: str | None, token_ids: list[int], param: str) -> str:
+    """The text the ids spell (for HTTP /detokenize and gRPC Detokenize)."""
+    state.check_model(model)
     vocab_size = await state.generator.vocab_size()
-    for index, token in enumerate(body.tokens):
+    for index, token in enumerate(token_ids):
         if not 0 <= token < vocab_size:
-            raise InvalidRequestError(f"tokens[{index}] = {token} is not a token id (the vocabulary has "
-                                      f"{vocab_size})", param="tokens")
+            raise InvalidRequestError(f"{param}[{index}] = {token} is not a token id (the vocabulary has "
+                                      f"{vocab_size})", param=param)
     # Special tokens stay in: the text is exactly what the ids spell.
-    return DetokenizeResponse(prompt=await state.tokenizer_client.decode(body.tokens, skip_special_tokens=False))
+    return await state.tokenizer_client.decode(token_ids, skip_special_tokens=False)

@@ -44,6 +44,11 @@ class PagedServeStub:
                 request_serializer=pagedserve__pb2.TokenizeRequest.SerializeToString,
                 response_deserializer=pagedserve__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/pagedserve.v1.PagedServe/Detokenize',
+                request_serializer=pagedserve__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=pagedserve__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
         self.ListModels = channel.unary_unary(
                 '/pagedserve.v1.PagedServe/ListModels',
                 request_serializer=pagedserve__pb2.ListModelsRequest.SerializeToString,
@@ -66,6 +71,12 @@ class PagedServeServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Tokenize(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -95,6 +106,11 @@ def add_PagedServeServicer_to_server(servicer, server):
                     servicer.Tokenize,
                     request_deserializer=pagedserve__pb2.TokenizeRequest.FromString,
                     response_serializer=pagedserve__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=pagedserve__pb2.DetokenizeRequest.FromString,
+                    response_serializer=pagedserve__pb2.DetokenizeResponse.SerializeToString,
             ),
             'ListModels': grpc.unary_unary_rpc_method_handler(
                     servicer.ListModels,
@@ -161,6 +177,33 @@ class PagedServe:
             '/pagedserve.v1.PagedServe/Tokenize',
             pagedserve__pb2.TokenizeRequest.SerializeToString,
             pagedserve__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.v1.PagedServe/Detokenize',
+            pagedserve__pb2.DetokenizeRequest.SerializeToString,
+            pagedserve__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,

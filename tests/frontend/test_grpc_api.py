@@ -102,6 +102,20 @@ def test_tokenize(server, stub):
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
+def test_detokenize(server, stub):
+    ids = server.tokenizer.encode(PROMPT) + [server.eos_token_id]
+    reply = stub.Detokenize(pb.DetokenizeRequest(model=SERVED_NAMES[1], token_ids=ids), timeout=30)
+    assert reply.text == PROMPT + "<|im_end|>"  # special tokens kept, as HTTP /detokenize does
+    vocab_size = len(server.tokenizer)
+    for request, code, fragment in [
+            (pb.DetokenizeRequest(token_ids=[0, vocab_size]), grpc.StatusCode.INVALID_ARGUMENT,
+             f"token_ids[1] = {vocab_size}"),
+            (pb.DetokenizeRequest(model="gpt-4o", token_ids=[1]), grpc.StatusCode.NOT_FOUND, "gpt-4o")]:
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Detokenize(request, timeout=30)
+        assert info.value.code() == code and fragment in info.value.details()
+
+
 def test_list_models_and_health(server, stub):
     models = stub.ListModels(pb.ListModelsRequest(), timeout=30).models
     assert [m.id for m in models] == SERVED_NAMES

@@ -56,13 +56,14 @@ def grpc_calls(stub: pb_grpc.PagedServeStub):
         "Generate": lambda md: list(stub.Generate(pb.GenerateRequest(
             text="one two", sampling_params=pb.SamplingParams(max_tokens=3)), metadata=md, timeout=30)),
         "Tokenize": lambda md: stub.Tokenize(pb.TokenizeRequest(text="one two"), metadata=md, timeout=30),
+        "Detokenize": lambda md: stub.Detokenize(pb.DetokenizeRequest(token_ids=[1, 2]), metadata=md, timeout=30),
         "ListModels": lambda md: stub.ListModels(pb.ListModelsRequest(), metadata=md, timeout=30),
         "Health": lambda md: stub.Health(pb.HealthRequest(), metadata=md, timeout=30),
     }
 
 
 @pytest.mark.parametrize("authorization", [None, f"Bearer {API_KEY}x", API_KEY])
-@pytest.mark.parametrize("method", ["Generate", "Tokenize", "ListModels"])
+@pytest.mark.parametrize("method", ["Generate", "Tokenize", "Detokenize", "ListModels"])
 def test_grpc_without_the_right_key_is_unauthenticated(fast_stack, authorization, method):
     with grpc.insecure_channel(fast_stack.grpc_address) as channel:
         rpc = grpc_calls(pb_grpc.PagedServeStub(channel))[method]
@@ -83,6 +84,7 @@ def test_grpc_with_the_key_succeeds(fast_stack):
         chunks = calls["Generate"](metadata)
         assert sum(len(c.token_ids) for c in chunks) == 3 and chunks[-1].finish_reason == pb.FINISH_REASON_LENGTH
         assert calls["Tokenize"](metadata).count > 0
+        assert calls["Detokenize"](metadata).text
         assert calls["ListModels"](metadata).models[0].id == MODEL_NAME
         assert calls["Health"](metadata).ok
 
