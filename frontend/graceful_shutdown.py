@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import signal
 import socket
 import threading
@@ -38,7 +39,8 @@ class GracefulServer(uvicorn.Server):
     """A uvicorn server whose shutdown also drains the gRPC server and the engine's requests."""
 
     def __init__(self, config: uvicorn.Config, engine: EngineClient, grpc_server, drain_s: float = DRAIN_S):
-        config.timeout_graceful_shutdown = int(drain_s + FLUSH_S + 0.999)
+        # uvicorn cancels what still runs after this; by then everything has ended on its own.
+        config.timeout_graceful_shutdown = math.ceil(drain_s + FLUSH_S)
         super().__init__(config)
         self.engine = engine
         self.grpc_server = grpc_server
