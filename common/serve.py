@@ -14,13 +14,13 @@ import os
 import shutil
 import signal
 import sys
-import tempfile
 import time
 import urllib.request
 
 from common.cli_args import add_engine_args, engine_argv, engine_config_from_args
 from common.logging_setup import setup_logging
 from common.proctitle import set_process_title
+from common.runtime_dir import create_runtime_dir, remove_stale_runtime_dirs
 from common.supervisor import Component, Supervisor
 
 logger = logging.getLogger("pagedserve.serve")
@@ -103,7 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging("serve")
     set_process_title("pagedserve: serve")
     owns_runtime_dir = args.runtime_dir is None
-    runtime_dir = args.runtime_dir or tempfile.mkdtemp(prefix="pagedserve-")
+    if owns_runtime_dir:
+        remove_stale_runtime_dirs()
+    runtime_dir = args.runtime_dir or create_runtime_dir()
     os.makedirs(runtime_dir, mode=0o700, exist_ok=True)  # the internal sockets: this user only
     _prepare_model(args)
     supervisor = Supervisor(component_commands(args, runtime_dir))
