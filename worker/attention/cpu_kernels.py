@@ -16,11 +16,12 @@ compile error) is logged once and the caller falls back to plain PyTorch;
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import logging
 import os
 import threading
-import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -42,7 +43,7 @@ ENV_SWITCH = "PAGEDSERVE_CPU_KERNELS"
 # libgomp.so.1 resolves to the copy torch already loaded, so there is one thread pool.
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only"]
 LDFLAGS = ["-fopenmp"]
-STALE_LOCK_S = 600  # a build takes about a minute; a lock this old belongs to a killed build
+GUARD_FILE = "pagedserve-build.flock"
 
 _lock = threading.Lock()
 _module: Any = None
@@ -65,19 +66,30 @@ def _extension_name() -> str:
     return f"pagedserve_cpu_kernels_{digest.hexdigest()[:12]}"
 
 
-def _clear_stale_build_lock(name: str) -> None:
-    """A build killed midway (a worker restarted during its first start) leaves its lock
-    file behind, and torch then waits for it forever. No build takes STALE_LOCK_S."""
+@contextlib.contextmanager
+def _exclusive_build(name: str) -> Iterator[None]:
+    """Hold the build directory against other processes, with a lock the kernel drops when its holder dies.
+
+    torch's own lock is a file: a build killed midway (a worker restarted during
+    its first start) leaves it behind, and every later load then waits for it
+    forever. Every build here takes this flock first, so while we hold it
+    torch's lock file can only be a dead build's, and is removed.
+    """
     from torch.utils.cpp_extension import _get_build_directory
-    lock = os.path.join(_get_build_directory(name, verbose=False), "lock")
-    try:
-        age = time.time() - os.path.getmtime(lock)
-    except OSError:
-        return  # no lock: nobody is building
-    if age > STALE_LOCK_S:
-        logger.warning("removing a stale kernel build lock (%.0f s old): %s", age, lock)
-        with contextlib.suppress(OSError):
-            os.remove(lock)
+    build_dir = _get_build_directory(name, verbose=False)
+    os.makedirs(build_dir, exist_ok=True)
+    with open(os.path.join(build_dir, GUARD_FILE), "a") as guard:
+        try:
+            fcntl.flock(guard, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info("Waiting for another process that is building the CPU kernels...")
+            fcntl.flock(guard, fcntl.LOCK_EX)
+        torch_lock = os.path.join(build_dir, "lock")
+        if os.path.exists(torch_lock):
+            logger.warning("removing the lock file of a kernel build that was killed midway: %s", torch_lock)
+            with contextlib.suppress(OSError):
+                os.remove(torch_lock)
+        yield
 
 
 def enabled() -> bool:
@@ -97,10 +109,11 @@ def load() -> Any | None:
             return None
         try:
             from torch.utils.cpp_extension import load_inline
-            _clear_stale_build_lock(_extension_name())
-            logger.info("Building the CPU kernels (first use on this machine)...")
-            _module = load_inline(name=_extension_name(), cpp_sources=[SOURCE], functions=FUNCTIONS,
-                                  extra_cflags=CFLAGS, extra_ldflags=LDFLAGS, verbose=False)
+            name = _extension_name()
+            with _exclusive_build(name):
+                logger.info("Building the CPU kernels (first use on this machine)...")
+                _module = load_inline(name=name, cpp_sources=[SOURCE], functions=FUNCTIONS,
+                                      extra_cflags=CFLAGS, extra_ldflags=LDFLAGS, verbose=False)
             # Loading the library defined these operators; compiled graphs trace them with their fakes.
             torch.library.register_fake("pagedserve::bf16_linear")(_bf16_linear_shape)
             torch.library.register_fake("pagedserve::bf16_linear_silu")(_bf16_linear_shape)
