@@ -132,7 +132,9 @@ class SamplingRequest(TextRequest):
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = None  # as many as fit in the context
+    # OpenAI's and vLLM's default (an unbounded default could run to the end of the context);
+    # an explicit null asks for as many as fit.
+    max_tokens: int | None = 16
     logprobs: int | None = None
     suffix: str | None = None
     add_special_tokens: bool = True

@@ -61,8 +61,11 @@ def test_chat_fields(server):
 
 
 def test_defaults_and_echo_with_logprobs(server):
+    # Completions default to 16 tokens, as OpenAI and vLLM do; an explicit null means as many as fit.
     assert post(server, "/completions", {"prompt": "Hi"}, "fields-4").status_code == 200
-    assert sent_over_http(server, "cmpl-fields-4", 0).sampling_params == SamplingParams(max_tokens=None)
+    assert sent_over_http(server, "cmpl-fields-4", 0).sampling_params == SamplingParams(max_tokens=16)
+    assert post(server, "/completions", {"prompt": "Hi", "max_tokens": None}, "fields-4b").status_code == 200
+    assert sent_over_http(server, "cmpl-fields-4b", 0).sampling_params == SamplingParams(max_tokens=None)
     body = {"prompt": "Hello, world", "echo": True, "logprobs": 2, "max_tokens": 3}
     response = post(server, "/completions", body, "fields-5")
     assert response.status_code == 200
