@@ -7,8 +7,9 @@ Unknown fields are accepted (clients send vendor fields freely). Types are
 checked by pydantic (a 400 naming the field, see api_server), values by
 `SamplingParams.validate` (a 400 naming the parameter as the client spelled
 it). Fields this server does not implement (tools, structured output,
-suffix) are rejected with a 400 naming them as soon as they ask for
-something other than the default, never silently ignored.
+suffix, vLLM's guided decoding and other extras) are rejected with a 400
+naming them as soon as they ask for something other than the default, never
+silently ignored.
 """
 from __future__ import annotations
 
@@ -22,6 +23,24 @@ from common.sampling_params import SamplingParams
 from common.tokenizer import _RESERVED_TEMPLATE_KWARGS as RESERVED_TEMPLATE_KWARGS
 from frontend.errors import NotSupportedError
 from frontend.openai_responses import ModelCard, ModelList, OpenAIBaseModel  # noqa: F401 (api_server's imports)
+
+
+# vLLM's extra request fields that change what is generated or returned, which this
+# server does not implement: asking for anything with them is a 400 (accepted as
+# unknown fields, they would be silently ignored). Field -> what it asks for.
+UNIMPLEMENTED_VLLM_FIELDS = {
+    **{name: f"structured output ({name})" for name in (
+        "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structural_tag", "structured_outputs")},
+    "use_beam_search": "beam search", "allowed_token_ids": "allowed_token_ids", "bad_words": "bad_words",
+    "logits_processors": "logits_processors", "truncate_prompt_tokens": "truncate_prompt_tokens",
+    "return_tokens_as_token_ids": "return_tokens_as_token_ids",
+}
+
+
+def _check_unimplemented(body: OpenAIBaseModel, fields: dict[str, str]) -> None:
+    for name, what in fields.items():
+        if (body.model_extra or {}).get(name) not in (None, False, [], {}, ""):
+            raise NotSupportedError(name, what)
 
 
 class StreamOptions(OpenAIBaseModel):
@@ -70,6 +89,7 @@ class SamplingRequest(TextRequest):
     echo: bool = False
     priority: int = Field(0, ge=-(1 << 63), lt=1 << 63)  # lower runs first
     cache_salt: str | None = None
+    response_format: dict[str, Any] | None = None
     user: str | None = None  # accepted, not used
 
     def stop_strings(self) -> list[str]:
@@ -83,6 +103,9 @@ class SamplingRequest(TextRequest):
         if self.stream and self.best_of is not None and self.best_of > self.n:
             raise InvalidRequestError("best_of > n cannot be streamed: the best samples are only known at the end",
                                       param="best_of")
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            raise NotSupportedError("response_format", "structured output (response_format)")
+        _check_unimplemented(self, UNIMPLEMENTED_VLLM_FIELDS)
 
     def to_sampling_params(self, max_tokens: int | None, logprobs: int | None, vocab_size: int | None = None,
                            param_names: dict[str, str] | None = None) -> SamplingParams:
@@ -202,6 +225,7 @@ class ChatTemplateRequest(OpenAIBaseModel):
         # The tokenizer pool refuses these too, but its reply cannot name the parameter.
         if reserved := sorted(RESERVED_TEMPLATE_KWARGS & (self.chat_template_kwargs or {}).keys()):
             raise InvalidRequestError(f"chat_template_kwargs may not set {reserved}", param="chat_template_kwargs")
+        _check_unimplemented(self, {"chat_template": "a chat template per request (chat_template)"})
 
     def template_messages(self) -> list[dict[str, Any]]:
         messages = []
@@ -223,7 +247,6 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateRequest):
     tool_choice: Any = None
     functions: list[dict[str, Any]] | None = None  # the deprecated spelling of tools
     function_call: Any = None  # ... and of tool_choice
-    response_format: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -235,8 +258,6 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateRequest):
         for param, choice in (("tool_choice", self.tool_choice), ("function_call", self.function_call)):
             if choice not in (None, "none", "auto"):
                 raise NotSupportedError(param, f"{param} {choice!r} (tool calling)")
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            raise NotSupportedError("response_format", "structured output (response_format)")
         self.check_template_options()
 
     def requested_max_tokens(self) -> tuple[int | None, str]:

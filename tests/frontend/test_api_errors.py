@@ -45,7 +45,7 @@ def test_bad_sampling_values_are_400s_naming_the_parameter(server, field, value,
     assert error["type"] == "invalid_request_error"
 
 
-@pytest.mark.parametrize("field, value", [("suffix", "end")])
+@pytest.mark.parametrize("field, value", [("suffix", "end"), ("response_format", {"type": "json_object"})])
 def test_unsupported_completion_options_are_400s(server, field, value):
     body = {"model": "tiny-model", "prompt": "Hi", field: value}
     assert_error(post(server, "/completions", body), 400, field, "not supported")
@@ -60,6 +60,29 @@ def test_unsupported_completion_options_are_400s(server, field, value):
 def test_unsupported_chat_options_are_400s(server, field, value):
     body = {"model": "tiny-model", "messages": CHAT, field: value}
     assert_error(post(server, "/chat/completions", body), 400, field, "not supported")
+
+
+@pytest.mark.parametrize("path", ["/completions", "/chat/completions"])
+@pytest.mark.parametrize("field, value", [
+    ("guided_json", {"type": "object"}), ("guided_regex", "[0-9]+"), ("guided_choice", ["yes", "no"]),
+    ("guided_grammar", "root ::= \"a\""), ("structural_tag", "{}"), ("structured_outputs", {"choice": ["a"]}),
+    ("use_beam_search", True), ("allowed_token_ids", [5, 6]), ("bad_words", ["Hello"]),
+    ("logits_processors", ["my.Processor"]), ("truncate_prompt_tokens", 4), ("return_tokens_as_token_ids", True),
+])
+def test_unimplemented_vllm_options_are_400s_not_ignored(server, path, field, value):
+    """vLLM's extra fields that change what is generated or returned: output that
+    silently ignores them would look right and be wrong."""
+    body = {"model": "tiny-model", "max_tokens": 2, field: value,
+            **({"prompt": "Hi"} if path == "/completions" else {"messages": CHAT})}
+    assert_error(post(server, path, body), 400, field, "not supported")
+    # Their defaults ask for nothing.
+    default = {"use_beam_search": False, "bad_words": [], "return_tokens_as_token_ids": False}.get(field)
+    assert post(server, path, {**body, field: default}).status_code == 200
+
+
+def test_chat_template_per_request_is_a_400(server):
+    body = {"model": "tiny-model", "messages": CHAT, "max_tokens": 2, "chat_template": "{{ messages }}"}
+    assert_error(post(server, "/chat/completions", body), 400, "chat_template", "not supported")
 
 
 def test_tool_choice_none_needs_no_tools(server):
