@@ -16,50 +16,19 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
-from pydantic import Field, model_validator
+from pydantic import Field
 
 from common.errors import InvalidRequestError
 from common.sampling_params import SamplingParams
 from common.tokenizer import _RESERVED_TEMPLATE_KWARGS as RESERVED_TEMPLATE_KWARGS
 from frontend.errors import NotSupportedError
 from frontend.openai_responses import ModelCard, ModelList, OpenAIBaseModel  # noqa: F401 (api_server's imports)
-
-
-# vLLM's extra request fields that change what is generated or returned, which this
-# server does not implement: asking for anything with them is a 400 (accepted as
-# unknown fields, they would be silently ignored). Field -> what it asks for.
-UNIMPLEMENTED_VLLM_FIELDS = {
-    **{name: f"structured output ({name})" for name in (
-        "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structural_tag", "structured_outputs")},
-    "use_beam_search": "beam search", "allowed_token_ids": "allowed_token_ids", "bad_words": "bad_words",
-    "logits_processors": "logits_processors", "truncate_prompt_tokens": "truncate_prompt_tokens",
-    "return_tokens_as_token_ids": "return_tokens_as_token_ids",
-}
-
-
-def _check_unimplemented(body: OpenAIBaseModel, fields: dict[str, str]) -> None:
-    for name, what in fields.items():
-        if (body.model_extra or {}).get(name) not in (None, False, [], {}, ""):
-            raise NotSupportedError(name, what)
+from frontend.request_body import UNIMPLEMENTED_VLLM_FIELDS, RequestBody, TextRequest, check_unimplemented
 
 
 class StreamOptions(OpenAIBaseModel):
     include_usage: bool | None = False
     continuous_usage_stats: bool | None = False
-
-
-class TextRequest(OpenAIBaseModel):
-    """A body whose strings go to the tokenizer."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _text_is_unicode(cls, data: Any) -> Any:
-        # JSON may spell a lone UTF-16 surrogate ("\ud800"): no UTF-8 text has one, so
-        # neither the tokenizer nor any message could carry it.
-        if (path := _lone_surrogate_path(data)) is not None:
-            raise InvalidRequestError(f"{path or 'the body'} holds a lone UTF-16 surrogate, which is not "
-                                      f"valid Unicode text", param=path or None)
-        return data
 
 
 class SamplingRequest(TextRequest):
@@ -105,7 +74,7 @@ class SamplingRequest(TextRequest):
                                       param="best_of")
         if self.response_format is not None and self.response_format.get("type", "text") != "text":
             raise NotSupportedError("response_format", "structured output (response_format)")
-        _check_unimplemented(self, UNIMPLEMENTED_VLLM_FIELDS)
+        check_unimplemented(self, UNIMPLEMENTED_VLLM_FIELDS)
 
     def to_sampling_params(self, max_tokens: int | None, logprobs: int | None, vocab_size: int | None = None,
                            param_names: dict[str, str] | None = None) -> SamplingParams:
@@ -211,7 +180,7 @@ class ChatMessageParam(OpenAIBaseModel):
         return "\n".join(texts)
 
 
-class ChatTemplateRequest(OpenAIBaseModel):
+class ChatTemplateRequest(RequestBody):
     """Messages and how the chat template renders them (chat completions, /tokenize)."""
     messages: list[ChatMessageParam] = Field(min_length=1)
     add_generation_prompt: bool = True
@@ -225,7 +194,7 @@ class ChatTemplateRequest(OpenAIBaseModel):
         # The tokenizer pool refuses these too, but its reply cannot name the parameter.
         if reserved := sorted(RESERVED_TEMPLATE_KWARGS & (self.chat_template_kwargs or {}).keys()):
             raise InvalidRequestError(f"chat_template_kwargs may not set {reserved}", param="chat_template_kwargs")
-        _check_unimplemented(self, {"chat_template": "a chat template per request (chat_template)"})
+        check_unimplemented(self, {"chat_template": "a chat template per request (chat_template)"})
 
     def template_messages(self) -> list[dict[str, Any]]:
         messages = []
@@ -278,26 +247,3 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateRequest):
             return ""
         last = self.messages[-1]
         return (last.text_content(len(self.messages) - 1) or "") if last.role == role else ""
-
-
-def _lone_surrogate_path(value: Any, path: str = "") -> str | None:
-    """The JSON path ("messages[0].content") of the first string holding a lone
-    surrogate, "" for the value itself, None when there is none."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return path
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            found = _lone_surrogate_path(key, path) if isinstance(key, str) else None
-            if found is None:
-                found = _lone_surrogate_path(item, f"{path}.{key}" if path else str(key))
-            if found is not None:
-                return found
-    elif isinstance(value, list):
-        for index, item in enumerate(value):
-            if not isinstance(item, (int, float)):  # token-id lists: nothing to look at
-                if (found := _lone_surrogate_path(item, f"{path}[{index}]")) is not None:
-                    return found
-    return None

@@ -16,8 +16,9 @@ from pydantic import Field
 
 from common.errors import InvalidRequestError
 from frontend.errors import NotSupportedError
-from frontend.openai_protocol import ChatMessageParam, ChatTemplateRequest, TextRequest
+from frontend.openai_protocol import ChatMessageParam, ChatTemplateRequest
 from frontend.openai_responses import OpenAIBaseModel
+from frontend.request_body import TextRequest
 from frontend.serving_chat import render_chat_prompt
 from frontend.state import FrontendState
 

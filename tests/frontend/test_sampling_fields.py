@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 import httpx
+import openai
 
 from common.grpc_gen import pagedserve_pb2 as pb
 from common.grpc_gen import pagedserve_pb2_grpc
@@ -100,3 +101,23 @@ def test_grpc_fields(server):
 
 def _fields(params: SamplingParams) -> dict:
     return {name: getattr(params, name) for name in params.__struct_fields__}
+
+
+def test_null_means_the_default(server):
+    """OpenAI's schema makes these fields nullable, and clients send null for
+    "not set" (e.g. the openai client given n=None, stream=None)."""
+    client = openai.OpenAI(base_url=server.api_url, api_key="x", max_retries=0,
+                           default_headers={"X-Request-Id": "nulls-1"})
+    reply = client.chat.completions.create(model="tiny-model", messages=[{"role": "user", "content": "Hi"}],
+                                           max_completion_tokens=3, n=None, stream=None, logprobs=None,
+                                           stream_options=None, extra_body={"echo": None, "min_tokens": None,
+                                                                            "ignore_eos": None, "priority": None})
+    assert len(reply.choices) == 1 and reply.choices[0].logprobs is None
+    assert sent_over_http(server, "chatcmpl-nulls-1").sampling_params == SamplingParams(max_tokens=3)
+    body = {"prompt": "Hi", "max_tokens": 3, "n": None, "stream": None, "echo": None, "add_special_tokens": None,
+            "include_stop_str_in_output": None, "skip_special_tokens": None}
+    assert post(server, "/completions", body, "nulls-2").status_code == 200
+    assert sent_over_http(server, "cmpl-nulls-2", 0).sampling_params == SamplingParams(max_tokens=3)
+    # max_tokens itself stays nullable: null asks for as many as fit.
+    assert post(server, "/completions", {**body, "max_tokens": None}, "nulls-3").status_code == 200
+    assert sent_over_http(server, "cmpl-nulls-3", 0).sampling_params.max_tokens is None
