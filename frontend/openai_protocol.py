@@ -136,8 +136,14 @@ class CompletionRequest(SamplingRequest):
         if self.suffix:
             raise NotSupportedError("suffix")
 
+    @property
+    def echo_only(self) -> bool:
+        """OpenAI's (and vLLM's) echo with max_tokens 0: the prompt and its logprobs
+        come back, nothing generated (the engine still runs one step for them)."""
+        return self.echo and self.max_tokens == 0
+
     def sampling_params(self, vocab_size: int | None = None) -> SamplingParams:
-        params = self.to_sampling_params(self.max_tokens, self.logprobs, vocab_size)
+        params = self.to_sampling_params(1 if self.echo_only else self.max_tokens, self.logprobs, vocab_size)
         if self.echo and self.logprobs is not None and self.prompt_logprobs is None:
             # The legacy logprobs of an echoed prompt cover its tokens too.
             params = msgspec.structs.replace(params, prompt_logprobs=self.logprobs)

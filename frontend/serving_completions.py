@@ -19,6 +19,7 @@ from frontend.generation import GenerationDelta, GenerationRequest
 from frontend.logprobs_format import TokenTexts, completion_logprobs, prompt_logprobs_json
 from frontend.openai_protocol import CompletionRequest
 from frontend.openai_responses import CompletionChoice, CompletionResponse, UsageInfo
+from frontend.output_decoder import DecodedDelta
 from frontend.state import SYSTEM_FINGERPRINT, FrontendState, request_ids
 
 
@@ -48,8 +49,9 @@ class _Reply:
 
     def usage(self, prompts: list[_Prompt] | None = None) -> UsageInfo:
         seen = [p.last for p in (prompts or self.prompts) if p.last is not None]
-        return UsageInfo.of(sum(len(p.token_ids) for p in (prompts or self.prompts)),
-                            sum(d.num_output_tokens for d in seen), sum(d.num_cached_tokens for d in seen))
+        generated = 0 if self.body.echo_only else sum(d.num_output_tokens for d in seen)
+        return UsageInfo.of(sum(len(p.token_ids) for p in (prompts or self.prompts)), generated,
+                            sum(d.num_cached_tokens for d in seen))
 
     def logprobs(self, prompt: _Prompt, token_ids: list[int], entries: list[TokenLogprobs] | None,
                  with_echo: bool, text_offset: int = 0):
@@ -77,7 +79,7 @@ async def create_completion(state: FrontendState, body: CompletionRequest, raw_r
     prompts = body.prompts()
     prompt_ids = await asyncio.gather(*(_prompt_token_ids(state, p, body.add_special_tokens) for p in prompts))
     for ids in prompt_ids:
-        await generator.validate(ids, body.max_tokens, min_tokens=params.min_tokens)
+        await generator.validate(ids, params.max_tokens, min_tokens=params.min_tokens)
     await state.engine.ensure_connected()
 
     response_id, engine_id = request_ids(raw_request, "cmpl")
@@ -117,7 +119,7 @@ async def _collect(reply: _Reply, merged: AsyncIterator[tuple[int, GenerationDel
         async for prompt_index, delta in merged:
             prompt = reply.prompts[prompt_index]
             _note(prompt, delta)
-            prompt.samples[delta.index].add(delta.decoded())
+            prompt.samples[delta.index].add(_shown(reply.body, delta.decoded()))
     n = reply.body.n
     choices = []
     for prompt_index, prompt in enumerate(reply.prompts):
@@ -128,6 +130,14 @@ async def _collect(reply: _Reply, merged: AsyncIterator[tuple[int, GenerationDel
                 stop_reason=sample.stop_reason, prompt_logprobs=reply.prompt_logprobs(prompt),
                 logprobs=reply.logprobs(prompt, sample.token_ids, sample.logprobs, prompt.echo is not None)))
     return reply.response(choices, reply.usage())
+
+
+def _shown(body: CompletionRequest, decoded: DecodedDelta) -> DecodedDelta:
+    """What a choice shows of a sample's delta: with echo_only the one token generated
+    for the prompt's logprobs is not part of it, and the sample ends at max_tokens 0."""
+    if not body.echo_only:
+        return decoded
+    return DecodedDelta([], "", [], None if decoded.finish_reason is None else "length")
 
 
 @dataclass(slots=True)
@@ -147,17 +157,18 @@ async def _stream(reply: _Reply, merged: AsyncIterator[tuple[int, GenerationDelt
             prompt = reply.prompts[prompt_index]
             _note(prompt, delta)
             choice = streams[prompt_index * n + delta.index]
-            choice.held_token_ids += delta.token_ids
-            choice.held_logprobs += delta.logprobs or []
+            shown = _shown(reply.body, delta.decoded())
+            choice.held_token_ids += shown.token_ids
+            choice.held_logprobs += shown.logprobs or []
             with_echo = prompt.echo is not None and not choice.started
-            text = (prompt.echo if with_echo else "") + delta.text
+            text = (prompt.echo if with_echo else "") + shown.text
             if not text and delta.finish_reason is None:
                 continue  # e.g. text held back while it may begin a stop string
             logprobs = reply.logprobs(prompt, choice.held_token_ids, choice.held_logprobs, with_echo,
                                       choice.sent_chars)
             body = CompletionChoice(
                 index=prompt_index * n + delta.index, text=text, logprobs=logprobs,
-                finish_reason=delta.finish_reason, stop_reason=delta.stop_reason,
+                finish_reason=shown.finish_reason, stop_reason=shown.stop_reason,
                 prompt_logprobs=reply.prompt_logprobs(prompt) if not choice.started else None)
             choice.started, choice.sent_chars = True, choice.sent_chars + len(text)
             choice.held_token_ids, choice.held_logprobs = [], []

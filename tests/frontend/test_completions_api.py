@@ -155,3 +155,23 @@ def test_request_id_header_names_the_response(server, client):
     response = client.completions.create(model="tiny-model", prompt=PROMPT, max_tokens=1,
                                          extra_headers={"X-Request-Id": "my-trace-id"})
     assert response.id == "cmpl-my-trace-id"
+
+
+def test_echo_with_max_tokens_0_returns_only_the_prompt(server, client):
+    """OpenAI's and vLLM's way to score a prompt: echo it with its logprobs, generate nothing."""
+    prompt_ids = server.tokenizer.encode(PROMPT)
+    response = client.completions.create(model="tiny-model", prompt=PROMPT, max_tokens=0, echo=True, logprobs=1)
+    [choice] = response.choices
+    assert choice.text == PROMPT
+    assert choice.finish_reason == "length"
+    assert choice.logprobs.tokens == [server.tokenizer.decode([t]) for t in prompt_ids]
+    assert choice.logprobs.token_logprobs == [None] + [-1.0] * (len(prompt_ids) - 1)
+    assert response.usage.completion_tokens == 0
+    assert response.usage.total_tokens == response.usage.prompt_tokens == len(prompt_ids)
+    chunks = list(client.completions.create(model="tiny-model", prompt=PROMPT, max_tokens=0, echo=True,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == PROMPT
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 0
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):  # without echo there is nothing to return
+        client.completions.create(model="tiny-model", prompt=PROMPT, max_tokens=0)
