@@ -36,6 +36,8 @@ class OutputDecoder:
         self.stop_checker = StopChecker(params.stop, params.include_stop_str_in_output)
         self.include_stop_str_in_output = params.include_stop_str_in_output
         self.stop_token_ids = params.stop_token_ids
+        self.min_tokens = params.min_tokens
+        self.num_tokens = 0  # output tokens so far
 
     def decode(self, output: RequestOutput) -> DecodedDelta:
         stop_checker = self.stop_checker
@@ -46,14 +48,18 @@ class OutputDecoder:
         count = 0
         for index, token_id in enumerate(new_ids):
             count += 1
+            self.num_tokens += 1
             if index == hidden_index:
                 break
-            pieces.append(stop_checker.feed(self.detokenizer.add_tokens([token_id])))
+            # As vLLM: stop strings count only once min_tokens tokens are out (as EOS and stop token ids).
+            pieces.append(stop_checker.feed(self.detokenizer.add_tokens([token_id]),
+                                            check=self.num_tokens > self.min_tokens))
             if stop_checker.matched is not None:  # tokens after a stop string are not output
                 return self._delta(output, count, pieces, "stop", stop_checker.matched)
         if output.finish_reason is None:
             return self._delta(output, count, pieces, None, None)
-        pieces.append(stop_checker.feed(self.detokenizer.flush()))  # a last unfinished character
+        pieces.append(stop_checker.feed(self.detokenizer.flush(),  # a last unfinished character
+                                        check=self.num_tokens > self.min_tokens))
         if stop_checker.matched is not None:
             return self._delta(output, count, pieces, "stop", stop_checker.matched)
         pieces.append(stop_checker.flush())

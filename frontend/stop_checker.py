@@ -20,11 +20,13 @@ class StopChecker:
         self._pending = ""  # decoded but not yet released
         self.matched: str | None = None
 
-    def feed(self, new_text: str) -> str:
+    def feed(self, new_text: str, check: bool = True) -> str:
         """Add newly decoded text; return the text that may be released now.
 
         After a match, `matched` names the stop string and further calls
-        return "" (the request is finished).
+        return "" (the request is finished). With `check` false no match may
+        end in `new_text` (vLLM's min_tokens: the first tokens' text cannot stop
+        the output), though one may begin there and end in later text.
         """
         if self.matched is not None or not new_text:
             return ""
@@ -32,6 +34,8 @@ class StopChecker:
         self._pending += new_text
         if not self.stop:
             return self._release(len(self._pending))
+        if not check:
+            return self._release(len(self._pending) - self._held_back_len())
         match = self._find_stop(previous_len)
         if match is not None:
             start, stop = match

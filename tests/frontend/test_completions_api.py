@@ -95,6 +95,32 @@ def test_stop_string_spanning_tokens(server, client, stream, tokens_per_output):
     assert server.scheduler.wait_for(lambda r: request_id in r.aborts)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("tokens_per_output", [1, 3])
+def test_stop_strings_wait_for_min_tokens(server, client, stream, tokens_per_output):
+    """As in vLLM: a stop string counts only once it ends after the first min_tokens tokens."""
+    script, decode = server.scheduler.script, server.tokenizer.decode
+    min_tokens, full = 3, decode(script)
+    assert "o" in decode(script[:min_tokens])  # a match the min_tokens must skip
+    start = full.index("o", len(decode(script[:min_tokens])))
+    tokens_to_stop = next(k for k in range(1, len(script) + 1) if len(decode(script[:k])) > start)
+    kwargs = dict(model="tiny-model", prompt=PROMPT, stop="o", max_tokens=None, extra_body={"min_tokens": min_tokens})
+    server.scheduler.tokens_per_output = tokens_per_output
+    try:
+        if stream:
+            chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+            text = "".join(c.choices[0].text for c in chunks if c.choices)
+            finish, usage = [c.choices[0] for c in chunks if c.choices][-1], chunks[-1].usage
+        else:
+            response = client.completions.create(**kwargs)
+            text, finish, usage = response.choices[0].text, response.choices[0], response.usage
+    finally:
+        server.scheduler.tokens_per_output = 1
+    assert text == full[:start]
+    assert (finish.finish_reason, finish.stop_reason) == ("stop", "o")
+    assert usage.completion_tokens == tokens_to_stop
+
+
 def test_include_stop_str_in_output(server, client):
     response = client.completions.create(model="tiny-model", prompt=PROMPT, stop="world", max_tokens=None,
                                          extra_body={"include_stop_str_in_output": True})

@@ -80,3 +80,15 @@ def test_matches_reference_for_any_chunking(text, stops, cuts, include):
         # Nothing released is ever part of the stop string that ends the output.
         for stop in stops:
             assert stop not in "".join(released)
+
+
+def test_unchecked_text_cannot_end_a_match_but_may_begin_one():
+    """min_tokens: the first tokens' text is fed unchecked (as vLLM skips them)."""
+    checker = StopChecker(["b", "yz"])
+    assert checker.feed("abxy", check=False) == "abx"  # "b" is not a match yet; "y" may begin "yz"
+    assert checker.matched is None
+    assert checker.feed("z!") == ""
+    assert checker.matched == "yz"
+    checker = StopChecker(["b"])
+    assert [checker.feed("ab", check=False), checker.feed("cb")] == ["ab", "c"]
+    assert checker.matched == "b"
