@@ -49,3 +49,24 @@ def refuse_if_in_use(address: str) -> None:
         probe.close()
     raise OSError(errno.EADDRINUSE, f"{address} is in use: another process listens on it (is this component "
                                     f"already running?)")
+
+
+# grpc sets SO_REUSEPORT by default: a second server on a TCP port in use would
+# bind without an error and the kernel would split new connections between the
+# two, so clients of one server would silently reach the other.
+GRPC_SERVER_OPTIONS = [("grpc.so_reuseport", 0)]
+
+
+def bind_grpc_port(server, address: str) -> int:
+    """Add an insecure listening address to a grpc (or grpc.aio) server created
+    with GRPC_SERVER_OPTIONS; returns the port. Raises OSError when the address
+    is in use or cannot be bound (grpc itself returns 0 or raises RuntimeError)."""
+    refuse_if_in_use(address)
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError:
+        port = 0
+    if port == 0:
+        raise OSError(errno.EADDRINUSE, f"cannot listen on {address}: the port is in use (is this component "
+                                        f"already running?) or the address is not valid here")
+    return port

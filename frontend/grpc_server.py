@@ -15,6 +15,7 @@ from typing import AsyncIterator
 import grpc
 from google.protobuf import json_format
 
+from common.addresses import GRPC_SERVER_OPTIONS, bind_grpc_port
 from common.errors import InvalidRequestError, PagedServeError
 from common.grpc_gen import pagedserve_pb2 as pb
 from common.grpc_gen import pagedserve_pb2_grpc
@@ -258,10 +259,9 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
 async def start_grpc_server(state: FrontendState, host: str, port: int, *,
                             api_key: str | None = None) -> tuple[grpc.aio.Server, int]:
     """Start serving; returns the server and the bound port (useful with port 0)."""
-    server = grpc.aio.server(interceptors=[ApiKeyInterceptor(api_key)] if api_key else None)
+    server = grpc.aio.server(interceptors=[ApiKeyInterceptor(api_key)] if api_key else None,
+                             options=GRPC_SERVER_OPTIONS)
     pagedserve_pb2_grpc.add_PagedServeServicer_to_server(PagedServeServicer(state), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise RuntimeError(f"cannot bind the gRPC API to {host}:{port}")
+    bound = bind_grpc_port(server, f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
     await server.start()
     return server, bound

@@ -14,7 +14,7 @@ from typing import Callable
 
 import grpc
 
-from common.addresses import refuse_if_in_use
+from common.addresses import GRPC_SERVER_OPTIONS, bind_grpc_port
 from common.grpc_gen import control_pb2, control_pb2_grpc
 from common.protocol import WorkerHello
 
@@ -88,10 +88,9 @@ class SchedulerControlServicer(control_pb2_grpc.SchedulerControlServicer):
 
 
 def start_control_server(address: str, servicer: SchedulerControlServicer) -> grpc.Server:
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="control"))
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="control"),
+                         options=GRPC_SERVER_OPTIONS)
     control_pb2_grpc.add_SchedulerControlServicer_to_server(servicer, server)
-    refuse_if_in_use(address)
-    if server.add_insecure_port(address) == 0:
-        raise RuntimeError(f"cannot bind the control service to {address}")
+    bind_grpc_port(server, address)
     server.start()
     return server

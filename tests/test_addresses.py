@@ -58,3 +58,47 @@ def test_a_live_grpc_unix_socket_is_refused_and_a_stale_file_is_not(tmp_path):
     listener.close()  # the file stays, nobody listens
     refuse_if_in_use(f"ipc://{stale}")
     refuse_if_in_use(f"ipc://{tmp_path}/missing")
+
+
+def _grpc_server_on_a_free_port() -> tuple[grpc.Server, int]:
+    """A gRPC server with grpc's default options, as another process would run it."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, port
+
+
+def test_a_tcp_port_another_grpc_server_listens_on_is_refused_by_the_control_service():
+    from scheduler.control import ControlState, SchedulerControlServicer, start_control_server
+
+    # grpc sets SO_REUSEPORT by default, so a second server would share the port
+    # with the first and take half of its calls, silently.
+    other, port = _grpc_server_on_a_free_port()
+    try:
+        try:
+            server = start_control_server(f"127.0.0.1:{port}", SchedulerControlServicer(ControlState(), "m", print))
+        except OSError as e:
+            error = e
+        else:
+            server.stop(grace=None).wait()
+            error = None
+        assert error is not None and "in use" in str(error)
+    finally:
+        other.stop(grace=None).wait()
+
+
+def test_a_tcp_port_another_grpc_server_listens_on_is_refused_by_the_client_api():
+    import asyncio
+
+    from frontend.grpc_server import start_grpc_server
+
+    async def start_and_stop() -> None:
+        server, _ = await start_grpc_server(None, "127.0.0.1", port)
+        await server.stop(grace=None)
+
+    other, port = _grpc_server_on_a_free_port()
+    try:
+        with pytest.raises(OSError, match="in use"):
+            asyncio.run(start_and_stop())
+    finally:
+        other.stop(grace=None).wait()
