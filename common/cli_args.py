@@ -25,8 +25,38 @@ def parse_size(text: str) -> int:
     return int(number * _SIZE_UNITS[unit])
 
 
+def _number(kind, text: str, ok, wanted: str):
+    try:
+        value = kind(text)
+    except (TypeError, ValueError):
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not ok(value):
+        raise argparse.ArgumentTypeError(f"must be {wanted}, got {text!r}")
+    return value
+
+
+# Flag types: argparse turns their errors (and those of a PAGEDSERVE_* default,
+# which it converts the same way) into a usage line naming the flag.
+def port_number(text: str) -> int:
+    return _number(int, text, lambda v: 0 <= v <= 65535, "a port number, 0-65535 (0 = any free port)")
+
+
+def positive_float(text: str) -> float:
+    return _number(float, text, lambda v: v > 0, "a positive number")
+
+
+def non_negative_float(text: str) -> float:
+    return _number(float, text, lambda v: v >= 0, "0 or more")
+
+
+def non_negative_int(text: str) -> int:
+    return _number(int, text, lambda v: v >= 0, "0 or more")
+
+
 def env_default(name: str, default):
-    """Flag default from PAGEDSERVE_<NAME> when set (compose passes settings this way)."""
+    """Flag default from PAGEDSERVE_<NAME> when set (compose passes settings this way).
+    Pass the text through as the default: argparse converts it with the flag's
+    type, so a bad value is a usage error naming the flag, not a traceback."""
     return os.environ.get(f"PAGEDSERVE_{name}", default)
 
 
@@ -39,8 +69,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--device", default=env_default("DEVICE", "auto"), choices=["auto", "cpu", "cuda"])
     g.add_argument("--attention-backend", default=env_default("ATTENTION_BACKEND", "auto"),
                    choices=["auto", "torch", "triton"])
-    block_size = env_default("BLOCK_SIZE", None)
-    g.add_argument("--block-size", type=int, default=int(block_size) if block_size else None,
+    g.add_argument("--block-size", type=int, default=env_default("BLOCK_SIZE", None) or None,
                    help="tokens per KV cache block (default 128 on CPU, 16 on CUDA)")
     g.add_argument("--kv-cache-memory", type=parse_size, default=env_default("KV_CACHE_MEMORY", "4GiB"),
                    help="KV cache size on CPU, e.g. 4GiB (default 4GiB)")
@@ -48,7 +77,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--num-gpu-blocks-override", type=int, default=None,
                    help="use exactly this many KV blocks (testing)")
     g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=int(env_default("MAX_NUM_SEQS", 256)))
+    g.add_argument("--max-num-seqs", type=int, default=env_default("MAX_NUM_SEQS", 256))
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--seed", type=int, default=0)

@@ -17,7 +17,8 @@ import sys
 import time
 import urllib.request
 
-from common.cli_args import add_engine_args, engine_argv, engine_config_from_args
+from common.cli_args import (add_engine_args, engine_argv, engine_config_from_args, non_negative_int,
+                             port_number, positive_float)
 from common.logging_setup import setup_logging
 from common.proctitle import set_process_title
 from common.runtime_dir import create_runtime_dir, remove_stale_runtime_dirs
@@ -31,20 +32,20 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model_tag", nargs="?", default=None, help="model (same as --model)")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--grpc-port", type=int, default=50051)
+    parser.add_argument("--port", type=port_number, default=8000)
+    parser.add_argument("--grpc-port", type=port_number, default=50051)
     parser.add_argument("--served-model-name", default=None)
-    parser.add_argument("--tokenizer-pool-size", type=int, default=2)
+    parser.add_argument("--tokenizer-pool-size", type=non_negative_int, default=2)
     parser.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"),
                         help="require this key on every /v1 route and gRPC call (env PAGEDSERVE_API_KEY; "
                              "handed to the frontend through its environment, never its command line)")
-    parser.add_argument("--max-waiting-requests", type=int, default=None,
+    parser.add_argument("--max-waiting-requests", type=non_negative_int, default=None,
                         help="refuse new requests with 429 while this many wait (scheduler default 4096; 0 = no limit)")
-    parser.add_argument("--request-timeout", type=float, default=None,
+    parser.add_argument("--request-timeout", type=positive_float, default=None,
                         help="fail and abort requests not finished after this many seconds (default: no limit)")
     parser.add_argument("--disable-log-stats", action="store_true")
     parser.add_argument("--runtime-dir", default=None, help="where internal sockets live (default: a temp dir)")
-    parser.add_argument("--ready-timeout", type=float, default=600.0,
+    parser.add_argument("--ready-timeout", type=positive_float, default=600.0,
                         help="seconds to wait for every component to become ready")
     return add_engine_args(parser)
 

@@ -10,7 +10,7 @@ import os
 import socket
 
 from common.addresses import default_address
-from common.cli_args import env_default, parse_size
+from common.cli_args import env_default, parse_size, port_number, positive_float
 from common.logging_setup import setup_logging
 from common.proctitle import set_process_title
 
@@ -19,19 +19,15 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_BODY = "16MiB"
 
 
-def _optional_float(value: str | None) -> float | None:
-    return None if value in (None, "") else float(value)
-
-
 def add_frontend_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("frontend")
     g.add_argument("--model", default=env_default("MODEL", "smollm2-135m-instruct"),
                    help="HF model directory, tokenizer directory, .gguf file or alias whose tokenizer to load "
                         "(default: smollm2-135m-instruct)")
     g.add_argument("--host", default=env_default("HOST", "127.0.0.1"), help="address to listen on (default 127.0.0.1)")
-    g.add_argument("--port", type=int, default=int(env_default("PORT", 8000)),
+    g.add_argument("--port", type=port_number, default=env_default("PORT", 8000),
                    help="HTTP port (default 8000; 0 = any free port)")
-    g.add_argument("--grpc-port", type=int, default=int(env_default("GRPC_PORT", 50051)),
+    g.add_argument("--grpc-port", type=port_number, default=env_default("GRPC_PORT", 50051),
                    help="gRPC port (default 50051; 0 = any free port)")
     names = env_default("SERVED_MODEL_NAME", None)
     g.add_argument("--served-model-name", nargs="+", default=names.replace(",", " ").split() if names else None,
@@ -49,7 +45,7 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="require 'Authorization: Bearer <key>' on every /v1 route and every gRPC call "
                         "(/health and /metrics stay open); prefer the env PAGEDSERVE_API_KEY, which `ps` "
                         "does not show")
-    g.add_argument("--request-timeout", type=float, default=_optional_float(env_default("REQUEST_TIMEOUT", None)),
+    g.add_argument("--request-timeout", type=positive_float, default=env_default("REQUEST_TIMEOUT", None) or None,
                    help="fail a request (HTTP 504, gRPC DEADLINE_EXCEEDED) and abort it when it has not "
                         "finished this many seconds after submission (default: no limit; env "
                         "PAGEDSERVE_REQUEST_TIMEOUT)")
@@ -98,7 +94,11 @@ def bind_socket(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    try:
+        sock.bind((host, port))
+    except OSError as e:  # in use, or a host that does not resolve to this machine
+        sock.close()
+        raise OSError(e.errno, f"cannot listen on {host}:{port} (HTTP): {e.strerror}") from None
     sock.set_inheritable(True)
     return sock
 
@@ -167,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging("frontend", args.log_level)
     set_process_title("pagedserve: frontend")
     raise_open_file_limit()
+    import zmq
+
     from common.errors import ConfigError
     try:
         import uvloop  # optional: faster event loop when installed
@@ -178,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         logger.error("%s", e)
         return 2
+    except (OSError, zmq.ZMQError) as e:  # a port in use, a host or address that cannot be used
+        logger.error("cannot start the frontend: %s", e)
+        return 1
     except KeyboardInterrupt:
         pass
     return 0

@@ -5,7 +5,7 @@ import argparse
 import logging
 
 from common.addresses import default_address
-from common.cli_args import add_engine_args, engine_config_from_args
+from common.cli_args import add_engine_args, engine_config_from_args, positive_float
 from common.logging_setup import setup_logging
 from common.proctitle import set_process_title
 from common.signals import on_stop_signals
@@ -18,7 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--worker-address", default=default_address("WORKER_ADDRESS"),
                         help="the scheduler's ZMQ address for workers")
     parser.add_argument("--rank", type=int, default=0)
-    parser.add_argument("--handshake-timeout", type=float, default=None,
+    parser.add_argument("--handshake-timeout", type=positive_float, default=None,
                         help="give up if the scheduler does not answer within this many seconds")
     return add_engine_args(parser)
 
@@ -30,12 +30,21 @@ def main(argv: list[str] | None = None) -> int:
     from worker.service import WorkerService
     from worker.worker import Worker
 
-    service = WorkerService(Worker(engine_config_from_args(args), rank=args.rank), args.worker_address,
-                            handshake_timeout_s=args.handshake_timeout)
+    import zmq
+
+    try:
+        service = WorkerService(Worker(engine_config_from_args(args), rank=args.rank), args.worker_address,
+                                handshake_timeout_s=args.handshake_timeout)
+    except zmq.ZMQError as e:  # a malformed address
+        logger.error("cannot start the worker: %s", e)
+        return 1
 
     on_stop_signals(lambda: setattr(service, "running", False))
     try:
         service.run()
+    except TimeoutError as e:  # --handshake-timeout passed
+        logger.error("%s at %s within %gs", e, args.worker_address, args.handshake_timeout)
+        return 1
     finally:
         service.close()
     return 0

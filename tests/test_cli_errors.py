@@ -1,0 +1,112 @@
+"""A bad flag, a bad PAGEDSERVE_* value or an address that cannot be used stops a
+component with one clear line naming the problem, never a Python traceback."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(args: list[str], env: dict[str, str] | None = None, timeout: float = 60) -> tuple[int, str]:
+    proc = subprocess.run([sys.executable, "-m", "common.cli", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def assert_clear_error(code: int, output: str, *fragments: str) -> None:
+    assert code != 0, output
+    assert "Traceback" not in output, output
+    for fragment in fragments:
+        assert fragment in output, output
+
+
+def frontend_args(**ports: int) -> list[str]:
+    """A frontend that would start (no scheduler needed), on free ports unless given."""
+    return ["frontend", "--port", str(ports.get("port", free_port())),
+            "--grpc-port", str(ports.get("grpc_port", free_port())),
+            "--scheduler-address", f"tcp://127.0.0.1:{free_port()}",
+            "--scheduler-control-address", f"127.0.0.1:{free_port()}",
+            "--tokenizer-address", f"tcp://127.0.0.1:{free_port()}"]
+
+
+def scheduler_args(**addresses: str) -> list[str]:
+    return ["scheduler", "--scheduler-address", addresses.get("scheduler", f"tcp://127.0.0.1:{free_port()}"),
+            "--worker-address", f"tcp://127.0.0.1:{free_port()}",
+            "--scheduler-control-address", addresses.get("control", f"127.0.0.1:{free_port()}")]
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["frontend", "--port", "99999"], "--port"),
+    (["frontend", "--grpc-port", "-1"], "--grpc-port"),
+    (["frontend", "--request-timeout", "-1"], "--request-timeout"),
+    (["serve", "--port", "70000"], "--port"),
+    (["scheduler", "--frontend-timeout", "0"], "--frontend-timeout"),
+    (["scheduler", "--max-waiting-requests", "-1"], "--max-waiting-requests"),
+    (["scheduler", "--worker-step-timeout", "-5"], "--worker-step-timeout"),
+    (["worker", "--handshake-timeout", "0"], "--handshake-timeout"),
+])
+def test_out_of_range_flags_are_usage_errors(args, fragment):
+    code, output = run(args)
+    assert code == 2
+    assert_clear_error(code, output, fragment)
+
+
+@pytest.mark.parametrize("command, variable, flag", [
+    ("frontend", "PAGEDSERVE_PORT", "--port"),
+    ("frontend", "PAGEDSERVE_REQUEST_TIMEOUT", "--request-timeout"),
+    ("scheduler", "PAGEDSERVE_MAX_NUM_SEQS", "--max-num-seqs"),
+    ("scheduler", "PAGEDSERVE_MAX_WAITING_REQUESTS", "--max-waiting-requests"),
+    ("worker", "PAGEDSERVE_BLOCK_SIZE", "--block-size"),
+])
+def test_bad_environment_values_are_usage_errors(command, variable, flag):
+    code, output = run([command], env={variable: "lots"})
+    assert code == 2
+    assert_clear_error(code, output, flag, "lots")
+
+
+def test_frontend_http_port_in_use():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        code, output = run(frontend_args(port=taken.getsockname()[1]))
+    assert_clear_error(code, output, "in use")
+
+
+def test_frontend_grpc_port_in_use():
+    other = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+    port = other.add_insecure_port("127.0.0.1:0")
+    other.start()
+    try:
+        code, output = run(frontend_args(grpc_port=port))
+    finally:
+        other.stop(grace=None).wait()
+    assert_clear_error(code, output, "in use", str(port))
+
+
+def test_frontend_bad_host_and_addresses():
+    assert_clear_error(*run(frontend_args() + ["--host", "no-such-host.invalid"]), "no-such-host.invalid")
+    assert_clear_error(*run(frontend_args() + ["--scheduler-address", "bogus"]), "bogus")
+
+
+def test_scheduler_addresses_in_use_or_invalid():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        address = f"tcp://127.0.0.1:{taken.getsockname()[1]}"
+        assert_clear_error(*run(scheduler_args(scheduler=address)), "in use", address)
+    assert_clear_error(*run(scheduler_args(scheduler="bogus")), "bogus")
+    assert_clear_error(*run(scheduler_args(control="bogus:zz")), "bogus:zz")
