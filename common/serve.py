@@ -13,6 +13,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import sys
 import time
 import urllib.request
@@ -83,6 +84,21 @@ def component_commands(args: argparse.Namespace, runtime_dir: str) -> list[Compo
     ]
 
 
+def check_ports_free(host: str, ports: dict[str, int]) -> None:
+    """Raise OSError if the API cannot listen on its ports. Checked up front:
+    otherwise the frontend fails in a restart loop while `serve` probes the
+    /health of whatever holds the port and reports *that* server ready."""
+    for name, port in ports.items():
+        if port == 0:
+            continue
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the frontend binds
+            try:
+                probe.bind((host, port))
+            except OSError as e:
+                raise OSError(e.errno, f"cannot listen on {host}:{port} ({name}): {e.strerror}") from None
+
+
 def wait_until_ready(supervisor: Supervisor, url: str, timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and not supervisor.stopping:
@@ -103,6 +119,11 @@ def main(argv: list[str] | None = None) -> int:
         args.model = args.model_tag
     setup_logging("serve")
     set_process_title("pagedserve: serve")
+    try:
+        check_ports_free(args.host, {"HTTP": args.port, "gRPC": args.grpc_port})
+    except OSError as e:
+        logger.error("%s", e)
+        return 1
     owns_runtime_dir = args.runtime_dir is None
     if owns_runtime_dir:
         remove_stale_runtime_dirs()

@@ -110,3 +110,18 @@ def test_scheduler_addresses_in_use_or_invalid():
         assert_clear_error(*run(scheduler_args(scheduler=address)), "in use", address)
     assert_clear_error(*run(scheduler_args(scheduler="bogus")), "bogus")
     assert_clear_error(*run(scheduler_args(control="bogus:zz")), "bogus:zz")
+
+
+@pytest.mark.parametrize("flag", ["--port", "--grpc-port"])
+def test_serve_refuses_a_port_in_use_instead_of_reporting_another_server_ready(tmp_path, flag):
+    # Before: the frontend crashed in a loop while serve probed the other server's
+    # /health and printed "pagedserve is ready".
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        ports = {"--port": str(free_port()), "--grpc-port": str(free_port()), flag: str(port)}
+        code, output = run(["serve", "--runtime-dir", str(tmp_path / "run"), "--ready-timeout", "20",
+                            *[item for pair in ports.items() for item in pair]], timeout=60)
+    assert_clear_error(code, output, "in use", str(port))
+    assert "is ready" not in output and "started" not in output
