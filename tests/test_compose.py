@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import importlib
 import re
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -64,3 +67,29 @@ def test_compose_sets_only_variables_the_code_reads(compose):
     for name, service in compose["services"].items():
         for key in service.get("environment", {}):
             assert key in known, f"{name} sets {key}, which no code reads"
+
+
+def run_healthcheck(test: list[str], visible_pids: list[int | str]) -> int:
+    """Run a `CMD python -c CODE` healthcheck seeing only these /proc entries ("self": its own)."""
+    assert test[:3] == ["CMD", "python", "-c"], test
+    prelude = ("import glob, os\n"
+               f"pids = [str(os.getpid()) if p == 'self' else str(p) for p in {visible_pids!r}]\n"
+               "glob.glob = lambda pattern: [f'/proc/{p}/cmdline' for p in pids]\n")
+    return subprocess.run([sys.executable, "-c", prelude + test[3]], timeout=30).returncode
+
+
+def test_the_tokenizer_healthcheck_does_not_count_itself(compose):
+    """Its command line holds the process title it looks for: it must not find itself."""
+    test = compose["services"]["tokenizer"]["healthcheck"]["test"]
+    assert run_healthcheck(test, ["self"]) == 1
+    titled = subprocess.Popen([sys.executable, "-c", "import setproctitle, time; "
+                               "setproctitle.setproctitle('pagedserve: tokenizer 1'); time.sleep(30)"])
+    try:
+        deadline = time.monotonic() + 10
+        while not Path(f"/proc/{titled.pid}/cmdline").read_bytes().startswith(b"pagedserve: tokenizer"):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert run_healthcheck(test, ["self", titled.pid]) == 0
+    finally:
+        titled.kill()
+        titled.wait()
