@@ -141,7 +141,8 @@ async def run_frontend(args: argparse.Namespace) -> None:
     grpc_server, grpc_port = await start_grpc_server(state, args.host, args.grpc_port, api_key=args.api_key)
     # log_config=None: uvicorn's records go through our handler and format.
     app = build_app(state, api_key=args.api_key, max_body_bytes=args.max_request_body_size)
-    server = GracefulServer(uvicorn.Config(app, log_config=None, access_log=False), engine, grpc_server)
+    server = GracefulServer(uvicorn.Config(app, log_config=None, access_log=False), engine, grpc_server,
+                            tokenizer_client=tokenizer_client)
     http_port = http_socket.getsockname()[1]
     logger.info("frontend %s serving %s: OpenAI API on http://%s:%d/v1, gRPC on %s:%d "
                 "(scheduler %s, control %s, tokenizer pool %s)%s", engine.frontend_id, ", ".join(names),

@@ -7,7 +7,8 @@ scheduler keeps generating for nobody until it notices. Here, in order:
 
 1. no new HTTP connections and no new gRPC calls;
 2. requests in flight get `DRAIN_S` seconds to finish normally;
-3. those still running then end with a 503 "the server is shutting down"
+3. those still running (or still waiting for the tokenizer pool) then end
+   with a 503 "the server is shutting down"
    (an SSE error event and `[DONE]` on a stream, an error body otherwise,
    gRPC UNAVAILABLE), and the scheduler is told to drop them;
 4. uvicorn closes the connections, which by then have their last bytes;
@@ -27,6 +28,7 @@ import uvicorn
 
 from frontend.engine_client import EngineClient
 from frontend.errors import ServiceUnavailableError
+from tokenizer_pool.client import TokenizerClient
 
 logger = logging.getLogger(__name__)
 
@@ -38,13 +40,15 @@ SHUTTING_DOWN = "the server is shutting down; send the request again"
 class GracefulServer(uvicorn.Server):
     """A uvicorn server whose shutdown also drains the gRPC server and the engine's requests."""
 
-    def __init__(self, config: uvicorn.Config, engine: EngineClient, grpc_server, drain_s: float = DRAIN_S):
+    def __init__(self, config: uvicorn.Config, engine: EngineClient, grpc_server, drain_s: float = DRAIN_S,
+                 tokenizer_client: TokenizerClient | None = None):
         # uvicorn cancels what still runs after this; by then everything has ended on its own.
         config.timeout_graceful_shutdown = math.ceil(drain_s + FLUSH_S)
         super().__init__(config)
         self.engine = engine
         self.grpc_server = grpc_server
         self.drain_s = drain_s
+        self.tokenizer_client = tokenizer_client
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -71,6 +75,9 @@ class GracefulServer(uvicorn.Server):
             logger.warning("ending %d request(s) still running %.0fs after shutdown began",
                            self.engine.num_in_flight, delay)
             self.engine.end_all(ServiceUnavailableError(SHUTTING_DOWN))
+        if self.tokenizer_client is not None:
+            # Requests not yet at the engine: waiting for a tokenizer pool that is down.
+            self.tokenizer_client.fail_all(ServiceUnavailableError(SHUTTING_DOWN))
 
 
 def _already_handled(signum: int, frame) -> None:

@@ -103,6 +103,12 @@ class TokenizerClient:
             raise InvalidRequestError(reply.error)
         return reply
 
+    def fail_all(self, error: Exception) -> None:
+        """End every call still waiting for a reply with `error` (the frontend is stopping)."""
+        for future in self._waiting.values():
+            if not future.done():
+                future.set_exception(error)
+
     async def close(self) -> None:
         if self._receiver is not None:
             self._receiver.cancel()

@@ -81,3 +81,36 @@ def test_a_grpc_stream_alone_also_ends_with_unavailable(server, tmp_path):
     finally:
         channel.close()
         frontend.stop()
+
+
+def test_a_request_still_waiting_for_the_tokenizer_pool_also_ends_with_503(server, tmp_path):
+    """The tokenizer pool is down (being restarted) when the frontend is stopped:
+    the request waiting for its prompt's tokens gets the same clear 503, not a
+    500 from uvicorn cancelling it (with a traceback in the log)."""
+    from tests.frontend.fakes import free_port
+
+    args = list(server.frontend_args)
+    args[args.index("--tokenizer-address") + 1] = f"tcp://127.0.0.1:{free_port()}"  # nobody answers there
+    frontend, base_url, grpc_address = start_frontend(args, tmp_path / "frontend.log")
+    channel = grpc.insecure_channel(grpc_address)
+    try:
+        with httpx.Client(timeout=60) as client:
+            import concurrent.futures
+            with concurrent.futures.ThreadPoolExecutor(2) as pool:
+                http_reply = pool.submit(client.post, base_url + "/v1/completions",
+                                         json={"prompt": "Hello", "max_tokens": 2})
+                grpc_reply = pool.submit(lambda: list(pagedserve_pb2_grpc.PagedServeStub(channel).Generate(
+                    pb.GenerateRequest(text="Hello"), timeout=60)))
+                frontend.wait_for_log("no reply to tokenizer job")
+                frontend.proc.send_signal(signal.SIGTERM)
+                response = http_reply.result()
+                with pytest.raises(grpc.RpcError) as ended:
+                    grpc_reply.result()
+        assert response.status_code == 503, response.text
+        assert response.json()["error"]["message"] == SHUTTING_DOWN
+        assert ended.value.code() == grpc.StatusCode.UNAVAILABLE and SHUTTING_DOWN in ended.value.details()
+        assert frontend.proc.wait(15) == 0
+        assert "Traceback" not in frontend.log()
+    finally:
+        channel.close()
+        frontend.stop()
