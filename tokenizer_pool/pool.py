@@ -15,6 +15,7 @@ from urllib.parse import urlsplit
 import zmq
 
 from common.proctitle import set_process_title
+from common.transport import stop_authenticator
 from tokenizer_pool.router import Router
 from tokenizer_pool.supervisor import WorkerSupervisor
 from tokenizer_pool.worker import DEFAULT_HEARTBEAT_INTERVAL
@@ -39,6 +40,7 @@ def run_tokenizer_pool(model: str, frontend_addr: str, backend_addr: str, pool_s
         _run(supervisor, router)
     finally:
         router.close()
+        stop_authenticator(ctx)  # with CURVE, its ZAP sockets would keep ctx.term() waiting forever
         ctx.term()
 
 

@@ -145,3 +145,41 @@ def test_curve_from_the_environment_applies_to_every_socket(monkeypatch):
             sock.close(0)
         stop_authenticator(ctx)
         ctx.term()
+
+
+def test_a_tokenizer_router_with_curve_stops_on_sigterm(tmp_path):
+    """compose's tokenizer-router (a router only) with the cluster key: SIGTERM
+    must end it. Before, ctx.term() waited forever for the ZAP handler's
+    sockets, which flooded the log with ContextTerminated tracebacks."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    def free_port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    log_path = tmp_path / "router.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "common.cli", "tokenizer", "--tokenizer-pool-size", "0",
+             "--frontend-address", f"tcp://127.0.0.1:{free_port()}",
+             "--backend-address", f"tcp://127.0.0.1:{free_port()}"],
+            cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+            env={**os.environ, "PAGEDSERVE_CURVE_SECRET_KEY": keys().secret.decode()})
+    try:
+        deadline = time.monotonic() + 30
+        while b"tokenizer router:" not in log_path.read_bytes():
+            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "Traceback" not in log_path.read_text()
