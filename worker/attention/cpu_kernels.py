@@ -67,7 +67,7 @@ def _extension_name() -> str:
 
 
 @contextlib.contextmanager
-def _exclusive_build(name: str) -> Iterator[None]:
+def _exclusive_build(name: str) -> Iterator[str]:
     """Hold the build directory against other processes, with a lock the kernel drops when its holder dies.
 
     torch's own lock is a file: a build killed midway (a worker restarted during
@@ -89,7 +89,7 @@ def _exclusive_build(name: str) -> Iterator[None]:
             logger.warning("removing the lock file of a kernel build that was killed midway: %s", torch_lock)
             with contextlib.suppress(OSError):
                 os.remove(torch_lock)
-        yield
+        yield build_dir
 
 
 def enabled() -> bool:
@@ -110,8 +110,9 @@ def load() -> Any | None:
         try:
             from torch.utils.cpp_extension import load_inline
             name = _extension_name()
-            with _exclusive_build(name):
-                logger.info("Building the CPU kernels (first use on this machine)...")
+            with _exclusive_build(name) as build_dir:
+                if not os.path.exists(os.path.join(build_dir, f"{name}.so")):  # else torch only loads it
+                    logger.info("Building the CPU kernels (first use on this machine)...")
                 _module = load_inline(name=name, cpp_sources=[SOURCE], functions=FUNCTIONS,
                                       extra_cflags=CFLAGS, extra_ldflags=LDFLAGS, verbose=False)
             # Loading the library defined these operators; compiled graphs trace them with their fakes.
