@@ -6,6 +6,7 @@ import math
 import msgspec
 
 from common.errors import InvalidRequestError
+from common.structured_outputs import StructuredOutputs
 
 _GREEDY_EPS = 1e-5
 _UINT64 = 1 << 64
@@ -47,6 +48,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     prompt_logprobs: int | None = None  # the same for every prompt token after the first
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    structured_outputs: StructuredOutputs | None = None  # a grammar every output must follow
 
     @property
     def greedy(self) -> bool:

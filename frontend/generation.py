@@ -19,6 +19,7 @@ from typing import AsyncIterator
 from common.errors import InvalidRequestError
 from common.protocol import RequestOutput, TokenLogprobs, sample_request_id
 from common.sampling_params import SamplingParams
+from common.structured_outputs import StructuredOutputs, check_grammar
 from frontend.control_client import ControlClient
 from frontend.engine_client import EngineClient
 from frontend.logprobs_format import TokenTexts
@@ -69,8 +70,18 @@ class Generator:
         return info.vocab_size if info is not None and info.vocab_size else len(self.tokenizer)
 
     async def validate(self, prompt_token_ids: list[int], max_tokens: int | None, *, min_tokens: int = 0,
-                       prompt_param: str = "prompt", max_tokens_param: str = "max_tokens") -> None:
-        """Reject prompts the scheduler would reject, with a message naming the limits."""
+                       prompt_param: str = "prompt", max_tokens_param: str = "max_tokens",
+                       structured_output: tuple[StructuredOutputs, str] | None = None) -> None:
+        """Reject prompts the scheduler would reject, with a message naming the
+        limits, and structured outputs whose grammar is not valid (naming the
+        field that asked for it)."""
+        if structured_output is not None:
+            spec, param = structured_output
+            try:  # in a thread: the first use imports xgrammar (and torch), seconds
+                await asyncio.to_thread(check_grammar, spec)
+            except InvalidRequestError as e:
+                e.param = param
+                raise
         if not prompt_token_ids:
             raise InvalidRequestError("The prompt is empty: at least one token is required", param=prompt_param)
         info = await self.control.model_info()

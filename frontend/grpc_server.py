@@ -17,6 +17,7 @@ from google.protobuf import json_format
 
 from common.addresses import GRPC_SERVER_OPTIONS, bind_grpc_port
 from common.errors import InvalidRequestError, PagedServeError
+from common.structured_outputs import StructuredOutputs
 from common.grpc_gen import pagedserve_pb2 as pb
 from common.grpc_gen import pagedserve_pb2_grpc
 from common.protocol import TokenLogprobs
@@ -52,7 +53,20 @@ def sampling_params_from_proto(message: pb.SamplingParams, vocab_size: int | Non
         include_stop_str_in_output=message.include_stop_str_in_output,
         logprobs=get("logprobs", None), prompt_logprobs=get("prompt_logprobs", None),
         skip_special_tokens=get("skip_special_tokens", True),
-        spaces_between_special_tokens=get("spaces_between_special_tokens", True)).validate(vocab_size)
+        spaces_between_special_tokens=get("spaces_between_special_tokens", True),
+        structured_outputs=structured_outputs_from_proto(message)).validate(vocab_size)
+
+
+STRUCTURED_OUTPUTS_PARAM = "sampling_params.structured_outputs"
+
+
+def structured_outputs_from_proto(message: pb.SamplingParams) -> StructuredOutputs | None:
+    if not message.HasField("structured_outputs"):
+        return None
+    asked = message.structured_outputs
+    fields = {name: getattr(asked, name) if asked.HasField(name) else None for name in ("json", "regex", "grammar")}
+    return StructuredOutputs.of(STRUCTURED_OUTPUTS_PARAM, **fields, choice=list(asked.choice) or None,
+                                json_object=asked.json_object)
 
 
 class PagedServeServicer(pagedserve_pb2_grpc.PagedServeServicer):
@@ -140,8 +154,10 @@ class PagedServeServicer(pagedserve_pb2_grpc.PagedServeServicer):
             echo = last.content if last.role == "assistant" else ""  # vLLM's chat echo
         else:
             raise _invalid("a prompt is required: one of text, token_ids or chat", "prompt")
+        structured = params.structured_outputs
         await state.generator.validate(prompt_ids, params.max_tokens, min_tokens=params.min_tokens,
-                                       prompt_param=field)
+                                       prompt_param=field,
+                                       structured_output=(structured, STRUCTURED_OUTPUTS_PARAM) if structured else None)
         await state.engine.ensure_connected()
         return GenerationRequest(
             request_id=request.request_id or random_id("grpc"), prompt_token_ids=prompt_ids,

@@ -6,8 +6,8 @@ stop_token_ids, prompt_logprobs, ...). Response bodies are in
 Unknown fields are accepted (clients send vendor fields freely). Types are
 checked by pydantic (a 400 naming the field, see api_server), values by
 `SamplingParams.validate` (a 400 naming the parameter as the client spelled
-it). Fields this server does not implement (tools, structured output,
-suffix, vLLM's guided decoding and other extras) are rejected with a 400
+it). Fields this server does not implement (tools, suffix, vLLM's
+structural tags and other extras) are rejected with a 400
 naming them as soon as they ask for something other than the default, never
 silently ignored.
 """
@@ -20,10 +20,12 @@ from pydantic import Field
 
 from common.errors import InvalidRequestError
 from common.sampling_params import SamplingParams
+from common.structured_outputs import StructuredOutputs
 from common.tokenizer import _RESERVED_TEMPLATE_KWARGS as RESERVED_TEMPLATE_KWARGS
 from frontend.errors import NotSupportedError
 from frontend.openai_responses import ModelCard, ModelList, OpenAIBaseModel  # noqa: F401 (api_server's imports)
 from frontend.request_body import UNIMPLEMENTED_VLLM_FIELDS, RequestBody, TextRequest, check_unimplemented
+from frontend.structured_output_request import GUIDED_FIELDS, structured_outputs_from
 
 
 class StreamOptions(OpenAIBaseModel):
@@ -58,7 +60,13 @@ class SamplingRequest(TextRequest):
     echo: bool = False
     priority: int = Field(0, ge=-(1 << 63), lt=1 << 63)  # lower runs first
     cache_salt: str | None = None
+    # Structured outputs, in OpenAI's and vLLM's spellings (see frontend.structured_output_request).
     response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     user: str | None = None  # accepted, not used
 
     def stop_strings(self) -> list[str]:
@@ -72,9 +80,12 @@ class SamplingRequest(TextRequest):
         if self.stream and self.best_of is not None and self.best_of > self.n:
             raise InvalidRequestError("best_of > n cannot be streamed: the best samples are only known at the end",
                                       param="best_of")
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            raise NotSupportedError("response_format", "structured output (response_format)")
         check_unimplemented(self, UNIMPLEMENTED_VLLM_FIELDS)
+
+    def structured_output(self) -> tuple[StructuredOutputs, str] | None:
+        """The structured output asked for, and the field that asked (None: free text)."""
+        return structured_outputs_from(self.response_format, self.structured_outputs,
+                                       {name: getattr(self, name) for name in GUIDED_FIELDS})
 
     def to_sampling_params(self, max_tokens: int | None, logprobs: int | None, vocab_size: int | None = None,
                            param_names: dict[str, str] | None = None) -> SamplingParams:
@@ -85,6 +96,7 @@ class SamplingRequest(TextRequest):
         def pick(value, default):
             return default if value is None else value
 
+        asked = self.structured_output()
         try:
             params = SamplingParams(
                 n=self.n, best_of=self.best_of,
@@ -97,7 +109,8 @@ class SamplingRequest(TextRequest):
                 stop_token_ids=list(self.stop_token_ids or []), stop=self.stop_strings(),
                 include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
                 prompt_logprobs=self.prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
-                spaces_between_special_tokens=self.spaces_between_special_tokens)
+                spaces_between_special_tokens=self.spaces_between_special_tokens,
+                structured_outputs=asked[0] if asked else None)
             return params.validate(vocab_size)
         except InvalidRequestError as e:  # name the field the client actually sent
             e.param = (param_names or {}).get(e.param, e.param)

@@ -16,8 +16,8 @@ from frontend.openai_responses import OpenAIBaseModel
 # server does not implement: asking for anything with them is a 400 (accepted as
 # unknown fields, they would be silently ignored). Field -> what it asks for.
 UNIMPLEMENTED_VLLM_FIELDS = {
-    **{name: f"structured output ({name})" for name in (
-        "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structural_tag", "structured_outputs")},
+    "structural_tag": "structured output (structural_tag)",
+    "guided_whitespace_pattern": "structured output with a whitespace pattern (guided_whitespace_pattern)",
     "use_beam_search": "beam search", "allowed_token_ids": "allowed_token_ids", "bad_words": "bad_words",
     "logits_processors": "logits_processors", "truncate_prompt_tokens": "truncate_prompt_tokens",
     "return_tokens_as_token_ids": "return_tokens_as_token_ids",

@@ -63,7 +63,7 @@ async def create_chat_completion(state: FrontendState, body: ChatCompletionReque
     max_tokens, max_tokens_param = body.requested_max_tokens()
     prompt_ids = await render_chat_prompt(state, body)
     await generator.validate(prompt_ids, max_tokens, min_tokens=params.min_tokens, prompt_param="messages",
-                             max_tokens_param=max_tokens_param)
+                             max_tokens_param=max_tokens_param, structured_output=body.structured_output())
     await state.engine.ensure_connected()
 
     response_id, engine_id = request_ids(raw_request, "chatcmpl")

@@ -78,8 +78,10 @@ async def create_completion(state: FrontendState, body: CompletionRequest, raw_r
     params = body.sampling_params(await generator.vocab_size())
     prompts = body.prompts()
     prompt_ids = await asyncio.gather(*(_prompt_token_ids(state, p, body.add_special_tokens) for p in prompts))
+    structured_output = body.structured_output()
     for ids in prompt_ids:
-        await generator.validate(ids, params.max_tokens, min_tokens=params.min_tokens)
+        await generator.validate(ids, params.max_tokens, min_tokens=params.min_tokens,
+                                 structured_output=structured_output)
     await state.engine.ensure_connected()
 
     response_id, engine_id = request_ids(raw_request, "cmpl")

@@ -6,6 +6,7 @@ decode step needs nothing from the scheduler but the token count.
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -17,6 +18,9 @@ from common.sampling_params import SamplingParams
 from worker.attention.metadata import AttentionMetadata
 from worker.logprobs import PromptLogprobsRequest, plan_prompt_logprobs
 from worker.sampler import SamplingMetadata
+from worker.structured_output import GrammarCompiler, GrammarMatcher
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True, eq=False)
@@ -27,6 +31,7 @@ class RequestState:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int  # tokens whose KV is in the cache
+    grammar: GrammarMatcher | None = None  # structured output: where the outputs stand in the grammar
 
     @property
     def num_tokens(self) -> int:
@@ -69,16 +74,20 @@ class StepBatch:
             state.num_computed_tokens += num_tokens
         for state, token_id in zip(self.sampling_states, sampled_token_ids):
             state.token_ids.append(token_id)
+            if state.grammar is not None:
+                state.grammar.accept(token_id)
 
 
 class InputBatch:
     """Holds the state of every request the scheduler has handed this worker
     and turns each StepPlan into a StepBatch."""
 
-    def __init__(self, block_size: int, device: torch.device | str = "cpu", eos_token_ids: Sequence[int] = ()):
+    def __init__(self, block_size: int, device: torch.device | str = "cpu", eos_token_ids: Sequence[int] = (),
+                 grammar_compiler: GrammarCompiler | None = None):
         self.block_size = block_size
         self.device = torch.device(device)
         self.eos_token_ids = list(eos_token_ids)  # min_tokens keeps them from being sampled
+        self.grammar_compiler = grammar_compiler  # None: structured outputs are refused
         self.requests: dict[str, RequestState] = {}
 
     def __len__(self) -> int:
@@ -96,7 +105,8 @@ class InputBatch:
             self.requests[new.request_id] = RequestState(
                 request_id=new.request_id, token_ids=list(new.token_ids),
                 num_prompt_tokens=new.num_prompt_tokens, sampling_params=new.sampling_params,
-                block_ids=list(new.block_ids), num_computed_tokens=new.num_computed_tokens)
+                block_ids=list(new.block_ids), num_computed_tokens=new.num_computed_tokens,
+                grammar=self._grammar(new.request_id, new.sampling_params, new.token_ids[new.num_prompt_tokens:]))
         for diff in plan.cached_requests:
             state = self.requests.get(diff.request_id)
             if state is None:
@@ -162,16 +172,34 @@ class InputBatch:
                 [s.num_output_tokens for s in sampling_states], self.device,
                 token_ids=[s.token_ids for s in sampling_states],
                 num_prompt_tokens=[s.num_prompt_tokens for s in sampling_states],
-                eos_token_ids=self.eos_token_ids),
+                eos_token_ids=self.eos_token_ids,
+                grammars=[s.grammar for s in sampling_states] if self._any_grammar(sampling_states) else None),
             scheduled=scheduled,
             prompt_logprobs=plan_prompt_logprobs(scheduled, query_start_loc[:-1].tolist()),
         )
+
+    def _grammar(self, request_id: str, params: SamplingParams, output_ids: Sequence[int]) -> GrammarMatcher | None:
+        spec = params.structured_outputs
+        if spec is None:
+            return None
+        if self.grammar_compiler is None:
+            raise ValueError(f"request {request_id!r} asks for structured output, which this worker cannot do")
+        try:
+            return self.grammar_compiler.matcher(spec, request_id, output_ids)
+        except Exception:  # the frontend checked the spec: failing here must not take the worker down
+            logger.exception("request %s: cannot compile its structured output (%s); generating without it",
+                             request_id, spec.describe())
+            return None
 
     def _state(self, request_id: str) -> RequestState:
         state = self.requests.get(request_id)
         if state is None:
             raise KeyError(f"scheduled request {request_id!r} is unknown to the worker")
         return state
+
+    @staticmethod
+    def _any_grammar(states: list[RequestState]) -> bool:
+        return any(state.grammar is not None for state in states)
 
     def _block_tables(self, scheduled: list[tuple[RequestState, int]], seq_lens: np.ndarray) -> np.ndarray:
         """[B, max_blocks] int32 padded with block 0, holding only the blocks

@@ -17,6 +17,7 @@ from common.config import EngineConfig
 from common.errors import InvalidRequestError
 from common.protocol import EngineRequest
 from common.sampling_params import SamplingParams
+from common.structured_outputs import check_grammar
 from common.tokenizer import apply_chat_template, load_tokenizer
 from scheduler.scheduler import Scheduler
 from worker.offline_outputs import CompletionOutput, GenerationOutput, OfflineRequest
@@ -106,6 +107,7 @@ class LLM:
              use_tqdm: bool) -> list[GenerationOutput]:
         for params in params_list:
             params.validate(self.vocab_size)
+            check_grammar(params.structured_outputs)
         requests: dict[str, OfflineRequest] = {}
         try:
             for (text, token_ids), params in zip(encoded, params_list):

@@ -1,6 +1,6 @@
 """Logit adjustments applied before sampling, vectorized over the batch.
 
-In vLLM's order: min_tokens (EOS and stop token ids cannot be sampled before
+In vLLM's order: the structured-output grammar masks, min_tokens (EOS and stop token ids cannot be sampled before
 `min_tokens` outputs), logit_bias, then the penalties: repetition (over the
 prompt and the output, exactly transformers' RepetitionPenaltyLogitsProcessor),
 frequency and presence (over the output, as OpenAI documents them:
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from common.sampling_params import SamplingParams
+from worker.structured_output import GrammarMasks, GrammarMatcher, grammar_masks
 
 
 @dataclass(slots=True)
@@ -38,13 +39,16 @@ class LogitsAdjustments:
     banned: tuple[list[int], list[int]] | None  # (rows, token ids) set to -inf (min_tokens)
     bias: tuple[list[int], list[int], list[float]] | None  # (rows, token ids, biases)
     penalties: _Penalties | None
+    grammar: GrammarMasks | None = None  # rows whose structured output constrains the next token
 
     @classmethod
     def build(cls, params: Sequence[SamplingParams], token_ids: Sequence[Sequence[int]],
               num_prompt_tokens: Sequence[int], eos_token_ids: Sequence[int] = (),
-              device: torch.device | str = "cpu") -> "LogitsAdjustments | None":
-        """`token_ids[row]`: the row's prompt then its outputs so far. None
-        when no row adjusts anything."""
+              device: torch.device | str = "cpu",
+              grammars: Sequence[GrammarMatcher | None] | None = None) -> "LogitsAdjustments | None":
+        """`token_ids[row]`: the row's prompt then its outputs so far;
+        `grammars[row]`: its structured-output matcher, if any. None when no
+        row adjusts anything."""
         banned_rows: list[int] = []
         banned_tokens: list[int] = []
         bias_rows: list[int] = []
@@ -65,11 +69,13 @@ class LogitsAdjustments:
                 biases += p.logit_bias.values()
             if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty:
                 penalized.append(row)
-        if not (banned_rows or bias_rows or penalized):
+        masks = grammar_masks(grammars) if grammars is not None else None
+        if not (banned_rows or bias_rows or penalized or masks):
             return None
         return cls(banned=(banned_rows, banned_tokens) if banned_rows else None,
                    bias=(bias_rows, bias_tokens, biases) if bias_rows else None,
-                   penalties=_build_penalties(penalized, params, token_ids, num_prompt_tokens, device))
+                   penalties=_build_penalties(penalized, params, token_ids, num_prompt_tokens, device),
+                   grammar=masks)
 
     def rows(self) -> set[int]:
         """The rows whose logits this changes."""
@@ -78,11 +84,15 @@ class LogitsAdjustments:
             rows.update(self.bias[0])
         if self.penalties is not None:
             rows.update(self.penalties.rows.tolist())
+        if self.grammar is not None:
+            rows.update(self.grammar.rows)
         return rows
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """Adjust float32 logits [N, vocab] in place; returns them."""
         vocab = logits.shape[1]
+        if self.grammar is not None:
+            self.grammar.apply(logits)
         if self.banned is not None:
             rows, tokens = _in_vocab(vocab, *self.banned)
             logits[_tensor(rows, logits), _tensor(tokens, logits)] = float("-inf")

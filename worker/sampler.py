@@ -24,6 +24,7 @@ from common.protocol import TokenLogprobs
 from common.sampling_params import SamplingParams
 from worker.logits_processors import LogitsAdjustments
 from worker.logprobs import select_logprobs
+from worker.structured_output import GrammarMatcher
 
 _MASK_64 = (1 << 64) - 1
 
@@ -83,15 +84,18 @@ class SamplingMetadata:
     def build(cls, params: list[SamplingParams], num_output_tokens: list[int] | None = None,
               device: torch.device | str = "cpu", *, token_ids: Sequence[Sequence[int]] | None = None,
               num_prompt_tokens: Sequence[int] | None = None,
-              eos_token_ids: Sequence[int] = ()) -> "SamplingMetadata":
+              eos_token_ids: Sequence[int] = (),
+              grammars: Sequence[GrammarMatcher | None] | None = None) -> "SamplingMetadata":
         """`num_output_tokens[row]`: how many tokens that request generated
         before this step (it picks a seeded request's noise, see `step_seed`).
         `token_ids[row]` (prompt + outputs) and `num_prompt_tokens[row]` feed
-        the logits adjustments; without them none is applied."""
+        the logits adjustments; without them none is applied. `grammars[row]`:
+        the row's structured-output matcher, if any."""
         num_rows = len(params)
         adjustments = None
         if token_ids is not None and num_prompt_tokens is not None:
-            adjustments = LogitsAdjustments.build(params, token_ids, num_prompt_tokens, eos_token_ids, device)
+            adjustments = LogitsAdjustments.build(params, token_ids, num_prompt_tokens, eos_token_ids, device,
+                                                  grammars)
         num_logprobs = [p.logprobs for p in params]
         extras = dict(adjustments=adjustments,
                       num_logprobs=num_logprobs if any(k is not None for k in num_logprobs) else None)

@@ -18,6 +18,7 @@ from worker.input_batch import InputBatch
 from worker.kv_cache import allocate_kv_caches, kv_cache_spec, num_blocks_for
 from worker.model_loader import load_model
 from worker.model_runner import ModelRunner
+from worker.structured_output import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +59,10 @@ class Worker:
         self.runner.warm_up()
         if self.forward.compiled:
             self.forward.compile_seconds += time.perf_counter() - started  # reported with the step's
-        self.input_batch = InputBatch(config.block_size, self.device,
-                                      eos_token_ids=eos_token_ids(self.model_dir))
+        eos_ids = eos_token_ids(self.model_dir)
+        self.input_batch = InputBatch(config.block_size, self.device, eos_token_ids=eos_ids,
+                                      grammar_compiler=GrammarCompiler(self.model_dir, int(self.hf_config.vocab_size),
+                                                                       eos_ids))
         logger.info("Worker %d ready: %s on %s (%s, %s), %d KV blocks, max_model_len %d, %d threads",
                     rank, config.model, self.device, self.dtype_name,
                     f"compiled in {self.forward.compile_seconds:.1f} s" if self.forward.compiled else "eager",

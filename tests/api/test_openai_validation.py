@@ -53,7 +53,8 @@ CHAT_CASES = [
     ("add_generation_prompt", "maybe", {}), ("continue_final_message", True, {}),
     ("continue_final_message", "maybe", {}), ("chat_template_kwargs", {"tokenize": True}, {}),
     ("chat_template_kwargs", "x", {}), ("tools", [{"type": "function", "function": {"name": "f"}}], {}),
-    ("response_format", {"type": "json_object"}, {}),
+    ("response_format", {"type": "xml"}, {}),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}, {}),
 ]
 
 

@@ -1,0 +1,116 @@
+"""Structured outputs on the worker: one xgrammar matcher per constrained
+request, and the masks that keep each step's sampling inside its grammar.
+
+A matcher follows its request's output tokens. The worker drops a request's
+state when it is preempted (and rebuilds it on re-admission), so a new
+matcher replays the outputs generated so far: the constraint holds across
+preemption and worker restarts. Grammars are compiled once per spec and
+cached; compiling happens on the worker thread when a request first arrives
+(typically milliseconds; a large JSON schema may take longer).
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+import torch
+
+from common.structured_outputs import StructuredOutputs, build_grammar
+
+logger = logging.getLogger(__name__)
+
+
+class GrammarMatcher:
+    """Where one request stands in its grammar."""
+
+    def __init__(self, matcher: Any, request_id: str, vocab_size: int):
+        self._matcher = matcher
+        self.vocab_size = vocab_size
+        self._request_id = request_id
+        self._broken = False  # a token the grammar refused: stop constraining rather than fail the step
+
+    @property
+    def active(self) -> bool:
+        """Whether the next token is constrained (not once the grammar accepted its end)."""
+        return not self._broken and not self._matcher.is_terminated()
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+
+    def accept(self, token_id: int) -> None:
+        if not self.active:
+            return
+        if not self._matcher.accept_token(token_id):
+            # Only possible when another adjustment (min_tokens banning the end, a logit bias of -100)
+            # left nothing the grammar allows. Masking on from a state the output no longer
+            # matches would be arbitrary; the text is what the client gets either way.
+            logger.warning("request %s: sampled token %d is outside its grammar; no longer constraining it",
+                           self._request_id, token_id)
+            self._broken = True
+
+
+class GrammarCompiler:
+    """Compiles and caches grammars for one tokenizer (built on first use: xgrammar
+    and the tokenizer load only when a request asks for structured output)."""
+
+    def __init__(self, tokenizer_dir: str, vocab_size: int, eos_token_ids: Sequence[int]):
+        self._tokenizer_dir = tokenizer_dir
+        self._vocab_size = vocab_size
+        self._eos_token_ids = list(eos_token_ids)
+        self._compiler: Any = None
+        self._compiled: dict[bytes, Any] = {}  # by the spec's encoding (a choice list is not hashable)
+
+    def matcher(self, spec: StructuredOutputs, request_id: str, output_token_ids: Sequence[int] = ()) -> GrammarMatcher:
+        """A matcher for `spec` that has accepted `output_token_ids` (a request re-admitted after preemption)."""
+        import xgrammar
+
+        key = msgspec.msgpack.encode(spec)
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            compiled = self._compiled[key] = self._xgrammar_compiler().compile_grammar(build_grammar(spec))
+        matcher = GrammarMatcher(xgrammar.GrammarMatcher(compiled), request_id, self._vocab_size)
+        for token_id in output_token_ids:
+            matcher.accept(token_id)
+        return matcher
+
+    def _xgrammar_compiler(self) -> Any:
+        if self._compiler is None:
+            import xgrammar
+
+            from common.tokenizer import load_tokenizer
+
+            info = xgrammar.TokenizerInfo.from_huggingface(load_tokenizer(self._tokenizer_dir),
+                                                           vocab_size=self._vocab_size,
+                                                           stop_token_ids=self._eos_token_ids or None)
+            self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)  # the model owns the cores
+        return self._compiler
+
+
+class GrammarMasks:
+    """The allowed tokens of a step's constrained rows, as xgrammar bitmasks."""
+
+    def __init__(self, rows: list[int], matchers: list[GrammarMatcher]):
+        import xgrammar
+
+        self.rows = rows
+        self.bitmask = xgrammar.allocate_token_bitmask(len(rows), matchers[0].vocab_size)
+        for index, matcher in enumerate(matchers):
+            matcher.fill_bitmask(self.bitmask, index)
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """Set every token the grammars forbid to -inf (in place)."""
+        vocab = logits.shape[1]
+        bits = torch.arange(32, dtype=torch.int32)
+        allowed = ((self.bitmask.unsqueeze(-1) >> bits) & 1).bool().flatten(1)[:, :vocab]
+        rows = torch.tensor(self.rows, dtype=torch.int64, device=logits.device)
+        logits[rows] = logits[rows].masked_fill(~allowed.to(logits.device), float("-inf"))
+
+
+def grammar_masks(matchers: Sequence[GrammarMatcher | None]) -> GrammarMasks | None:
+    """Masks for the rows whose matcher is active; None when no row is constrained."""
+    rows = [row for row, matcher in enumerate(matchers) if matcher is not None and matcher.active]
+    if not rows:
+        return None
+    return GrammarMasks(rows, [matchers[row] for row in rows])  # type: ignore[misc]
