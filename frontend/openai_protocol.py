@@ -26,6 +26,7 @@ from frontend.errors import NotSupportedError
 from frontend.openai_responses import ModelCard, ModelList, OpenAIBaseModel  # noqa: F401 (api_server's imports)
 from frontend.request_body import UNIMPLEMENTED_VLLM_FIELDS, RequestBody, TextRequest, check_unimplemented
 from frontend.structured_output_request import GUIDED_FIELDS, structured_outputs_from
+from frontend.tool_calls import ToolChoice, resolve_tool_choice, tool_call_output
 
 
 class StreamOptions(OpenAIBaseModel):
@@ -215,6 +216,12 @@ class ChatTemplateRequest(RequestBody):
             raise InvalidRequestError(f"chat_template_kwargs may not set {reserved}", param="chat_template_kwargs")
         check_unimplemented(self, {"chat_template": "a chat template per request (chat_template)"})
 
+    def template_kwargs(self) -> dict[str, Any]:
+        """chat_template_kwargs, with the tools (chat completions) for templates that
+        show them to the model; the request's own kwargs win, as in vLLM."""
+        tools = getattr(self, "tools", None)
+        return {**({"tools": tools} if tools else {}), **(self.chat_template_kwargs or {})}
+
     def template_messages(self) -> list[dict[str, Any]]:
         messages = []
         for index, message in enumerate(self.messages):
@@ -240,13 +247,29 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateRequest):
         super().check_supported()
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs to be true", param="top_logprobs")
-        if self.tools or self.functions:
-            raise NotSupportedError("tools" if self.tools else "functions", "tool calling")
-        # Without tools only "none" (or "auto", which then means none) asks for nothing this server lacks.
-        for param, choice in (("tool_choice", self.tool_choice), ("function_call", self.function_call)):
-            if choice not in (None, "none", "auto"):
-                raise NotSupportedError(param, f"{param} {choice!r} (tool calling)")
+        if self.functions or self.function_call not in (None, "none", "auto"):
+            raise NotSupportedError("functions" if self.functions else "function_call",
+                                    "the deprecated function calling (functions, function_call); use tools")
+        try:
+            self.resolved_tool_choice()
+        except NotSupportedError as e:  # "auto" by default: the tools are what the client sent
+            e.param = "tool_choice" if self.tool_choice is not None else "tools"
+            raise
         self.check_template_options()
+
+    def resolved_tool_choice(self) -> ToolChoice:
+        return resolve_tool_choice(self.tools, self.tool_choice)
+
+    def structured_output(self) -> tuple[StructuredOutputs, str] | None:
+        """A tool choice that asks for a call is a structured output too (only one may be asked)."""
+        asked = super().structured_output()
+        tool_output = tool_call_output(self.tools or [], self.resolved_tool_choice())
+        if tool_output is None:
+            return asked
+        if asked is not None:
+            raise InvalidRequestError(f"{asked[1]} and tool_choice each ask for a structured output: send only one",
+                                      param=asked[1])
+        return tool_output, "tool_choice"
 
     def requested_max_tokens(self) -> tuple[int | None, str]:
         """(max tokens, the parameter that set it)."""

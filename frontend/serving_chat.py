@@ -20,6 +20,7 @@ from frontend.openai_protocol import ChatCompletionRequest, ChatTemplateRequest
 from frontend.openai_responses import (ChatChoice, ChatCompletionChunk, ChatCompletionResponse, ChatMessage,
                                        ChatStreamChoice, DeltaMessage, UsageInfo)
 from frontend.state import SYSTEM_FINGERPRINT, FrontendState, request_ids
+from frontend.tool_calls import tool_call_reply
 
 ROLE = "assistant"
 
@@ -87,7 +88,7 @@ async def render_chat_prompt(state: FrontendState, body: ChatTemplateRequest) ->
     try:
         return await state.tokenizer_client.render_chat(
             body.template_messages(), add_generation_prompt=body.add_generation_prompt,
-            continue_final_message=body.continue_final_message, chat_template_kwargs=body.chat_template_kwargs)
+            continue_final_message=body.continue_final_message, chat_template_kwargs=body.template_kwargs())
     except InvalidRequestError as e:  # the pool's reply names no parameter; the messages are at fault
         e.param = e.param or "messages"
         raise
@@ -102,10 +103,14 @@ async def _collect(reply: _Reply, deltas: AsyncIterator[GenerationDelta], num_sa
             prompt_logprobs = delta.prompt_logprobs if delta.prompt_logprobs is not None else prompt_logprobs
             samples[delta.index].add(delta.decoded())
     echo = reply.body.echoed_text(ROLE)
-    choices = [ChatChoice(index=rank, message=ChatMessage(role=ROLE, content=echo + sample.text),
-                          logprobs=reply.logprobs(sample.logprobs), finish_reason=sample.finish_reason,
-                          stop_reason=sample.stop_reason)
-               for rank, sample in enumerate(best_samples(samples, reply.body.n))]
+    tool_choice = reply.body.resolved_tool_choice()
+    choices = []
+    for rank, sample in enumerate(best_samples(samples, reply.body.n)):
+        message, finish_reason = ChatMessage(role=ROLE, content=echo + sample.text), sample.finish_reason
+        if (calls := tool_call_reply(sample.text, finish_reason, tool_choice)) is not None:
+            message, finish_reason = ChatMessage(role=ROLE, content=None, tool_calls=calls[0]), calls[1]
+        choices.append(ChatChoice(index=rank, message=message, logprobs=reply.logprobs(sample.logprobs),
+                                  finish_reason=finish_reason, stop_reason=sample.stop_reason))
     return ChatCompletionResponse(id=reply.id, created=reply.created, model=reply.model,
                                   system_fingerprint=SYSTEM_FINGERPRINT, choices=choices, usage=reply.usage(),
                                   prompt_logprobs=reply.prompt_logprobs(prompt_logprobs))
@@ -113,8 +118,10 @@ async def _collect(reply: _Reply, deltas: AsyncIterator[GenerationDelta], num_sa
 
 @dataclass(slots=True)
 class _Held:
-    """Logprobs of tokens whose text is not sent yet (held back, or no text)."""
+    """Logprobs of tokens whose text is not sent yet (held back, or no text), and
+    the text of a tool call still being generated."""
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    text: str = ""
 
 
 async def _stream(reply: _Reply, deltas: AsyncIterator[GenerationDelta]) -> AsyncIterator[str]:
@@ -126,16 +133,26 @@ async def _stream(reply: _Reply, deltas: AsyncIterator[GenerationDelta]) -> Asyn
         yield reply.chunk([ChatStreamChoice(index=index, delta=DeltaMessage(role=ROLE, content=echo))],
                           reply.usage() if continuous else None)
     held = [_Held() for _ in range(body.n)]
+    tool_choice = body.resolved_tool_choice()
     async with aclosing(deltas):
         async for delta in deltas:
             reply.last = delta
             pending = held[delta.index]
             pending.logprobs += delta.logprobs or []
-            if not delta.text and delta.finish_reason is None and delta.prompt_logprobs is None:
+            message, finish_reason = DeltaMessage(content=delta.text or None), delta.finish_reason
+            if tool_choice.mode != "none":
+                # A tool call is sent whole once its JSON is complete (as text if it never is).
+                pending.text += delta.text
+                if finish_reason is None:
+                    continue
+                message = DeltaMessage(content=pending.text or None)
+                if (calls := tool_call_reply(pending.text, finish_reason, tool_choice, indexed=True)) is not None:
+                    message, finish_reason = DeltaMessage(tool_calls=calls[0]), calls[1]
+            elif not delta.text and finish_reason is None and delta.prompt_logprobs is None:
                 continue  # e.g. text held back while it may begin a stop string
-            choice = ChatStreamChoice(index=delta.index, delta=DeltaMessage(content=delta.text or None),
+            choice = ChatStreamChoice(index=delta.index, delta=message,
                                       logprobs=reply.logprobs(pending.logprobs) if pending.logprobs else None,
-                                      finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)
+                                      finish_reason=finish_reason, stop_reason=delta.stop_reason)
             pending.logprobs = []
             yield reply.chunk([choice], reply.usage() if continuous else None, delta.prompt_logprobs)
     if body.include_usage_chunk():

@@ -51,14 +51,34 @@ def test_unsupported_completion_options_are_400s(server, field, value):
     assert_error(post(server, "/completions", body), 400, field, "not supported")
 
 
-@pytest.mark.parametrize("field, value", [("tools", [{"type": "function", "function": {"name": "f"}}]),
-                                          ("tool_choice", "required"),  # without tools: never silently ignored
-                                          ("tool_choice", {"type": "function", "function": {"name": "f"}}),
-                                          ("functions", [{"name": "f"}]),
-                                          ("function_call", {"name": "f"})])
-def test_unsupported_chat_options_are_400s(server, field, value):
-    body = {"model": "tiny-model", "messages": CHAT, field: value}
-    assert_error(post(server, "/chat/completions", body), 400, field, "not supported")
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+
+
+@pytest.mark.parametrize("fields, param", [({"tools": TOOLS}, "tools"),  # tool_choice "auto" by default
+                                           ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice"),
+                                           ({"functions": [{"name": "f"}]}, "functions"),
+                                           ({"function_call": {"name": "f"}}, "function_call")])
+def test_unsupported_chat_options_are_400s(server, fields, param):
+    body = {"model": "tiny-model", "messages": CHAT, **fields}
+    assert_error(post(server, "/chat/completions", body), 400, param, "not supported")
+
+
+@pytest.mark.parametrize("fields, param, fragment", [
+    ({"tool_choice": "required"}, "tool_choice", "needs tools"),  # never silently ignored
+    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice", "not in tools"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice",
+     "not in tools"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "must be"),
+    ({"tools": [{"type": "function", "function": {}}], "tool_choice": "required"}, "tools", "name"),
+    ({"tools": [{"type": "retrieval"}], "tool_choice": "required"}, "tools", "must be"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}], "tool_choice": "required"},
+     "tools", "parameters"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format",
+     "only one"),
+])
+def test_bad_tool_choices_are_400s(server, fields, param, fragment):
+    body = {"model": "tiny-model", "messages": CHAT, **fields}
+    assert_error(post(server, "/chat/completions", body), 400, param, fragment)
 
 
 @pytest.mark.parametrize("path", ["/completions", "/chat/completions"])

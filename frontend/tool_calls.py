@@ -1,0 +1,133 @@
+"""Tool calling in chat completions, as vLLM does it without a tool-call parser.
+
+- `tool_choice` "none" (the default without tools): plain text; the tools still
+  reach the chat template, which may show them to the model.
+- a named function ({"type": "function", "function": {"name": ...}}): the reply
+  is constrained to that function's `parameters` schema and returned as one
+  tool call (finish reason "stop", as vLLM).
+- "required": constrained to a JSON list of {"name", "parameters"} objects,
+  one or more, returned as tool calls (finish reason "tool_calls").
+- "auto" (the default with tools) needs a model-specific parser to find tool
+  calls in free text, which this server does not have: a 400, as vLLM without
+  --enable-auto-tool-choice.
+"""
+from __future__ import annotations
+
+import json
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+from common.errors import InvalidRequestError
+from common.structured_outputs import StructuredOutputs
+from frontend.errors import NotSupportedError
+from frontend.openai_responses import OpenAIBaseModel
+
+
+class FunctionCall(OpenAIBaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI's
+
+
+class ToolCall(OpenAIBaseModel):
+    id: str
+    type: str = "function"
+    function: FunctionCall
+
+
+@dataclass(frozen=True, slots=True)
+class ToolChoice:
+    mode: str  # "none", "required" or "named"
+    name: str | None = None  # the function, when named
+
+
+def resolve_tool_choice(tools: list[dict[str, Any]] | None, tool_choice: Any) -> ToolChoice:
+    """Check `tools` and `tool_choice` together (a 400 naming the field when they do not fit)."""
+    names = [_tool_name(index, tool) for index, tool in enumerate(tools or [])]
+    if tool_choice is None:
+        tool_choice = "auto" if tools else "none"
+    if tool_choice == "none" or (tool_choice == "auto" and not tools):
+        return ToolChoice("none")
+    if tool_choice == "auto":
+        raise NotSupportedError("tool_choice", '"auto" tool choice (it needs a tool-call parser for the model); '
+                                               'use "required", a named function, or "none"')
+    if tool_choice == "required":
+        if not tools:
+            raise InvalidRequestError('tool_choice "required" needs tools', param="tool_choice")
+        return ToolChoice("required")
+    if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
+        name = (tool_choice.get("function") or {}).get("name")
+        if name not in names:
+            raise InvalidRequestError(f"tool_choice names the function {name!r}, which is not in tools",
+                                      param="tool_choice")
+        return ToolChoice("named", name)
+    raise InvalidRequestError('tool_choice must be "none", "auto", "required" or {"type": "function", '
+                              '"function": {"name": ...}}', param="tool_choice")
+
+
+def _tool_name(index: int, tool: Any) -> str:
+    function = tool.get("function") if isinstance(tool, dict) else None
+    if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(function, dict):
+        raise InvalidRequestError(f'tools[{index}] must be {{"type": "function", "function": {{...}}}}',
+                                  param="tools")
+    name = function.get("name")
+    if not isinstance(name, str) or not name:
+        raise InvalidRequestError(f"tools[{index}].function.name must be a non-empty string", param="tools")
+    parameters = function.get("parameters")
+    if parameters is not None and not isinstance(parameters, dict):
+        raise InvalidRequestError(f"tools[{index}].function.parameters must be a JSON schema object",
+                                  param="tools")
+    return name
+
+
+def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
+    return tool["function"].get("parameters") or {"type": "object", "properties": {}}
+
+
+def tool_call_output(tools: list[dict[str, Any]], choice: ToolChoice) -> StructuredOutputs | None:
+    """The structured output that makes the model's reply a tool call (None: free text)."""
+    by_name = {tool["function"]["name"]: tool for tool in tools}
+    if choice.mode == "named":
+        return StructuredOutputs.of("tool_choice", json=_parameters(by_name[choice.name]))
+    if choice.mode == "required":
+        calls = [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
+                  "properties": {"name": {"type": "string", "enum": [name]}, "parameters": _parameters(tool)}}
+                 for name, tool in by_name.items()]
+        return StructuredOutputs.of("tool_choice", json={"type": "array", "minItems": 1,
+                                                         "items": {"anyOf": calls}})
+    return None
+
+
+def new_tool_call_id() -> str:
+    return f"chatcmpl-tool-{secrets.token_hex(16)}"
+
+
+def tool_calls_of(text: str, choice: ToolChoice) -> list[ToolCall] | None:
+    """The tool calls a constrained reply holds; None when it is not complete
+    JSON (the reply was cut by max_tokens, or stopped by a stop string)."""
+    if choice.mode == "named":
+        try:
+            json.loads(text)
+        except ValueError:
+            return None
+        return [ToolCall(id=new_tool_call_id(), function=FunctionCall(name=choice.name or "", arguments=text))]
+    try:
+        calls = json.loads(text)
+    except ValueError:
+        return None
+    return [ToolCall(id=new_tool_call_id(), function=FunctionCall(
+        name=call["name"], arguments=json.dumps(call["parameters"], ensure_ascii=False))) for call in calls]
+
+
+def tool_call_reply(text: str, finish_reason: str | None, choice: ToolChoice, *,
+                    indexed: bool = False) -> tuple[list[dict[str, Any]], str | None] | None:
+    """For a reply that holds tool calls: the message's `tool_calls` (as JSON; each
+    with its `index` when `indexed`, as stream deltas need) and the finish reason
+    ("tool_calls" for "required", as vLLM). None: the reply is plain text."""
+    if choice.mode == "none":
+        return None
+    calls = tool_calls_of(text, choice)
+    if calls is None:
+        return None
+    finish = "tool_calls" if choice.mode == "required" and finish_reason == "stop" else finish_reason
+    return [{**({"index": index} if indexed else {}), **call.model_dump()} for index, call in enumerate(calls)], finish
