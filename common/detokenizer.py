@@ -6,7 +6,10 @@ SentencePiece drops a token's leading space at the start of a decode), and
 re-decoding everything each step is quadratic. Instead we decode a short
 window twice: `ids[prefix:read]` (text already emitted) and `ids[prefix:]`
 (with the new tokens); the delta is the tail by which the second is longer.
-Text ending in U+FFFD is an unfinished character and is held back.
+Text ending in U+FFFD is an unfinished character and is held back; at the
+end of a request such a character is dropped, as vLLM does (its detokenizer
+never releases it), so a reply cut by max_tokens inside a character does not
+end in a stray U+FFFD.
 """
 from __future__ import annotations
 
@@ -30,9 +33,10 @@ def _decode_function(tokenizer, skip_special_tokens: bool) -> Callable[[list[int
 
 class IncrementalDetokenizer:
     """Per-request detokenizer. `add_tokens` returns the new text; joined,
-    the deltas equal `tokenizer.decode(output_ids, skip_special_tokens=...)`
-    (for SentencePiece with a prompt: the text as continued after the
-    prompt, i.e. keeping the first token's leading space).
+    the deltas and `flush()` equal `tokenizer.decode(output_ids,
+    skip_special_tokens=...)` without its trailing U+FFFD, if any (for
+    SentencePiece with a prompt: the text as continued after the prompt,
+    i.e. keeping the first token's leading space).
 
     `spaces_between_special_tokens` is accepted for vLLM compatibility; like
     transformers and vLLM, fast tokenizers (the only kind we load) ignore it.
@@ -75,13 +79,17 @@ class IncrementalDetokenizer:
         return self._advance(final=False)
 
     def flush(self) -> str:
-        """At the end of a request: release text held back because it ends in
-        U+FFFD (bytes that never formed a character), so nothing is lost."""
+        """At the end of a request: release the complete characters held back
+        with an unfinished one; the unfinished bytes themselves (decoded as
+        trailing U+FFFD) are dropped, as vLLM drops them."""
         return self._advance(final=True)
 
     def _advance(self, final: bool) -> str:
         prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
         new_text = self._decode(self._ids[self._prefix_offset:])
+        if final:
+            # Released text never ends in U+FFFD, so this strips only bytes of the last window.
+            new_text = new_text.rstrip(REPLACEMENT_CHAR)
         if len(new_text) <= len(prefix_text) or (new_text.endswith(REPLACEMENT_CHAR) and not final):
             # Nothing visible yet (a skipped special token) or a character
             # still waiting for its remaining bytes: keep the window open.
