@@ -131,7 +131,8 @@ class SamplingRequest(TextRequest):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
     def continuous_usage(self) -> bool:
-        return bool(self.stream and self.stream_options and self.stream_options.continuous_usage_stats)
+        """Usage in every chunk too: as vLLM, only together with include_usage."""
+        return self.include_usage_chunk() and bool(self.stream_options.continuous_usage_stats)
 
 
 # --- /v1/completions ---------------------------------------------------------------

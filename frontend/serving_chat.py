@@ -41,10 +41,12 @@ class _Reply:
                                              system_fingerprint=SYSTEM_FINGERPRINT, choices=choices, usage=usage,
                                              prompt_logprobs=self.prompt_logprobs(prompt_logprobs)))
 
-    def usage(self) -> UsageInfo:
+    def usage(self, completion_tokens: int | None = None) -> UsageInfo:
+        """The request's usage; with `completion_tokens`, one choice's (continuous usage)."""
         last = self.last
-        return UsageInfo.of(self.num_prompt_tokens, last.num_output_tokens if last else 0,
-                            last.num_cached_tokens if last else 0)
+        if completion_tokens is None:
+            completion_tokens = last.num_output_tokens if last else 0
+        return UsageInfo.of(self.num_prompt_tokens, completion_tokens, last.num_cached_tokens if last else 0)
 
     def logprobs(self, entries: list[TokenLogprobs] | None):
         return chat_logprobs(entries or [], self.texts) if self.body.logprobs else None
@@ -122,6 +124,7 @@ class _Held:
     the text of a tool call still being generated."""
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     text: str = ""
+    num_tokens: int = 0  # the choice's output tokens so far (its continuous usage, as vLLM's)
 
 
 async def _stream(reply: _Reply, deltas: AsyncIterator[GenerationDelta]) -> AsyncIterator[str]:
@@ -131,7 +134,7 @@ async def _stream(reply: _Reply, deltas: AsyncIterator[GenerationDelta]) -> Asyn
     echo = body.echoed_text(ROLE)
     for index in range(body.n):
         yield reply.chunk([ChatStreamChoice(index=index, delta=DeltaMessage(role=ROLE, content=echo))],
-                          reply.usage() if continuous else None)
+                          reply.usage(0) if continuous else None)
     held = [_Held() for _ in range(body.n)]
     tool_choice = body.resolved_tool_choice()
     async with aclosing(deltas):
@@ -139,6 +142,7 @@ async def _stream(reply: _Reply, deltas: AsyncIterator[GenerationDelta]) -> Asyn
             reply.last = delta
             pending = held[delta.index]
             pending.logprobs += delta.logprobs or []
+            pending.num_tokens += len(delta.token_ids)
             message, finish_reason = DeltaMessage(content=delta.text or None), delta.finish_reason
             if tool_choice.mode != "none":
                 # A tool call is sent whole once its JSON is complete (as text if it never is).
@@ -154,7 +158,7 @@ async def _stream(reply: _Reply, deltas: AsyncIterator[GenerationDelta]) -> Asyn
                                       logprobs=reply.logprobs(pending.logprobs) if pending.logprobs else None,
                                       finish_reason=finish_reason, stop_reason=delta.stop_reason)
             pending.logprobs = []
-            yield reply.chunk([choice], reply.usage() if continuous else None, delta.prompt_logprobs)
+            yield reply.chunk([choice], reply.usage(pending.num_tokens) if continuous else None, delta.prompt_logprobs)
     if body.include_usage_chunk():
         yield reply.chunk([], reply.usage())
     yield sse.DONE

@@ -47,11 +47,17 @@ class _Reply:
         return CompletionResponse(id=self.id, created=self.created, model=self.model,
                                   system_fingerprint=SYSTEM_FINGERPRINT, choices=choices, usage=usage)
 
-    def usage(self, prompts: list[_Prompt] | None = None) -> UsageInfo:
-        seen = [p.last for p in (prompts or self.prompts) if p.last is not None]
+    def usage(self) -> UsageInfo:
+        seen = [p.last for p in self.prompts if p.last is not None]
         generated = 0 if self.body.echo_only else sum(d.num_output_tokens for d in seen)
-        return UsageInfo.of(sum(len(p.token_ids) for p in (prompts or self.prompts)), generated,
+        return UsageInfo.of(sum(len(p.token_ids) for p in self.prompts), generated,
                             sum(d.num_cached_tokens for d in seen))
+
+    @staticmethod
+    def choice_usage(prompt: _Prompt, completion_tokens: int) -> UsageInfo:
+        """Continuous usage: as vLLM's, the chunk's prompt and its choice's tokens so far."""
+        cached = prompt.last.num_cached_tokens if prompt.last is not None else 0
+        return UsageInfo.of(len(prompt.token_ids), completion_tokens, cached)
 
     def logprobs(self, prompt: _Prompt, token_ids: list[int], entries: list[TokenLogprobs] | None,
                  with_echo: bool, text_offset: int = 0):
@@ -147,6 +153,7 @@ class _ChoiceStream:
     """A streamed choice: text sent so far, and tokens whose text is held back."""
     sent_chars: int = 0
     started: bool = False
+    num_tokens: int = 0  # output tokens shown so far (for continuous usage)
     held_token_ids: list[int] = field(default_factory=list)
     held_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
@@ -161,6 +168,7 @@ async def _stream(reply: _Reply, merged: AsyncIterator[tuple[int, GenerationDelt
             choice = streams[prompt_index * n + delta.index]
             shown = _shown(reply.body, delta.decoded())
             choice.held_token_ids += shown.token_ids
+            choice.num_tokens += len(shown.token_ids)
             choice.held_logprobs += shown.logprobs or []
             with_echo = prompt.echo is not None and not choice.started
             text = (prompt.echo if with_echo else "") + shown.text
@@ -174,7 +182,8 @@ async def _stream(reply: _Reply, merged: AsyncIterator[tuple[int, GenerationDelt
                 prompt_logprobs=reply.prompt_logprobs(prompt) if not choice.started else None)
             choice.started, choice.sent_chars = True, choice.sent_chars + len(text)
             choice.held_token_ids, choice.held_logprobs = [], []
-            yield sse.event(reply.response([body], reply.usage([prompt]) if reply.body.continuous_usage() else None))
+            usage = reply.choice_usage(prompt, choice.num_tokens) if reply.body.continuous_usage() else None
+            yield sse.event(reply.response([body], usage))
     if reply.body.include_usage_chunk():
         yield sse.event(reply.response([], reply.usage()))
     yield sse.DONE
