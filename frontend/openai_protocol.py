@@ -284,9 +284,14 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateRequest):
         return self.to_sampling_params(max_tokens, logprobs, vocab_size,
                                        {"max_tokens": max_tokens_param, "logprobs": "top_logprobs"})
 
-    def echoed_text(self, role: str) -> str:
+    def response_role(self) -> str:
+        """The reply's role, as vLLM's: the assistant's when the template opens a new
+        turn, else (a turn being continued) that of the last message."""
+        return "assistant" if self.add_generation_prompt else self.messages[-1].role
+
+    def echoed_text(self) -> str:
         """vLLM's chat echo: the last message's content, when it has the reply's role."""
         if not self.echo:
             return ""
         last = self.messages[-1]
-        return (last.text_content(len(self.messages) - 1) or "") if last.role == role else ""
+        return (last.text_content(len(self.messages) - 1) or "") if last.role == self.response_role() else ""

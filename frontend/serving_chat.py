@@ -22,8 +22,6 @@ from frontend.openai_responses import (ChatChoice, ChatCompletionChunk, ChatComp
 from frontend.state import SYSTEM_FINGERPRINT, FrontendState, request_ids
 from frontend.tool_calls import tool_call_reply
 
-ROLE = "assistant"
-
 
 @dataclass(slots=True)
 class _Reply:
@@ -104,13 +102,13 @@ async def _collect(reply: _Reply, deltas: AsyncIterator[GenerationDelta], num_sa
             reply.last = delta
             prompt_logprobs = delta.prompt_logprobs if delta.prompt_logprobs is not None else prompt_logprobs
             samples[delta.index].add(delta.decoded())
-    echo = reply.body.echoed_text(ROLE)
+    echo, role = reply.body.echoed_text(), reply.body.response_role()
     tool_choice = reply.body.resolved_tool_choice()
     choices = []
     for rank, sample in enumerate(best_samples(samples, reply.body.n)):
-        message, finish_reason = ChatMessage(role=ROLE, content=echo + sample.text), sample.finish_reason
+        message, finish_reason = ChatMessage(role=role, content=echo + sample.text), sample.finish_reason
         if (calls := tool_call_reply(sample.text, finish_reason, tool_choice)) is not None:
-            message, finish_reason = ChatMessage(role=ROLE, content=None, tool_calls=calls[0]), calls[1]
+            message, finish_reason = ChatMessage(role=role, content=None, tool_calls=calls[0]), calls[1]
         choices.append(ChatChoice(index=rank, message=message, logprobs=reply.logprobs(sample.logprobs),
                                   finish_reason=finish_reason, stop_reason=sample.stop_reason))
     return ChatCompletionResponse(id=reply.id, created=reply.created, model=reply.model,
@@ -131,9 +129,9 @@ async def _stream(reply: _Reply, deltas: AsyncIterator[GenerationDelta]) -> Asyn
     body = reply.body
     continuous = body.continuous_usage()
     # Each choice's first chunk carries the role (and vLLM's echo), as OpenAI's does.
-    echo = body.echoed_text(ROLE)
+    echo, role = body.echoed_text(), body.response_role()
     for index in range(body.n):
-        yield reply.chunk([ChatStreamChoice(index=index, delta=DeltaMessage(role=ROLE, content=echo))],
+        yield reply.chunk([ChatStreamChoice(index=index, delta=DeltaMessage(role=role, content=echo))],
                           reply.usage(0) if continuous else None)
     held = [_Held() for _ in range(body.n)]
     tool_choice = body.resolved_tool_choice()
