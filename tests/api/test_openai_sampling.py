@@ -11,8 +11,7 @@ import pytest
 
 from common.config import EngineConfig
 from common.tokenizer import apply_chat_template
-from conftest import metric_samples
-from serve_helpers import MODEL
+from serve_helpers import MODEL, metric_samples
 
 BLOCK = EngineConfig().block_size  # the server's default block size
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
