@@ -26,7 +26,7 @@ from frontend.errors import NotSupportedError
 from frontend.openai_responses import ModelCard, ModelList, OpenAIBaseModel  # noqa: F401 (api_server's imports)
 from frontend.request_body import UNIMPLEMENTED_VLLM_FIELDS, RequestBody, TextRequest, check_unimplemented
 from frontend.structured_output_request import GUIDED_FIELDS, structured_outputs_from
-from frontend.tool_calls import ToolChoice, resolve_tool_choice, tool_call_output
+from frontend.tool_calls import ToolChoice, arguments_as_object, resolve_tool_choice, tool_call_output
 
 
 class StreamOptions(OpenAIBaseModel):
@@ -230,6 +230,8 @@ class ChatTemplateRequest(RequestBody):
             for name in ("name", "tool_calls", "tool_call_id"):
                 if getattr(message, name) is not None:
                     entry[name] = getattr(message, name)
+            if message.tool_calls:
+                entry["tool_calls"] = [arguments_as_object(call) for call in message.tool_calls]
             messages.append(entry)
         return messages
 

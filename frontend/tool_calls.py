@@ -131,3 +131,16 @@ def tool_call_reply(text: str, finish_reason: str | None, choice: ToolChoice, *,
         return None
     finish = "tool_calls" if choice.mode == "required" and finish_reason == "stop" else finish_reason
     return [{**({"index": index} if indexed else {}), **call.model_dump()} for index, call in enumerate(calls)], finish
+
+
+def arguments_as_object(tool_call: dict[str, Any]) -> dict[str, Any]:
+    """A tool call whose JSON-text arguments are parsed, as vLLM hands them to
+    templates (which write `arguments | tojson`, and would quote a string twice)."""
+    function = tool_call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return tool_call
+    try:
+        arguments = json.loads(function["arguments"])
+    except ValueError:
+        return tool_call
+    return {**tool_call, "function": {**function, "arguments": arguments}}
