@@ -18,6 +18,7 @@ from worker.input_batch import InputBatch
 from worker.kv_cache import allocate_kv_caches, kv_cache_spec, num_blocks_for
 from worker.model_loader import load_model
 from worker.model_runner import ModelRunner
+from worker.models.rotary import CONTEXT_STRETCHING_ROPE_TYPES, rope_parameters
 from worker.structured_output import GrammarCompiler
 
 logger = logging.getLogger(__name__)
@@ -101,7 +102,13 @@ class Worker:
 
 
 def _model_max_len(hf_config: Any) -> int:
+    """The longest sequence the model supports: max_position_embeddings, times the
+    factor of a RoPE scaling that stretches the context beyond it (linear, dynamic
+    NTK), as vLLM derives it. llama3 scaling already counts in the config's value."""
     limit = getattr(hf_config, "max_position_embeddings", None)
     if not limit:
         raise ValueError("the model config has no max_position_embeddings; set max_model_len")
+    rope = rope_parameters(hf_config)
+    if rope["rope_type"] in CONTEXT_STRETCHING_ROPE_TYPES:
+        limit *= float(rope.get("factor") or 1.0)
     return int(limit)

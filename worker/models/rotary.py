@@ -13,6 +13,8 @@ from typing import Any
 import torch
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+# Scalings whose `factor` multiplies the usable context (vLLM derives max_model_len so).
+CONTEXT_STRETCHING_ROPE_TYPES = ("linear", "dynamic")
 
 
 def rope_parameters(hf_config: Any) -> dict[str, Any]:
