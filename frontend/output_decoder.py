@@ -63,12 +63,20 @@ class OutputDecoder:
         if stop_checker.matched is not None:
             return self._delta(output, count, pieces, "stop", stop_checker.matched)
         pieces.append(stop_checker.flush())
-        stop_token = new_ids[-1] if (output.finish_reason == FinishReason.STOP and new_ids
-                                     and new_ids[-1] in self.stop_token_ids) else None
-        return self._delta(output, count, pieces, output.finish_reason.openai_name, stop_token)
+        return self._delta(output, count, pieces, output.finish_reason.openai_name,
+                           stop_token_reason(output, self.stop_token_ids))
 
     @staticmethod
     def _delta(output: RequestOutput, count: int, pieces: list[str], finish_reason: str | None,
                stop_reason: str | int | None) -> DecodedDelta:
         logprobs = output.logprobs[:count] if output.logprobs is not None else None
         return DecodedDelta(output.new_token_ids[:count], "".join(pieces), logprobs, finish_reason, stop_reason)
+
+
+def stop_token_reason(output: RequestOutput, stop_token_ids: list[int]) -> int | None:
+    """The stop token id that ended the sample with this output, if one did (vLLM's
+    `stop_reason`; None for EOS, a length limit or a stop string)."""
+    new_ids = output.new_token_ids
+    if output.finish_reason == FinishReason.STOP and new_ids and new_ids[-1] in stop_token_ids:
+        return new_ids[-1]
+    return None

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from common.protocol import RequestOutput, TokenLogprobs, sample_request_id
 from common.sampling_params import SamplingParams
 from frontend.choices import SampleResult, best_samples
-from frontend.output_decoder import DecodedDelta, OutputDecoder
+from frontend.output_decoder import DecodedDelta, OutputDecoder, stop_token_reason
 
 
 @dataclass(slots=True)
@@ -63,7 +63,8 @@ class OfflineRequest:
             decoder = self._decoders[output.index]
             delta = decoder.decode(output) if decoder is not None else DecodedDelta(
                 output.new_token_ids, "", output.logprobs,
-                output.finish_reason.openai_name if output.finish_reason is not None else None)
+                output.finish_reason.openai_name if output.finish_reason is not None else None,
+                stop_token_reason(output, self.params.stop_token_ids))
             sample.add(delta)
             if sample.finished and output.finish_reason is None and self.params.num_samples > 1:
                 to_abort.append(sample_request_id(self.request_id, output.index))  # a stop string ended it

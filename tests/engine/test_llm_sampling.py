@@ -142,3 +142,19 @@ def test_invalid_params_are_rejected_before_any_work(tiny):
         llm.generate([{"prompt_token_ids": [5]}], SamplingParams(n=3, best_of=2), use_tqdm=False)
     assert error.value.param == "best_of"
     assert not llm.scheduler.has_unfinished_requests()
+
+
+def test_stop_reason_names_the_stop_token_without_a_tokenizer(tiny):
+    _, llm = tiny
+    prompt = [5, 6, 7, 8]
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    [plain] = llm.generate([{"prompt_token_ids": prompt}], greedy, use_tqdm=False)
+    stop_id = plain.outputs[0].token_ids[2]
+    stop = SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop_id], ignore_eos=True)
+    [out] = llm.generate([{"prompt_token_ids": prompt}], stop, use_tqdm=False)
+    # As vLLM: the stop token is the last output token and the stop_reason.
+    assert out.outputs[0].token_ids == plain.outputs[0].token_ids[:3]
+    assert (out.outputs[0].finish_reason, out.outputs[0].stop_reason) == ("stop", stop_id)
+    eos = SamplingParams(temperature=0, max_tokens=10, logit_bias={EOS: 100.0})
+    [out] = llm.generate([{"prompt_token_ids": prompt}], eos, use_tqdm=False)
+    assert (out.outputs[0].token_ids, out.outputs[0].finish_reason, out.outputs[0].stop_reason) == ([EOS], "stop", None)
