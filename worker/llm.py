@@ -108,6 +108,12 @@ class LLM:
         for params in params_list:
             params.validate(self.vocab_size)
             check_grammar(params.structured_outputs)
+        for _, token_ids in encoded:
+            # The embedding lookup would fail mid-step otherwise (as vLLM, reject up front).
+            bad = next((t for t in token_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)), None)
+            if bad is not None:
+                raise InvalidRequestError(f"Token id {bad} is out of vocabulary (size {self.vocab_size})",
+                                          param="prompts")
         requests: dict[str, OfflineRequest] = {}
         try:
             for (text, token_ids), params in zip(encoded, params_list):

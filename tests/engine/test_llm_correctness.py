@@ -117,3 +117,16 @@ def test_prompt_longer_than_max_model_len_is_rejected(tiny_llama):
     with pytest.raises(InvalidRequestError, match="40.*32|32.*40"):
         llm.generate([{"prompt_token_ids": list(range(3, 43))}], GREEDY, use_tqdm=False)
     assert_no_leaked_blocks(llm)
+
+
+def test_out_of_vocabulary_prompt_token_is_rejected_before_any_work(tiny_llama):
+    _, directory = tiny_llama
+    llm = LLM(model=str(directory), dtype="float32", num_gpu_blocks_override=64, enforce_eager=True,
+              skip_tokenizer_init=True)
+    from common.errors import InvalidRequestError
+    for bad in (256, -1):  # the tiny vocabulary has 256 tokens
+        with pytest.raises(InvalidRequestError, match=f"Token id {bad} is out of vocabulary"):
+            llm.generate([{"prompt_token_ids": [5, 6]}, {"prompt_token_ids": [5, bad, 7]}], GREEDY, use_tqdm=False)
+        assert not llm.scheduler.has_unfinished_requests()
+        assert not llm.worker.input_batch.requests  # nothing reached the worker
+    assert_no_leaked_blocks(llm)
