@@ -45,8 +45,11 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int, eos_token_ids: list[int]):
+    def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int, eos_token_ids: list[int],
+                 vocab_size: int | None = None):
+        """`vocab_size` (the worker's): prompt and stop/bias token ids must lie in it."""
         self.config = config
+        self.vocab_size = vocab_size
         self.block_size = config.block_size
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.resolved_max_num_batched_tokens()  # torch-free
@@ -78,10 +81,16 @@ class Scheduler:
     def add_request(self, engine_request: EngineRequest) -> None:
         """Queue a request; raises InvalidRequestError instead of truncating."""
         request_id = engine_request.request_id
-        engine_request.sampling_params.validate()
+        engine_request.sampling_params.validate(self.vocab_size)
         num_prompt = len(engine_request.prompt_token_ids)
         if num_prompt == 0:
             raise InvalidRequestError("The prompt is empty; at least one token is required", param="prompt")
+        if self.vocab_size is not None:
+            # An id the embedding lookup cannot take would fail the whole step on the worker.
+            bad = next((t for t in engine_request.prompt_token_ids if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise InvalidRequestError(f"Token id {bad} is out of vocabulary (size {self.vocab_size})",
+                                          param="prompt")
         if num_prompt + 1 > self.max_model_len:
             raise InvalidRequestError(
                 f"The prompt has {num_prompt} tokens, but the maximum context length (max_model_len) is "

@@ -54,8 +54,8 @@ class LLM:
         hello = self.worker.hello()
         self.max_model_len = hello.max_model_len
         self.vocab_size = hello.vocab_size
-        self.scheduler = Scheduler(self.config, num_blocks=hello.num_blocks,
-                                   max_model_len=hello.max_model_len, eos_token_ids=list(hello.eos_token_ids))
+        self.scheduler = Scheduler(self.config, num_blocks=hello.num_blocks, max_model_len=hello.max_model_len,
+                                   eos_token_ids=list(hello.eos_token_ids), vocab_size=hello.vocab_size)
         self.tokenizer = None if skip_tokenizer_init else load_tokenizer(self.worker.model_dir)
         self._ids = itertools.count()
         self.loop_stats = EngineLoopStats()
@@ -108,12 +108,6 @@ class LLM:
         for params in params_list:
             params.validate(self.vocab_size)
             check_grammar(params.structured_outputs)
-        for _, token_ids in encoded:
-            # The embedding lookup would fail mid-step otherwise (as vLLM, reject up front).
-            bad = next((t for t in token_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)), None)
-            if bad is not None:
-                raise InvalidRequestError(f"Token id {bad} is out of vocabulary (size {self.vocab_size})",
-                                          param="prompts")
         requests: dict[str, OfflineRequest] = {}
         try:
             for (text, token_ids), params in zip(encoded, params_list):

@@ -91,6 +91,24 @@ def test_prompt_must_leave_room_for_one_output_token():
     assert_no_leaked_blocks(scheduler)
 
 
+def test_token_ids_outside_the_vocabulary_are_rejected_on_admission():
+    # A bad id would fail the worker's whole step (every request in it), so the
+    # scheduler refuses it when it knows the worker's vocabulary.
+    from common.config import EngineConfig
+    from scheduler.scheduler import Scheduler
+    scheduler = Scheduler(EngineConfig(block_size=4, device="cpu"), num_blocks=11, max_model_len=40,
+                          eos_token_ids=[EOS], vocab_size=100)
+    for bad in (100, -1):
+        with pytest.raises(InvalidRequestError, match=f"Token id {bad} is out of vocabulary") as err:
+            scheduler.add_request(make_request("r", [5, bad, 7]))
+        assert err.value.param == "prompt"
+    with pytest.raises(InvalidRequestError) as err:
+        scheduler.add_request(make_request("r", [5], stop_token_ids=[100]))
+    assert err.value.param == "stop_token_ids"
+    assert not scheduler.has_unfinished_requests()
+    scheduler.add_request(make_request("r", [0, 99]))
+
+
 def test_max_model_len_beyond_the_cache_is_capped_with_a_warning(caplog):
     with caplog.at_level(logging.WARNING, logger="scheduler.scheduler"):
         scheduler, worker = make_scheduler(num_blocks=5, max_model_len=20)  # 4 usable blocks: 16 tokens
