@@ -20,6 +20,7 @@ import urllib.request
 
 from common.cli_args import (add_engine_args, engine_argv, engine_config_from_args, non_negative_int,
                              port_number, positive_float)
+from common.generation_defaults import SOURCES_HELP
 from common.logging_setup import setup_logging
 from common.proctitle import set_process_title
 from common.runtime_dir import create_runtime_dir, remove_stale_runtime_dirs
@@ -44,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="refuse new requests with 429 while this many wait (scheduler default 4096; 0 = no limit)")
     parser.add_argument("--request-timeout", type=positive_float, default=None,
                         help="fail and abort requests not finished after this many seconds (default: no limit)")
+    parser.add_argument("--generation-config", default="auto",
+                        help="sampling defaults for fields a request leaves unset: " + SOURCES_HELP)
     parser.add_argument("--disable-log-stats", action="store_true")
     parser.add_argument("--runtime-dir", default=None, help="where internal sockets live (default: a temp dir)")
     parser.add_argument("--ready-timeout", type=positive_float, default=600.0,
@@ -64,7 +67,8 @@ def component_commands(args: argparse.Namespace, runtime_dir: str) -> list[Compo
                 "--scheduler-address", addresses["scheduler"],
                 "--scheduler-control-address", addresses["control"],
                 "--tokenizer-address", addresses["tokenizer"],
-                "--served-model-name", args.served_model_name or args.model_tag or config.model]
+                "--served-model-name", args.served_model_name or args.model_tag or config.model,
+                "--generation-config", args.generation_config]
     if args.request_timeout is not None:
         frontend += ["--request-timeout", str(args.request_timeout)]
     scheduler = ([] if args.max_waiting_requests is None

@@ -11,6 +11,7 @@ import socket
 
 from common.addresses import default_address
 from common.cli_args import env_default, parse_size, port_number, positive_float
+from common.generation_defaults import SOURCES_HELP
 from common.logging_setup import setup_logging
 from common.proctitle import set_process_title
 
@@ -52,6 +53,9 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--max-request-body-size", type=parse_size,
                    default=env_default("MAX_REQUEST_BODY_SIZE", DEFAULT_MAX_BODY),
                    help="refuse HTTP bodies larger than this with 413, e.g. 16MiB (default %(default)s)")
+    g.add_argument("--generation-config", default=env_default("GENERATION_CONFIG", "auto"),
+                   help="sampling defaults for fields a request leaves unset: " + SOURCES_HELP +
+                        " (default auto, as vLLM; env PAGEDSERVE_GENERATION_CONFIG)")
     g.add_argument("--log-level", default=None, help="DEBUG, INFO, ... (default $PAGEDSERVE_LOG_LEVEL or INFO)")
     return parser
 
@@ -107,6 +111,7 @@ async def run_frontend(args: argparse.Namespace) -> None:
     import prometheus_client
     import uvicorn
 
+    from common.generation_defaults import sampling_defaults
     from common.tokenizer import load_tokenizer
     from frontend.api_server import build_app
     from frontend.control_client import ControlClient
@@ -120,7 +125,8 @@ async def run_frontend(args: argparse.Namespace) -> None:
     # Like vLLM: no `*_created` series (they double the exposition for nothing).
     prometheus_client.disable_created_metrics()
     names = served_names(args)
-    tokenizer = load_tokenizer(resolve_tokenizer_dir(args.model, args.model_cache_dir))
+    tokenizer_dir = resolve_tokenizer_dir(args.model, args.model_cache_dir)
+    tokenizer = load_tokenizer(tokenizer_dir)
     control = ControlClient(args.scheduler_control_address)
 
     async def scheduler_alive() -> bool:
@@ -135,7 +141,8 @@ async def run_frontend(args: argparse.Namespace) -> None:
     tokenizer_client = TokenizerClient(args.tokenizer_address)
     state = FrontendState(served_model_names=names, model_root=args.model, engine=engine,
                           tokenizer_client=tokenizer_client, tokenizer=tokenizer, control=control,
-                          metrics=FrontendMetrics(names[0]))
+                          metrics=FrontendMetrics(names[0]),
+                          sampling_defaults=sampling_defaults(tokenizer_dir, args.generation_config))
     await engine.start()
     http_socket = bind_socket(args.host, args.port)
     grpc_server, grpc_port = await start_grpc_server(state, args.host, args.grpc_port, api_key=args.api_key)

@@ -13,15 +13,16 @@ from contextlib import aclosing
 from typing import AsyncIterator
 
 import grpc
+import msgspec
 from google.protobuf import json_format
 
 from common.addresses import GRPC_SERVER_OPTIONS, bind_grpc_port
 from common.errors import InvalidRequestError, PagedServeError
-from common.structured_outputs import StructuredOutputs
 from common.grpc_gen import pagedserve_pb2 as pb
 from common.grpc_gen import pagedserve_pb2_grpc
 from common.protocol import TokenLogprobs
 from common.sampling_params import SamplingParams
+from common.structured_outputs import StructuredOutputs
 from frontend.choices import SampleResult, best_samples
 from frontend.errors import AuthenticationError, grpc_code
 from frontend.http_guards import api_key_matches
@@ -34,10 +35,11 @@ _FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LEN
                    "abort": pb.FINISH_REASON_ABORT}
 
 
-def sampling_params_from_proto(message: pb.SamplingParams, vocab_size: int | None = None) -> SamplingParams:
-    """Unset optional fields keep the HTTP API's defaults; max_tokens unset
-    means "as many as fit in the context"."""
-    defaults = SamplingParams()
+def sampling_params_from_proto(message: pb.SamplingParams, vocab_size: int | None = None,
+                               model_defaults: dict[str, float | int] | None = None) -> SamplingParams:
+    """Unset optional fields keep the HTTP API's defaults (or the model's,
+    `model_defaults`); max_tokens unset means "as many as fit in the context"."""
+    defaults = msgspec.structs.replace(SamplingParams(), **(model_defaults or {}))
 
     def get(name: str, default):
         return getattr(message, name) if message.HasField(name) else default
@@ -47,7 +49,7 @@ def sampling_params_from_proto(message: pb.SamplingParams, vocab_size: int | Non
         temperature=get("temperature", defaults.temperature), top_p=get("top_p", defaults.top_p),
         top_k=get("top_k", defaults.top_k), min_p=get("min_p", defaults.min_p), seed=get("seed", None),
         presence_penalty=get("presence_penalty", 0.0), frequency_penalty=get("frequency_penalty", 0.0),
-        repetition_penalty=get("repetition_penalty", 1.0), logit_bias=dict(message.logit_bias),
+        repetition_penalty=get("repetition_penalty", defaults.repetition_penalty), logit_bias=dict(message.logit_bias),
         max_tokens=get("max_tokens", None), min_tokens=message.min_tokens, ignore_eos=message.ignore_eos,
         stop_token_ids=list(message.stop_token_ids), stop=list(message.stop),
         include_stop_str_in_output=message.include_stop_str_in_output,
@@ -138,7 +140,8 @@ class PagedServeServicer(pagedserve_pb2_grpc.PagedServeServicer):
         """The generation request, and the text `echo` puts first."""
         state = self.state
         state.check_model(request.model or None)
-        params = sampling_params_from_proto(request.sampling_params, await state.generator.vocab_size())
+        params = sampling_params_from_proto(request.sampling_params, await state.generator.vocab_size(),
+                                            state.sampling_defaults)
         field = request.WhichOneof("prompt")
         echo = ""
         if field == "text":

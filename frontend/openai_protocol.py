@@ -13,6 +13,7 @@ silently ignored.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import msgspec
@@ -89,23 +90,30 @@ class SamplingRequest(TextRequest):
                                        {name: getattr(self, name) for name in GUIDED_FIELDS})
 
     def to_sampling_params(self, max_tokens: int | None, logprobs: int | None, vocab_size: int | None = None,
-                           param_names: dict[str, str] | None = None) -> SamplingParams:
+                           param_names: dict[str, str] | None = None,
+                           model_defaults: Mapping[str, Any] | None = None) -> SamplingParams:
         """Validated engine parameters. `param_names` maps a SamplingParams
-        field to the name the client used (e.g. logprobs -> top_logprobs)."""
-        defaults = SamplingParams()
+        field to the name the client used (e.g. logprobs -> top_logprobs);
+        `model_defaults` replace the API's defaults (the model's generation config)."""
+        base = SamplingParams()
+        model_defaults = model_defaults or {}
 
-        def pick(value, default):
-            return default if value is None else value
+        def default(name: str):
+            return model_defaults.get(name, getattr(base, name))
+
+        def pick(value, default_value):
+            return default_value if value is None else value
 
         asked = self.structured_output()
         try:
             params = SamplingParams(
                 n=self.n, best_of=self.best_of,
-                temperature=pick(self.temperature, defaults.temperature), top_p=pick(self.top_p, defaults.top_p),
-                top_k=pick(self.top_k, defaults.top_k), min_p=pick(self.min_p, defaults.min_p), seed=self.seed,
+                temperature=pick(self.temperature, default("temperature")), top_p=pick(self.top_p, default("top_p")),
+                top_k=pick(self.top_k, default("top_k")), min_p=pick(self.min_p, default("min_p")), seed=self.seed,
                 presence_penalty=pick(self.presence_penalty, 0.0),
                 frequency_penalty=pick(self.frequency_penalty, 0.0),
-                repetition_penalty=pick(self.repetition_penalty, 1.0), logit_bias=self._logit_bias(),
+                repetition_penalty=pick(self.repetition_penalty, default("repetition_penalty")),
+                logit_bias=self._logit_bias(),
                 max_tokens=max_tokens, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
                 stop_token_ids=list(self.stop_token_ids or []), stop=self.stop_strings(),
                 include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
@@ -157,8 +165,10 @@ class CompletionRequest(SamplingRequest):
         come back, nothing generated (the engine still runs one step for them)."""
         return self.echo and self.max_tokens == 0
 
-    def sampling_params(self, vocab_size: int | None = None) -> SamplingParams:
-        params = self.to_sampling_params(1 if self.echo_only else self.max_tokens, self.logprobs, vocab_size)
+    def sampling_params(self, vocab_size: int | None = None,
+                        model_defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+        params = self.to_sampling_params(1 if self.echo_only else self.max_tokens, self.logprobs, vocab_size,
+                                         model_defaults=model_defaults)
         if self.echo and self.logprobs is not None and self.prompt_logprobs is None:
             # The legacy logprobs of an echoed prompt cover its tokens too.
             params = msgspec.structs.replace(params, prompt_logprobs=self.logprobs)
@@ -280,11 +290,12 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateRequest):
             return self.max_completion_tokens, "max_completion_tokens"
         return self.max_tokens, "max_tokens"
 
-    def sampling_params(self, vocab_size: int | None = None) -> SamplingParams:
+    def sampling_params(self, vocab_size: int | None = None,
+                        model_defaults: Mapping[str, Any] | None = None) -> SamplingParams:
         max_tokens, max_tokens_param = self.requested_max_tokens()
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self.to_sampling_params(max_tokens, logprobs, vocab_size,
-                                       {"max_tokens": max_tokens_param, "logprobs": "top_logprobs"})
+                                       {"max_tokens": max_tokens_param, "logprobs": "top_logprobs"}, model_defaults)
 
     def response_role(self) -> str:
         """The reply's role, as vLLM's: the assistant's when the template opens a new

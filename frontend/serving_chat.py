@@ -60,7 +60,7 @@ async def create_chat_completion(state: FrontendState, body: ChatCompletionReque
     state.check_model(body.model)
     body.check_supported()
     generator = state.generator
-    params = body.sampling_params(await generator.vocab_size())
+    params = body.sampling_params(await generator.vocab_size(), state.sampling_defaults)
     max_tokens, max_tokens_param = body.requested_max_tokens()
     prompt_ids = await render_chat_prompt(state, body)
     await generator.validate(prompt_ids, max_tokens, min_tokens=params.min_tokens, prompt_param="messages",

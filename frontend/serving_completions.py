@@ -81,7 +81,7 @@ async def create_completion(state: FrontendState, body: CompletionRequest, raw_r
     state.check_model(body.model)
     body.check_supported()
     generator = state.generator
-    params = body.sampling_params(await generator.vocab_size())
+    params = body.sampling_params(await generator.vocab_size(), state.sampling_defaults)
     prompts = body.prompts()
     prompt_ids = await asyncio.gather(*(_prompt_token_ids(state, p, body.add_special_tokens) for p in prompts))
     structured_output = body.structured_output()

@@ -24,6 +24,8 @@ class FrontendState:
     tokenizer: object  # the local HF tokenizer, for incremental detokenization
     control: ControlClient
     metrics: FrontendMetrics
+    # The model's generation_config.json sampling values, for fields a request leaves unset.
+    sampling_defaults: dict[str, float | int] = field(default_factory=dict)
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:

@@ -11,10 +11,12 @@ import time
 from dataclasses import dataclass, fields
 from typing import Any, Sequence, Union
 
+import msgspec
 from tqdm.auto import tqdm
 
 from common.config import EngineConfig
 from common.errors import InvalidRequestError
+from common.generation_defaults import sampling_defaults
 from common.protocol import EngineRequest
 from common.sampling_params import SamplingParams
 from common.structured_outputs import check_grammar
@@ -46,9 +48,11 @@ class EngineLoopStats:
 
 class LLM:
     def __init__(self, model: str = "smollm2-135m-instruct", skip_tokenizer_init: bool = False,
-                 **engine_args: Any):
+                 generation_config: str = "auto", **engine_args: Any):
         """`skip_tokenizer_init=True` serves models without tokenizer files:
-        prompts must then be token ids and outputs carry ids but no text."""
+        prompts must then be token ids and outputs carry ids but no text.
+        `generation_config`: where `get_default_sampling_params` (used when
+        generate gets none) finds the model's sampling defaults, as vLLM's."""
         self.config = EngineConfig(model=model, **engine_args)
         self.worker = Worker(self.config)
         hello = self.worker.hello()
@@ -59,6 +63,11 @@ class LLM:
         self.tokenizer = None if skip_tokenizer_init else load_tokenizer(self.worker.model_dir)
         self._ids = itertools.count()
         self.loop_stats = EngineLoopStats()
+        self._sampling_defaults = sampling_defaults(self.worker.model_dir, generation_config)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The API's defaults, with the model's generation config on top (vLLM's)."""
+        return msgspec.structs.replace(SamplingParams(), **self._sampling_defaults)
 
     @classmethod
     def from_config(cls, config: EngineConfig, skip_tokenizer_init: bool = False) -> "LLM":
@@ -71,6 +80,8 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[GenerationOutput]:
         prompt_list = _as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params_list = _broadcast_params(sampling_params, len(prompt_list))
         encoded = [self._encode(p) for p in prompt_list]
         return self._run(encoded, params_list, use_tqdm)
@@ -172,8 +183,6 @@ def _as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[Prompt
 
 
 def _broadcast_params(params, n: int) -> list[SamplingParams]:
-    if params is None:
-        return [SamplingParams() for _ in range(n)]
     if isinstance(params, SamplingParams):
         return [params] * n
     params = list(params)
