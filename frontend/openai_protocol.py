@@ -217,6 +217,7 @@ class ChatTemplateRequest(RequestBody):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None  # vLLM's: for templates that cite documents (RAG)
 
     def check_template_options(self) -> None:
         if self.continue_final_message and self.add_generation_prompt:
@@ -228,10 +229,10 @@ class ChatTemplateRequest(RequestBody):
         check_unimplemented(self, {"chat_template": "a chat template per request (chat_template)"})
 
     def template_kwargs(self) -> dict[str, Any]:
-        """chat_template_kwargs, with the tools (chat completions) for templates that
-        show them to the model; the request's own kwargs win, as in vLLM."""
-        tools = getattr(self, "tools", None)
-        return {**({"tools": tools} if tools else {}), **(self.chat_template_kwargs or {})}
+        """chat_template_kwargs, with the tools (chat completions) and documents for
+        templates that show them to the model; the request's own kwargs win, as in vLLM."""
+        extra = {"tools": getattr(self, "tools", None), "documents": self.documents}
+        return {**{name: value for name, value in extra.items() if value}, **(self.chat_template_kwargs or {})}
 
     def template_messages(self) -> list[dict[str, Any]]:
         messages = []

@@ -23,10 +23,12 @@ def test_json_text_arguments_become_objects_and_anything_else_is_kept():
     assert body.messages[1].tool_calls[0]["function"]["arguments"] == '{"city": "Paris"}'
 
 
-def test_tools_reach_the_template_unless_the_request_overrides_them():
+def test_tools_and_documents_reach_the_template_unless_the_request_overrides_them():
     tools = [{"type": "function", "function": {"name": "f"}}]
     messages = [{"role": "user", "content": "Hi"}]
     assert ChatCompletionRequest(messages=messages, tools=tools).template_kwargs() == {"tools": tools}
     assert ChatCompletionRequest(messages=messages, tools=tools,
                                  chat_template_kwargs={"tools": None}).template_kwargs() == {"tools": None}
     assert ChatCompletionRequest(messages=messages).template_kwargs() == {}
+    documents = [{"title": "Paris", "text": "Paris is the capital of France."}]
+    assert ChatCompletionRequest(messages=messages, documents=documents).template_kwargs() == {"documents": documents}
