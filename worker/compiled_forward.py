@@ -92,10 +92,13 @@ class ModelForward:
             try:
                 return self.model.forward_tokens(input_ids, positions, self._compiled, self.group_size)[:num_tokens]
             except Exception as exc:  # a compiler/toolchain failure must not take serving down
+                # The same step eager: if it fails too, the step is at fault, not the compiled
+                # graph, which stays (the error goes up as it would have without compiling).
+                hidden = self.model.forward_tokens(input_ids[:num_tokens], positions[:num_tokens])
                 logger.warning("compiled model step failed (%s: %s); running eager from now on",
                                type(exc).__name__, str(exc).strip().splitlines()[-1] if str(exc).strip() else "")
                 self._compiled = None
-                return self.model.forward_tokens(input_ids[:num_tokens], positions[:num_tokens])
+                return hidden
 
     def warm_up(self, block_size: int, num_tokens: int = 256) -> None:
         """Compile now (not on the first request), records `compile_seconds`.

@@ -273,6 +273,25 @@ def test_compile_failure_falls_back_to_eager(tiny_llama, caplog):
     assert any("running eager" in r.getMessage() for r in caplog.records)
 
 
+def test_a_step_that_fails_eager_too_keeps_the_compiled_graph(tiny_llama):
+    """A failure the eager model shares is the step's fault, not the compiler's: it is raised
+    and the engine keeps its compiled graph (before: it switched to eager for good)."""
+    _, directory = tiny_llama
+    llm = engine(directory, "float32", eager=False)
+    model = llm.worker.model
+    real_forward = model.forward_tokens
+
+    def failing_forward(*args, **kwargs):
+        raise ValueError("a step that cannot run")
+    model.forward_tokens = failing_forward
+    with pytest.raises(ValueError, match="cannot run"):
+        greedy_tokens(llm, tiny_requests(2, seed=6))
+    model.forward_tokens = real_forward
+    assert llm.worker.forward.compiled
+    requests = tiny_requests(3, seed=7)
+    assert greedy_tokens(llm, requests) == greedy_tokens(engine(directory, "float32", eager=True), requests)
+
+
 # --- bfloat16 against float32 on the real model -----------------------------------------
 def test_bfloat16_first_token_matches_float32_on_w1_prompts():
     """The issue's criterion on W1's first 24 prompts (all 64: `pagedserve bench accuracy`).
