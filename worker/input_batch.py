@@ -182,9 +182,9 @@ class InputBatch:
         spec = params.structured_outputs
         if spec is None:
             return None
-        if self.grammar_compiler is None:
-            raise ValueError(f"request {request_id!r} asks for structured output, which this worker cannot do")
         try:
+            if self.grammar_compiler is None:
+                raise RuntimeError("this worker has no grammar compiler")
             return self.grammar_compiler.matcher(spec, request_id, output_ids)
         except Exception:  # the frontend checked the spec: failing here must not take the worker down
             logger.exception("request %s: cannot compile its structured output (%s); generating without it",

@@ -1,10 +1,11 @@
 """Logit adjustments applied before sampling, vectorized over the batch.
 
-In vLLM's order: the structured-output grammar masks, min_tokens (EOS and stop token ids cannot be sampled before
-`min_tokens` outputs), logit_bias, then the penalties: repetition (over the
-prompt and the output, exactly transformers' RepetitionPenaltyLogitsProcessor),
-frequency and presence (over the output, as OpenAI documents them:
-logit - frequency * count - presence * [count > 0]).
+In vLLM's order: the structured-output grammar masks, min_tokens (EOS and
+stop token ids cannot be sampled before `min_tokens` outputs), logit_bias,
+then the penalties: repetition (over the prompt and the output, exactly
+transformers' RepetitionPenaltyLogitsProcessor), frequency and presence (over
+the output, as OpenAI documents them: logit - frequency * count - presence *
+[count > 0]).
 
 Each adjustment only exists when some row of the step uses it, so a step
 without any of them builds nothing and leaves the logits untouched. Token ids

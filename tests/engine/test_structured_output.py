@@ -158,3 +158,14 @@ def test_a_malformed_spec_names_the_field(fields, message):
     with pytest.raises(InvalidRequestError, match=message) as raised:
         StructuredOutputs.of("response_format", **fields)
     assert raised.value.param == "response_format"
+
+
+def test_a_grammar_the_worker_cannot_build_leaves_the_request_unconstrained(model_dir, caplog):
+    """The worker never fails a step (and every request in it) over one request's grammar."""
+    llm = make_llm(model_dir[0])
+    llm.worker.input_batch.grammar_compiler = None
+    params = SamplingParams(temperature=0, max_tokens=5, structured_outputs=SPECS["choice"])
+    with caplog.at_level("ERROR"):
+        [output] = llm.generate(["Hi"], params, use_tqdm=False)
+    assert len(output.outputs[0].token_ids) == 5  # free text, not one of the choices
+    assert any("generating without it" in r.getMessage() for r in caplog.records)
