@@ -21,6 +21,7 @@ import urllib.request
 from common.cli_args import (add_engine_args, engine_argv, engine_config_from_args, non_negative_int,
                              port_number, positive_float)
 from common.generation_defaults import SOURCES_HELP
+from frontend.tool_parsers import TOOL_PARSERS
 from common.logging_setup import setup_logging
 from common.proctitle import set_process_title
 from common.runtime_dir import create_runtime_dir, remove_stale_runtime_dirs
@@ -47,6 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="fail and abort requests not finished after this many seconds (default: no limit)")
     parser.add_argument("--generation-config", default="auto",
                         help="sampling defaults for fields a request leaves unset: " + SOURCES_HELP)
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='let tool_choice "auto" run (needs --tool-call-parser)')
+    parser.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+                        help="how the model writes tool calls in its text (hermes: Hermes 2 Pro, Qwen2.5)")
     parser.add_argument("--disable-log-stats", action="store_true")
     parser.add_argument("--runtime-dir", default=None, help="where internal sockets live (default: a temp dir)")
     parser.add_argument("--ready-timeout", type=positive_float, default=600.0,
@@ -69,6 +74,10 @@ def component_commands(args: argparse.Namespace, runtime_dir: str) -> list[Compo
                 "--tokenizer-address", addresses["tokenizer"],
                 "--served-model-name", args.served_model_name or args.model_tag or config.model,
                 "--generation-config", args.generation_config]
+    if args.enable_auto_tool_choice:
+        frontend += ["--enable-auto-tool-choice"]
+    if args.tool_call_parser:
+        frontend += ["--tool-call-parser", args.tool_call_parser]
     if args.request_timeout is not None:
         frontend += ["--request-timeout", str(args.request_timeout)]
     scheduler = ([] if args.max_waiting_requests is None
@@ -118,7 +127,10 @@ def wait_until_ready(supervisor: Supervisor, url: str, timeout_s: float) -> bool
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        parser.error("--enable-auto-tool-choice needs --tool-call-parser")
     if args.model_tag:
         args.model = args.model_tag
     setup_logging("serve")

@@ -12,6 +12,7 @@ import socket
 from common.addresses import default_address
 from common.cli_args import env_default, parse_size, port_number, positive_float
 from common.generation_defaults import SOURCES_HELP
+from frontend.tool_parsers import TOOL_PARSERS
 from common.logging_setup import setup_logging
 from common.proctitle import set_process_title
 
@@ -56,6 +57,12 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--generation-config", default=env_default("GENERATION_CONFIG", "auto"),
                    help="sampling defaults for fields a request leaves unset: " + SOURCES_HELP +
                         " (default auto, as vLLM; env PAGEDSERVE_GENERATION_CONFIG)")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   default=env_default("ENABLE_AUTO_TOOL_CHOICE", "") not in ("", "0", "false"),
+                   help='let tool_choice "auto" (the default with tools) run; needs --tool-call-parser')
+    g.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=env_default("TOOL_CALL_PARSER", None),
+                   help="how the model writes tool calls in its text (hermes: <tool_call>{...}</tool_call>, "
+                        "Hermes 2 Pro and Qwen2.5)")
     g.add_argument("--log-level", default=None, help="DEBUG, INFO, ... (default $PAGEDSERVE_LOG_LEVEL or INFO)")
     return parser
 
@@ -142,7 +149,8 @@ async def run_frontend(args: argparse.Namespace) -> None:
     state = FrontendState(served_model_names=names, model_root=args.model, engine=engine,
                           tokenizer_client=tokenizer_client, tokenizer=tokenizer, control=control,
                           metrics=FrontendMetrics(names[0]),
-                          sampling_defaults=sampling_defaults(tokenizer_dir, args.generation_config))
+                          sampling_defaults=sampling_defaults(tokenizer_dir, args.generation_config),
+                          tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
     await engine.start()
     http_socket = bind_socket(args.host, args.port)
     grpc_server, grpc_port = await start_grpc_server(state, args.host, args.grpc_port, api_key=args.api_key)
@@ -171,7 +179,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        parser.error("--enable-auto-tool-choice needs --tool-call-parser")
     setup_logging("frontend", args.log_level)
     set_process_title("pagedserve: frontend")
     raise_open_file_limit()

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import msgspec
-from pydantic import Field
+from pydantic import Field, PrivateAttr
 
 from common.errors import InvalidRequestError
 from common.sampling_params import SamplingParams
@@ -256,6 +256,11 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateRequest):
     tool_choice: Any = None
     functions: list[dict[str, Any]] | None = None  # the deprecated spelling of tools
     function_call: Any = None  # ... and of tool_choice
+    _auto_tool_parser: str | None = PrivateAttr(None)  # the server's --tool-call-parser, if enabled
+
+    def enable_auto_tools(self, parser: str | None) -> None:
+        """Let tool_choice "auto" run, with this tool-call parser (None: refuse it)."""
+        self._auto_tool_parser = parser
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -272,7 +277,7 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateRequest):
         self.check_template_options()
 
     def resolved_tool_choice(self) -> ToolChoice:
-        return resolve_tool_choice(self.tools, self.tool_choice)
+        return resolve_tool_choice(self.tools, self.tool_choice, self._auto_tool_parser)
 
     def structured_output(self) -> tuple[StructuredOutputs, str] | None:
         """A tool choice that asks for a call is a structured output too (only one may be asked)."""

@@ -58,6 +58,7 @@ class _Reply:
 async def create_chat_completion(state: FrontendState, body: ChatCompletionRequest, raw_request: Request) -> Response:
     arrival = time.monotonic()
     state.check_model(body.model)
+    body.enable_auto_tools(state.tool_call_parser)
     body.check_supported()
     generator = state.generator
     params = body.sampling_params(await generator.vocab_size(), state.sampling_defaults)
@@ -108,7 +109,8 @@ async def _collect(reply: _Reply, deltas: AsyncIterator[GenerationDelta], num_sa
     for rank, sample in enumerate(best_samples(samples, reply.body.n)):
         message, finish_reason = ChatMessage(role=role, content=echo + sample.text), sample.finish_reason
         if (calls := tool_call_reply(sample.text, finish_reason, tool_choice)) is not None:
-            message, finish_reason = ChatMessage(role=role, content=None, tool_calls=calls[0]), calls[1]
+            message = ChatMessage(role=role, content=calls.content, tool_calls=calls.tool_calls)
+            finish_reason = calls.finish_reason
         choices.append(ChatChoice(index=rank, message=message, logprobs=reply.logprobs(sample.logprobs),
                                   finish_reason=finish_reason, stop_reason=sample.stop_reason))
     return ChatCompletionResponse(id=reply.id, created=reply.created, model=reply.model,
@@ -122,6 +124,7 @@ class _Held:
     the text of a tool call still being generated."""
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     text: str = ""
+    sent: int = 0  # how much of `text` went out as content
     num_tokens: int = 0  # the choice's output tokens so far (its continuous usage, as vLLM's)
 
 
@@ -143,13 +146,19 @@ async def _stream(reply: _Reply, deltas: AsyncIterator[GenerationDelta]) -> Asyn
             pending.num_tokens += len(delta.token_ids)
             message, finish_reason = DeltaMessage(content=delta.text or None), delta.finish_reason
             if tool_choice.mode != "none":
-                # A tool call is sent whole once its JSON is complete (as text if it never is).
+                # Tool calls are sent whole once the reply is complete (as text if it holds none);
+                # with "auto", the text before a call streams as it comes.
                 pending.text += delta.text
                 if finish_reason is None:
-                    continue
-                message = DeltaMessage(content=pending.text or None)
-                if (calls := tool_call_reply(pending.text, finish_reason, tool_choice, indexed=True)) is not None:
-                    message, finish_reason = DeltaMessage(tool_calls=calls[0]), calls[1]
+                    releasable = tool_choice.parser.releasable(pending.text) if tool_choice.parser else 0
+                    if releasable <= pending.sent:
+                        continue
+                    message = DeltaMessage(content=pending.text[pending.sent:releasable])
+                    pending.sent = releasable
+                elif (calls := tool_call_reply(pending.text, finish_reason, tool_choice, indexed=True)) is not None:
+                    message, finish_reason = DeltaMessage(tool_calls=calls.tool_calls), calls.finish_reason
+                else:
+                    message = DeltaMessage(content=pending.text[pending.sent:] or None)
             elif not delta.text and finish_reason is None and delta.prompt_logprobs is None:
                 continue  # e.g. text held back while it may begin a stop string
             choice = ChatStreamChoice(index=delta.index, delta=message,

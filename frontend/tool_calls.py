@@ -7,9 +7,10 @@
   tool call (finish reason "stop", as vLLM).
 - "required": constrained to a JSON list of {"name", "parameters"} objects,
   one or more, returned as tool calls (finish reason "tool_calls").
-- "auto" (the default with tools) needs a model-specific parser to find tool
-  calls in free text, which this server does not have: a 400, as vLLM without
-  --enable-auto-tool-choice.
+- "auto" (the default with tools): free text in which the model may write
+  tool calls its own way; `--enable-auto-tool-choice --tool-call-parser NAME`
+  names the parser that finds them (`frontend.tool_parsers`). Without it, a
+  400, as vLLM.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from common.errors import InvalidRequestError
 from common.structured_outputs import StructuredOutputs
 from frontend.errors import NotSupportedError
 from frontend.openai_responses import OpenAIBaseModel
+from frontend.tool_parsers import TOOL_PARSERS, HermesToolParser
 
 
 class FunctionCall(OpenAIBaseModel):
@@ -37,17 +39,23 @@ class ToolCall(OpenAIBaseModel):
 
 @dataclass(frozen=True, slots=True)
 class ToolChoice:
-    mode: str  # "none", "required" or "named"
+    mode: str  # "none", "auto", "required" or "named"
     name: str | None = None  # the function, when named
+    parser: HermesToolParser | None = None  # finds the calls, when auto
 
 
-def resolve_tool_choice(tools: list[dict[str, Any]] | None, tool_choice: Any) -> ToolChoice:
-    """Check `tools` and `tool_choice` together (a 400 naming the field when they do not fit)."""
+def resolve_tool_choice(tools: list[dict[str, Any]] | None, tool_choice: Any,
+                        auto_parser: str | None = None) -> ToolChoice:
+    """Check `tools` and `tool_choice` together (a 400 naming the field when they
+    do not fit). `auto_parser`: the server's --tool-call-parser, None when auto
+    tool choice is not enabled."""
     names = [_tool_name(index, tool) for index, tool in enumerate(tools or [])]
     if tool_choice is None:
         tool_choice = "auto" if tools else "none"
     if tool_choice == "none" or (tool_choice == "auto" and not tools):
         return ToolChoice("none")
+    if tool_choice == "auto" and auto_parser is not None:
+        return ToolChoice("auto", parser=TOOL_PARSERS[auto_parser]())
     if tool_choice == "auto":
         raise NotSupportedError("tool_choice", '"auto" tool choice (it needs a tool-call parser for the model); '
                                                'use "required", a named function, or "none"')
@@ -102,35 +110,51 @@ def new_tool_call_id() -> str:
     return f"chatcmpl-tool-{secrets.token_hex(16)}"
 
 
-def tool_calls_of(text: str, choice: ToolChoice) -> list[ToolCall] | None:
-    """The tool calls a constrained reply holds; None when it is not complete
-    JSON (the reply was cut by max_tokens, or stopped by a stop string)."""
+def tool_calls_of(text: str, choice: ToolChoice) -> tuple[str | None, list[ToolCall]] | None:
+    """The content and tool calls of a reply; None when it holds no call (a
+    constrained reply that is not complete JSON: cut by max_tokens, or stopped
+    by a stop string)."""
+    if choice.parser is not None:
+        content, parsed = choice.parser.extract(text)
+        if not parsed:
+            return None
+        return content, [ToolCall(id=new_tool_call_id(), function=FunctionCall(name=call.name, arguments=call.arguments))
+                         for call in parsed]
     if choice.mode == "named":
         try:
             json.loads(text)
         except ValueError:
             return None
-        return [ToolCall(id=new_tool_call_id(), function=FunctionCall(name=choice.name or "", arguments=text))]
+        return None, [ToolCall(id=new_tool_call_id(), function=FunctionCall(name=choice.name or "", arguments=text))]
     try:
         calls = json.loads(text)
     except ValueError:
         return None
-    return [ToolCall(id=new_tool_call_id(), function=FunctionCall(
+    return None, [ToolCall(id=new_tool_call_id(), function=FunctionCall(
         name=call["name"], arguments=json.dumps(call["parameters"], ensure_ascii=False))) for call in calls]
 
 
+@dataclass(frozen=True, slots=True)
+class ToolCallReply:
+    content: str | None
+    tool_calls: list[dict[str, Any]]  # as JSON; each with its `index` when asked (stream deltas need it)
+    finish_reason: str | None
+
+
 def tool_call_reply(text: str, finish_reason: str | None, choice: ToolChoice, *,
-                    indexed: bool = False) -> tuple[list[dict[str, Any]], str | None] | None:
-    """For a reply that holds tool calls: the message's `tool_calls` (as JSON; each
-    with its `index` when `indexed`, as stream deltas need) and the finish reason
-    ("tool_calls" for "required", as vLLM). None: the reply is plain text."""
+                    indexed: bool = False) -> ToolCallReply | None:
+    """For a reply that holds tool calls: its content, its `tool_calls` and the finish
+    reason ("tool_calls" for "required" and "auto", as vLLM). None: the reply is plain text."""
     if choice.mode == "none":
         return None
-    calls = tool_calls_of(text, choice)
-    if calls is None:
+    found = tool_calls_of(text, choice)
+    if found is None:
         return None
-    finish = "tool_calls" if choice.mode == "required" and finish_reason == "stop" else finish_reason
-    return [{**({"index": index} if indexed else {}), **call.model_dump()} for index, call in enumerate(calls)], finish
+    content, calls = found
+    finish = "tool_calls" if choice.mode == "auto" or (choice.mode == "required" and finish_reason == "stop") \
+        else finish_reason
+    return ToolCallReply(content, [{**({"index": index} if indexed else {}), **call.model_dump()}
+                                   for index, call in enumerate(calls)], finish)
 
 
 def arguments_as_object(tool_call: dict[str, Any]) -> dict[str, Any]:
