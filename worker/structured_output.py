@@ -91,21 +91,21 @@ class GrammarCompiler:
 class GrammarMasks:
     """The allowed tokens of a step's constrained rows, as xgrammar bitmasks."""
 
-    def __init__(self, rows: list[int], matchers: list[GrammarMatcher]):
+    def __init__(self, rows: list[int], matchers: list[GrammarMatcher], num_rows: int):
         import xgrammar
 
         self.rows = rows
-        self.bitmask = xgrammar.allocate_token_bitmask(len(rows), matchers[0].vocab_size)
-        for index, matcher in enumerate(matchers):
-            matcher.fill_bitmask(self.bitmask, index)
+        # One bitmask row per logits row (xgrammar's kernel indexes both alike); only `rows` are filled.
+        self.bitmask = xgrammar.allocate_token_bitmask(num_rows, matchers[0].vocab_size)
+        for row, matcher in zip(rows, matchers):
+            matcher.fill_bitmask(self.bitmask, row)
 
     def apply(self, logits: torch.Tensor) -> None:
-        """Set every token the grammars forbid to -inf (in place)."""
-        vocab = logits.shape[1]
-        bits = torch.arange(32, dtype=torch.int32)
-        allowed = ((self.bitmask.unsqueeze(-1) >> bits) & 1).bool().flatten(1)[:, :vocab]
-        rows = torch.tensor(self.rows, dtype=torch.int64, device=logits.device)
-        logits[rows] = logits[rows].masked_fill(~allowed.to(logits.device), float("-inf"))
+        """Set every token the grammars forbid to -inf (in place), with xgrammar's
+        kernel (about twice as fast as unpacking the bits with torch ops on CPU)."""
+        import xgrammar
+
+        xgrammar.apply_token_bitmask_inplace(logits, self.bitmask.to(logits.device), indices=self.rows)
 
 
 def grammar_masks(matchers: Sequence[GrammarMatcher | None]) -> GrammarMasks | None:
@@ -113,4 +113,4 @@ def grammar_masks(matchers: Sequence[GrammarMatcher | None]) -> GrammarMasks | N
     rows = [row for row, matcher in enumerate(matchers) if matcher is not None and matcher.active]
     if not rows:
         return None
-    return GrammarMasks(rows, [matchers[row] for row in rows])  # type: ignore[misc]
+    return GrammarMasks(rows, [matchers[row] for row in rows], len(matchers))  # type: ignore[misc]
