@@ -121,7 +121,7 @@ async def _collect(reply: _Reply, deltas: AsyncIterator[GenerationDelta], num_sa
 @dataclass(slots=True)
 class _Held:
     """Logprobs of tokens whose text is not sent yet (held back, or no text), and
-    the text of a tool call still being generated."""
+    the reply's text so far when it may hold tool calls."""
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     text: str = ""
     sent: int = 0  # how much of `text` went out as content
@@ -151,10 +151,10 @@ async def _stream(reply: _Reply, deltas: AsyncIterator[GenerationDelta]) -> Asyn
                 pending.text += delta.text
                 if finish_reason is None:
                     releasable = tool_choice.parser.releasable(pending.text) if tool_choice.parser else 0
-                    if releasable <= pending.sent:
+                    if releasable <= pending.sent and delta.prompt_logprobs is None:
                         continue
-                    message = DeltaMessage(content=pending.text[pending.sent:releasable])
-                    pending.sent = releasable
+                    message = DeltaMessage(content=pending.text[pending.sent:releasable] or None)
+                    pending.sent = max(pending.sent, releasable)
                 elif (calls := tool_call_reply(pending.text, finish_reason, tool_choice, indexed=True)) is not None:
                     message, finish_reason = DeltaMessage(tool_calls=calls.tool_calls), calls.finish_reason
                 else:

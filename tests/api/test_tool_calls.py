@@ -61,3 +61,13 @@ def test_a_call_cut_by_max_tokens_comes_back_as_text(client):
     choice = reply.choices[0]
     assert choice.finish_reason == "length" and choice.message.tool_calls is None
     assert choice.message.content.lstrip().startswith("{")
+
+
+def test_a_streamed_call_keeps_the_prompt_logprobs(client):
+    stream = client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=[WEATHER], temperature=0, max_tokens=60, stream=True,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}, extra_body={"prompt_logprobs": 0})
+    chunks = list(stream)
+    assert sum(1 for chunk in chunks if getattr(chunk, "prompt_logprobs", None)) == 1
+    [call] = [call for chunk in chunks if chunk.choices for call in chunk.choices[0].delta.tool_calls or []]
+    assert_weather_call(call)
