@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import Any
 
 import msgspec
 
@@ -49,6 +51,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     structured_outputs: StructuredOutputs | None = None  # a grammar every output must follow
+
+    @classmethod
+    def with_defaults(cls, overrides: Mapping[str, Any] | None = None) -> "SamplingParams":
+        """The defaults, with `overrides` on top (the model's generation config)."""
+        return msgspec.structs.replace(cls(), **(overrides or {}))
 
     @property
     def greedy(self) -> bool:

@@ -13,7 +13,6 @@ from contextlib import aclosing
 from typing import AsyncIterator
 
 import grpc
-import msgspec
 from google.protobuf import json_format
 
 from common.addresses import GRPC_SERVER_OPTIONS, bind_grpc_port
@@ -39,7 +38,7 @@ def sampling_params_from_proto(message: pb.SamplingParams, vocab_size: int | Non
                                model_defaults: dict[str, float | int] | None = None) -> SamplingParams:
     """Unset optional fields keep the HTTP API's defaults (or the model's,
     `model_defaults`); max_tokens unset means "as many as fit in the context"."""
-    defaults = msgspec.structs.replace(SamplingParams(), **(model_defaults or {}))
+    defaults = SamplingParams.with_defaults(model_defaults)
 
     def get(name: str, default):
         return getattr(message, name) if message.HasField(name) else default

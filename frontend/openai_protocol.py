@@ -95,24 +95,20 @@ class SamplingRequest(TextRequest):
         """Validated engine parameters. `param_names` maps a SamplingParams
         field to the name the client used (e.g. logprobs -> top_logprobs);
         `model_defaults` replace the API's defaults (the model's generation config)."""
-        base = SamplingParams()
-        model_defaults = model_defaults or {}
+        defaults = SamplingParams.with_defaults(model_defaults)
 
-        def default(name: str):
-            return model_defaults.get(name, getattr(base, name))
-
-        def pick(value, default_value):
-            return default_value if value is None else value
+        def pick(value, default):
+            return default if value is None else value
 
         asked = self.structured_output()
         try:
             params = SamplingParams(
                 n=self.n, best_of=self.best_of,
-                temperature=pick(self.temperature, default("temperature")), top_p=pick(self.top_p, default("top_p")),
-                top_k=pick(self.top_k, default("top_k")), min_p=pick(self.min_p, default("min_p")), seed=self.seed,
+                temperature=pick(self.temperature, defaults.temperature), top_p=pick(self.top_p, defaults.top_p),
+                top_k=pick(self.top_k, defaults.top_k), min_p=pick(self.min_p, defaults.min_p), seed=self.seed,
                 presence_penalty=pick(self.presence_penalty, 0.0),
                 frequency_penalty=pick(self.frequency_penalty, 0.0),
-                repetition_penalty=pick(self.repetition_penalty, default("repetition_penalty")),
+                repetition_penalty=pick(self.repetition_penalty, defaults.repetition_penalty),
                 logit_bias=self._logit_bias(),
                 max_tokens=max_tokens, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
                 stop_token_ids=list(self.stop_token_ids or []), stop=self.stop_strings(),

@@ -11,7 +11,6 @@ import time
 from dataclasses import dataclass, fields
 from typing import Any, Sequence, Union
 
-import msgspec
 from tqdm.auto import tqdm
 
 from common.config import EngineConfig
@@ -67,7 +66,7 @@ class LLM:
 
     def get_default_sampling_params(self) -> SamplingParams:
         """The API's defaults, with the model's generation config on top (vLLM's)."""
-        return msgspec.structs.replace(SamplingParams(), **self._sampling_defaults)
+        return SamplingParams.with_defaults(self._sampling_defaults)
 
     @classmethod
     def from_config(cls, config: EngineConfig, skip_tokenizer_init: bool = False) -> "LLM":
