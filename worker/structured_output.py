@@ -6,11 +6,15 @@ state when it is preempted (and rebuilds it on re-admission), so a new
 matcher replays the outputs generated so far: the constraint holds across
 preemption and worker restarts. Grammars are compiled once per spec and
 cached; compiling happens on the worker thread when a request first arrives
-(typically milliseconds; a large JSON schema may take longer).
+(typically milliseconds; a large JSON schema may take longer). What every
+grammar needs first, xgrammar's view of the tokenizer (about a second for a
+50k vocabulary), is built in the background when the worker starts, so the
+first structured request does not stall every other request's step.
 """
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -60,7 +64,31 @@ class GrammarCompiler:
         self._vocab_size = vocab_size
         self._eos_token_ids = list(eos_token_ids)
         self._compiler: Any = None
+        self._compiler_lock = threading.Lock()  # held while it is built: a first request waits for the warm-up
         self._compiled: dict[bytes, Any] = {}  # by the spec's encoding (a choice list is not hashable)
+        self._warm_up_thread: threading.Thread | None = None
+
+    @property
+    def ready(self) -> bool:
+        """Whether the tokenizer info is built (a new grammar then compiles in milliseconds)."""
+        return self._compiler is not None
+
+    def start_warm_up(self) -> None:
+        """Build the tokenizer info in a background thread (first use waits for it)."""
+        self._warm_up_thread = threading.Thread(target=self._warm_up, name="grammar-warm-up", daemon=True)
+        self._warm_up_thread.start()
+
+    def wait_for_warm_up(self, timeout_s: float | None = None) -> bool:
+        """Whether the tokenizer info is built, once a started warm-up has ended."""
+        if self._warm_up_thread is not None:
+            self._warm_up_thread.join(timeout_s)
+        return self.ready
+
+    def _warm_up(self) -> None:
+        try:
+            self._xgrammar_compiler()
+        except Exception:  # e.g. a test model without a tokenizer: reported per request if one needs it
+            logger.debug("cannot prepare structured outputs for this tokenizer", exc_info=True)
 
     def matcher(self, spec: StructuredOutputs, request_id: str, output_token_ids: Sequence[int] = ()) -> GrammarMatcher:
         """A matcher for `spec` that has accepted `output_token_ids` (a request re-admitted after preemption)."""
@@ -76,16 +104,17 @@ class GrammarCompiler:
         return matcher
 
     def _xgrammar_compiler(self) -> Any:
-        if self._compiler is None:
-            import xgrammar
+        with self._compiler_lock:
+            if self._compiler is None:
+                import xgrammar
 
-            from common.tokenizer import load_tokenizer
+                from common.tokenizer import load_tokenizer
 
-            info = xgrammar.TokenizerInfo.from_huggingface(load_tokenizer(self._tokenizer_dir),
-                                                           vocab_size=self._vocab_size,
-                                                           stop_token_ids=self._eos_token_ids or None)
-            self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)  # the model owns the cores
-        return self._compiler
+                info = xgrammar.TokenizerInfo.from_huggingface(load_tokenizer(self._tokenizer_dir),
+                                                               vocab_size=self._vocab_size,
+                                                               stop_token_ids=self._eos_token_ids or None)
+                self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)  # the model owns the cores
+            return self._compiler
 
 
 class GrammarMasks:

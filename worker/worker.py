@@ -45,11 +45,18 @@ class Worker:
         self.model.pack_weights()  # bfloat16 on CPU: matmul weights packed for the CPU kernel
         spec = kv_cache_spec(self.hf_config, config.block_size, self.dtype)
         self.num_blocks = num_blocks_for(config, spec, self.device)
-        self.max_model_len = config.resolve_max_model_len(
-            model_limit=_model_max_len(self.hf_config), num_blocks=self.num_blocks)
+        model_limit = _model_max_len(self.hf_config)
+        self.max_model_len = config.resolve_max_model_len(model_limit=model_limit, num_blocks=self.num_blocks)
+        if self.max_model_len < model_limit and config.max_model_len is None:
+            logger.warning("max_model_len is %d, not the model's %d: that is all the KV cache holds "
+                           "(%d blocks of %d tokens); raise --kv-cache-memory to serve longer sequences",
+                           self.max_model_len, model_limit, self.num_blocks, config.block_size)
         self.kv_caches = allocate_kv_caches(self.hf_config, self.num_blocks, config.block_size, self.dtype,
                                             self.device, max_model_len=self.max_model_len)
         self.backend = get_attention_backend(config.resolved_attention_backend())
+        eos_ids = eos_token_ids(self.model_dir)
+        self.grammar_compiler = GrammarCompiler(self.model_dir, int(self.hf_config.vocab_size), eos_ids)
+        self.grammar_compiler.start_warm_up()  # alongside the model's warm-up, which leaves a core mostly idle
         # Compiled on CPU unless --enforce-eager (CUDA runs eager: its compile path is untested).
         self.forward = ModelForward(self.model, self.kv_caches, self.backend, max_model_len=self.max_model_len,
                                     compile=not config.enforce_eager and self.device.type == "cpu")
@@ -60,10 +67,8 @@ class Worker:
         self.runner.warm_up()
         if self.forward.compiled:
             self.forward.compile_seconds += time.perf_counter() - started  # reported with the step's
-        eos_ids = eos_token_ids(self.model_dir)
         self.input_batch = InputBatch(config.block_size, self.device, eos_token_ids=eos_ids,
-                                      grammar_compiler=GrammarCompiler(self.model_dir, int(self.hf_config.vocab_size),
-                                                                       eos_ids))
+                                      grammar_compiler=self.grammar_compiler)
         logger.info("Worker %d ready: %s on %s (%s, %s), %d KV blocks, max_model_len %d, %d threads",
                     rank, config.model, self.device, self.dtype_name,
                     f"compiled in {self.forward.compile_seconds:.1f} s" if self.forward.compiled else "eager",

@@ -169,3 +169,13 @@ def test_a_grammar_the_worker_cannot_build_leaves_the_request_unconstrained(mode
         [output] = llm.generate(["Hi"], params, use_tqdm=False)
     assert len(output.outputs[0].token_ids) == 5  # free text, not one of the choices
     assert any("generating without it" in r.getMessage() for r in caplog.records)
+
+
+def test_the_worker_prepares_grammars_in_the_background_when_it_starts(llm):
+    """The tokenizer info every grammar needs (about a second for this vocabulary) is
+    built while the worker starts, not inside the step of the first structured request."""
+    compiler = llm.worker.grammar_compiler
+    assert compiler is llm.worker.input_batch.grammar_compiler
+    assert compiler.wait_for_warm_up(timeout_s=60)
+    matcher = compiler.matcher(SPECS["choice"], "r0")
+    assert matcher.active

@@ -138,9 +138,11 @@ def test_preempted_request_resumes_with_same_greedy_tokens(tiny_hf_model):
     assert sched.tokens["a"][13:] == expected
 
 
-def test_hello_reports_model_and_cache(tiny_hf_model):
+def test_hello_reports_model_and_cache(tiny_hf_model, caplog):
     hf_model, model_dir = tiny_hf_model("LlamaForCausalLM", eos_token_id=[2, 5], max_position_embeddings=64)
-    worker = make_worker(model_dir, num_gpu_blocks_override=10)
+    with caplog.at_level("WARNING", logger="worker.worker"):
+        worker = make_worker(model_dir, num_gpu_blocks_override=10)
+    assert "max_model_len is 37, not the model's 64" in caplog.text  # capped by the cache: said, not silent
     hello = worker.hello()
     assert hello.num_blocks == 10 and hello.block_size == BLOCK
     # Block 0 is reserved; the last token of a max-length sequence is never cached.
@@ -149,8 +151,10 @@ def test_hello_reports_model_and_cache(tiny_hf_model):
     assert hello.eos_token_ids == [2, 5]
     assert len(worker.kv_caches) == 2 and worker.kv_caches[0][0].shape == (10, BLOCK, 2, 16)
 
+    caplog.clear()
     worker = make_worker(model_dir, num_gpu_blocks_override=100)
     assert worker.hello().max_model_len == 64  # the model's limit
+    assert "max_model_len" not in caplog.text
 
 
 def test_seeded_sampling_is_reproducible_across_workers(tiny_hf_model):
