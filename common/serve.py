@@ -22,10 +22,12 @@ from common.cli_args import (add_engine_args, engine_argv, engine_config_from_ar
                              port_number, positive_float)
 from common.generation_defaults import SOURCES_HELP
 from frontend.tool_parsers import TOOL_PARSERS
+from common.errors import ConfigError
 from common.logging_setup import setup_logging
 from common.proctitle import set_process_title
 from common.runtime_dir import create_runtime_dir, remove_stale_runtime_dirs
 from common.supervisor import Component, Supervisor
+from common.tokenizer import load_chat_template
 
 logger = logging.getLogger("pagedserve.serve")
 
@@ -52,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help='let tool_choice "auto" run (needs --tool-call-parser)')
     parser.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
                         help="how the model writes tool calls in its text (hermes: Hermes 2 Pro, Qwen2.5)")
+    parser.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                        help="a Jinja chat template (its file, or the text) to use instead of the model's")
     parser.add_argument("--disable-log-stats", action="store_true")
     parser.add_argument("--runtime-dir", default=None, help="where internal sockets live (default: a temp dir)")
     parser.add_argument("--ready-timeout", type=positive_float, default=600.0,
@@ -68,6 +72,7 @@ def component_commands(args: argparse.Namespace, runtime_dir: str) -> list[Compo
     model = ["--model", config.model] + (["--model-cache-dir", config.model_cache_dir]
                                          if config.model_cache_dir else [])
     stats = ["--disable-log-stats"] if args.disable_log_stats else []
+    chat_template = [] if args.chat_template is None else ["--chat-template", _absolute_if_file(args.chat_template)]
     frontend = ["--host", args.host, "--port", str(args.port), "--grpc-port", str(args.grpc_port),
                 "--scheduler-address", addresses["scheduler"],
                 "--scheduler-control-address", addresses["control"],
@@ -85,7 +90,8 @@ def component_commands(args: argparse.Namespace, runtime_dir: str) -> list[Compo
     # The key goes through the environment: a command line is visible to every local user (ps).
     frontend_env = {"PAGEDSERVE_API_KEY": args.api_key} if args.api_key else {}
     return [
-        Component("tokenizer", ["tokenizer", *model, "--tokenizer-pool-size", str(args.tokenizer_pool_size),
+        Component("tokenizer", ["tokenizer", *model, *chat_template,
+                                "--tokenizer-pool-size", str(args.tokenizer_pool_size),
                                 "--frontend-address", addresses["tokenizer"],
                                 "--backend-address", addresses["tokenizer_backend"]]),
         Component("scheduler", ["scheduler", *engine, *stats, *scheduler,
@@ -95,6 +101,12 @@ def component_commands(args: argparse.Namespace, runtime_dir: str) -> list[Compo
         Component("worker", ["worker", *engine, "--worker-address", addresses["worker"]]),
         Component("frontend", ["frontend", *model, *frontend], env=frontend_env),
     ]
+
+
+def _absolute_if_file(value: str) -> str:
+    """A file is handed on by absolute path: a component need not share our working directory."""
+    path = os.path.expanduser(value)
+    return os.path.abspath(path) if os.path.isfile(path) else value
 
 
 def check_ports_free(host: str, ports: dict[str, int]) -> None:
@@ -133,6 +145,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--enable-auto-tool-choice needs --tool-call-parser")
     if args.model_tag:
         args.model = args.model_tag
+    try:
+        load_chat_template(args.chat_template)  # a bad one fails here, once, not in a restart loop
+    except ConfigError as e:
+        parser.error(str(e))
     setup_logging("serve")
     set_process_title("pagedserve: serve")
     try:

@@ -18,11 +18,43 @@ _RESERVED_TEMPLATE_KWARGS = frozenset({
 })
 
 
-def load_tokenizer(model_dir: str):
-    """The fast (Rust-backed) transformers tokenizer in `model_dir`. Never
-    touches the network. With a tokenizer.json we load the generic fast class:
-    AutoTokenizer would import torch, which costs each tokenizer process
-    ~190 MB and seconds of startup, for the same tokenizer.json."""
+def load_chat_template(value: str | None) -> str | None:
+    """--chat-template as vLLM reads it: the path of a Jinja file, or the template
+    itself. A value with none of `{`, `}` or a newline is taken for a path, so a
+    mistyped path is an error rather than a template that prints it. Checked to
+    parse here, so a broken template fails at startup, not on every request."""
+    if value is None:
+        return None
+    path = os.path.expanduser(value)
+    if os.path.isfile(path):
+        try:
+            with open(path, encoding="utf-8") as f:
+                template = f.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"cannot read the chat template {value}: {exc}") from exc
+    elif any(mark in value for mark in "{}\n"):
+        template = value
+    else:
+        raise ConfigError(f"chat template {value!r} looks like a path, but there is no such file")
+    if not template.strip():
+        raise ConfigError(f"the chat template {value!r} is empty")
+    from jinja2 import Environment, TemplateSyntaxError
+
+    try:
+        Environment().parse(template)
+    except TemplateSyntaxError as exc:
+        raise ConfigError(f"the chat template {value!r} is not valid Jinja: {exc.message} (line {exc.lineno})") \
+            from exc
+    return template
+
+
+def load_tokenizer(model_dir: str, chat_template: str | None = None):
+    """The fast (Rust-backed) transformers tokenizer in `model_dir`, with
+    `chat_template` (the text, see load_chat_template) in place of the
+    model's own when given. Never touches the network. With a tokenizer.json
+    we load the generic fast class: AutoTokenizer would import torch, which
+    costs each tokenizer process ~190 MB and seconds of startup, for the same
+    tokenizer.json."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     if not os.path.isdir(model_dir):
@@ -35,6 +67,8 @@ def load_tokenizer(model_dir: str):
         raise ConfigError(f"cannot load a tokenizer from {model_dir}: {exc}") from exc
     if not getattr(tokenizer, "is_fast", False):
         raise ConfigError(f"the tokenizer in {model_dir} has no fast (tokenizer.json) version")
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     return tokenizer
 
 
@@ -119,11 +153,12 @@ def normalize_messages(messages: Any) -> list[dict]:
 
 def render_chat_prompt(tokenizer, messages: Any, add_generation_prompt: bool = True,
                        continue_final_message: bool = False,
-                       chat_template_kwargs: Mapping[str, Any] | None = None) -> str:
-    """The prompt text the model's chat template makes of `messages`."""
+                       chat_template_kwargs: Mapping[str, Any] | None = None,
+                       chat_template: str | None = None) -> str:
+    """The prompt text the model's chat template (or `chat_template`) makes of `messages`."""
     from jinja2 import TemplateError
 
-    if not getattr(tokenizer, "chat_template", None):
+    if not chat_template and not getattr(tokenizer, "chat_template", None):
         raise InvalidRequestError("this model has no chat template; use the completions API instead",
                                   param="messages")
     kwargs = dict(chat_template_kwargs or {})
@@ -136,7 +171,7 @@ def render_chat_prompt(tokenizer, messages: Any, add_generation_prompt: bool = T
     try:
         return tokenizer.apply_chat_template(
             conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message, **kwargs)
+            continue_final_message=continue_final_message, chat_template=chat_template, **kwargs)
     except (TemplateError, ValueError, TypeError, KeyError) as exc:
         raise InvalidRequestError(f"cannot apply the chat template to these messages: {exc}",
                                   param="messages") from exc
@@ -144,9 +179,10 @@ def render_chat_prompt(tokenizer, messages: Any, add_generation_prompt: bool = T
 
 def apply_chat_template(tokenizer, messages: Any, add_generation_prompt: bool = True,
                         continue_final_message: bool = False,
-                        chat_template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+                        chat_template_kwargs: Mapping[str, Any] | None = None,
+                        chat_template: str | None = None) -> list[int]:
     """Prompt token ids for a chat. The template writes any BOS itself, so
     the tokenizer adds no special tokens (as transformers does)."""
     prompt = render_chat_prompt(tokenizer, messages, add_generation_prompt, continue_final_message,
-                                chat_template_kwargs)
+                                chat_template_kwargs, chat_template)
     return list(tokenizer.encode(prompt, add_special_tokens=False))

@@ -40,6 +40,20 @@ def build_tiny_hf_model(architecture: str, directory: Path, *, seed: int = 0,
     return model
 
 
+def build_tiny_llama_with_smollm2_tokenizer(directory: Path, **overrides: Any):
+    """A tiny random Llama that reads and writes text with the default model's
+    tokenizer (and chat template): vocabulary 49,152, <|im_end|> (2) its EOS."""
+    import shutil
+
+    from common.model_files import resolve_model_dir
+
+    tokenizer_dir = resolve_model_dir("smollm2-135m-instruct")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(f"{tokenizer_dir}/{name}", directory / name)
+    return build_tiny_hf_model("LlamaForCausalLM", directory, vocab_size=49152, eos_token_id=2,
+                               bos_token_id=1, tie_word_embeddings=True, **overrides)
+
+
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     """transformers' greedy `generate` for one prompt, never stopping early."""
     model.generation_config.eos_token_id = None

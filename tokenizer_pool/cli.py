@@ -42,6 +42,9 @@ def add_tokenizer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         "(env PAGEDSERVE_TOKENIZER_JOIN)")
     g.add_argument("--model-cache-dir", default=env_default("CACHE_DIR", None),
                    help="where converted GGUF models are kept (default ~/.cache/pagedserve/models)")
+    g.add_argument("--chat-template", default=env_default("CHAT_TEMPLATE", None), metavar="FILE_OR_TEMPLATE",
+                   help="a Jinja chat template (its file, or the text) to use instead of the model's "
+                        "(env PAGEDSERVE_CHAT_TEMPLATE)")
     g.add_argument("--heartbeat-interval", type=float, default=DEFAULT_HEARTBEAT_INTERVAL,
                    help="seconds between a worker's heartbeats (default %(default)s)")
     g.add_argument("--liveness-timeout", type=float, default=DEFAULT_LIVENESS_TIMEOUT,
@@ -62,11 +65,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.join:
             run_join_workers(args.model, args.join, args.tokenizer_pool_size, model_cache_dir=args.model_cache_dir,
-                             heartbeat_interval=args.heartbeat_interval, log_level=args.log_level)
+                             heartbeat_interval=args.heartbeat_interval, log_level=args.log_level,
+                             chat_template=args.chat_template)
         else:
             run_tokenizer_pool(args.model, args.frontend_address, args.backend_address, args.tokenizer_pool_size,
                                model_cache_dir=args.model_cache_dir, heartbeat_interval=args.heartbeat_interval,
-                               liveness_timeout=args.liveness_timeout, log_level=args.log_level)
+                               liveness_timeout=args.liveness_timeout, log_level=args.log_level,
+                               chat_template=args.chat_template)
     except ConfigError as e:
         logger.error("%s", e)
         return 1

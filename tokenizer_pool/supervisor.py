@@ -39,8 +39,10 @@ class WorkerSlot:
 
 class WorkerSupervisor:
     def __init__(self, count: int, model_dir: str, backend_addr: str, *,
-                 heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL, log_level: str | None = None):
+                 heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL, log_level: str | None = None,
+                 chat_template: str | None = None):
         self._mp = multiprocessing.get_context("spawn")
+        self._chat_template = chat_template
         self._model_dir = model_dir
         self._backend_addr = backend_addr
         self._heartbeat_interval = heartbeat_interval
@@ -59,7 +61,7 @@ class WorkerSupervisor:
         slot.process = self._mp.Process(
             target=worker_main, name=f"tokenizer-{slot.index}",
             args=(self._model_dir, self._backend_addr, slot.worker_id, slot.index, os.getpid(),
-                  self._heartbeat_interval, self._log_level))
+                  self._heartbeat_interval, self._log_level, self._chat_template))
         slot.process.start()
         slot.started_at = time.monotonic()
         slot.restart_at = None

@@ -88,13 +88,15 @@ def die_with_parent(parent_pid: int) -> None:
 
 
 def worker_main(model_dir: str, backend_addr: str, worker_id: str, index: int, parent_pid: int,
-                heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL, log_level: str | None = None) -> None:
-    """Process entry point (spawned by tokenizer_pool.supervisor)."""
+                heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL, log_level: str | None = None,
+                chat_template: str | None = None) -> None:
+    """Process entry point (spawned by tokenizer_pool.supervisor). `chat_template`:
+    the template text replacing the model's (--chat-template)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the parent stops us
     die_with_parent(parent_pid)
     set_process_title(f"pagedserve: tokenizer {index}")
     setup_logging(f"tokenizer {index}", log_level)
     from common.tokenizer import load_tokenizer  # heavy (transformers): only in the child
 
-    tokenizer = load_tokenizer(model_dir)
+    tokenizer = load_tokenizer(model_dir, chat_template)
     serve(tokenizer, backend_addr, worker_id, heartbeat_interval=heartbeat_interval)

@@ -89,11 +89,13 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
              continue_final_message: bool = False,
-             chat_template_kwargs: dict | None = None) -> list[GenerationOutput]:
+             chat_template_kwargs: dict | None = None, chat_template: str | None = None) -> list[GenerationOutput]:
+        """`chat_template`: a Jinja template (the text) used instead of the model's, as vLLM's."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [{"prompt_token_ids": apply_chat_template(
             self.tokenizer, conv, add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message, chat_template_kwargs=chat_template_kwargs)}
+            continue_final_message=continue_final_message, chat_template_kwargs=chat_template_kwargs,
+            chat_template=chat_template)}
             for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 

@@ -7,17 +7,15 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 
 import pytest
 import torch
 
 from common.errors import InvalidRequestError
-from common.model_files import resolve_model_dir
 from common.sampling_params import SamplingParams
 from common.structured_outputs import StructuredOutputs, build_grammar
 from test_llm_correctness import assert_no_leaked_blocks
-from tiny_models import build_tiny_hf_model
+from tiny_models import build_tiny_llama_with_smollm2_tokenizer
 from worker.llm import LLM
 
 EOS = 2  # <|im_end|> in SmolLM2's tokenizer
@@ -49,12 +47,7 @@ def follows(spec: StructuredOutputs, text: str) -> bool:
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     directory = tmp_path_factory.mktemp("tiny-llama-smollm2-tokenizer")
-    tokenizer_dir = resolve_model_dir("smollm2-135m-instruct")
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(f"{tokenizer_dir}/{name}", directory / name)
-    hf_model = build_tiny_hf_model("LlamaForCausalLM", directory, vocab_size=49152, eos_token_id=EOS,
-                                   bos_token_id=1, tie_word_embeddings=True)
-    return directory, hf_model
+    return directory, build_tiny_llama_with_smollm2_tokenizer(directory)
 
 
 def make_llm(directory, **overrides) -> LLM:

@@ -37,3 +37,24 @@ def test_default_model_through_the_pool(start_pool):
     assert chat.text.endswith("<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n")
     assert chat.token_ids[0] == tokenizer.convert_tokens_to_ids("<|im_start|>")
     assert decoded == text
+
+
+def test_the_pool_renders_chats_with_the_given_template(start_pool, tmp_path):
+    from common.model_files import resolve_model_dir
+    from common.tokenizer import load_tokenizer
+
+    template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{% if add_generation_prompt %}<bot>{% endif %}"
+    path = tmp_path / "template.jinja"
+    path.write_text(template, encoding="utf-8")
+    pool = start_pool(["--model", "smollm2-135m-instruct", "--tokenizer-pool-size", "1",
+                       "--chat-template", str(path)])
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+
+    async def render():
+        async with TokenizerClient(pool.frontend, timeout=120) as client:
+            return await client.render_chat_reply(messages)
+
+    reply = asyncio.run(render())
+    assert reply.text == "<system>Be brief.<user>Hi<bot>"  # not SmolLM2's <|im_start|> turns
+    tokenizer = load_tokenizer(resolve_model_dir("smollm2-135m-instruct"))
+    assert reply.token_ids == tokenizer.encode(reply.text, add_special_tokens=False)
