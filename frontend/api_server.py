@@ -13,6 +13,7 @@ import logging
 from importlib.metadata import PackageNotFoundError, version
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -20,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common.errors import InvalidRequestError, PagedServeError
 from frontend.http_guards import GuardRefusal, RequestGuard
+from frontend.http_options import CorsSettings
 from frontend.openai_protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from frontend.serving_chat import create_chat_completion
 from frontend.serving_completions import create_completion
@@ -65,11 +67,18 @@ def _is_type_name(part: str) -> bool:
     return part in ("str", "int", "float", "bool", "dict", "list") or part.startswith(("list[", "dict[", "function-"))
 
 
-def build_app(state: FrontendState, *, api_key: str | None = None, max_body_bytes: int | None = None) -> FastAPI:
-    """The API; with `api_key`, /v1 routes need it; bodies above `max_body_bytes` get 413."""
+def build_app(state: FrontendState, *, api_key: str | None = None, max_body_bytes: int | None = None,
+              cors: CorsSettings | None = None) -> FastAPI:
+    """The API; with `api_key`, /v1 routes need it; bodies above `max_body_bytes` get 413;
+    `cors`: which browser pages may call it (None: no CORS headers, browsers refuse them)."""
     app = FastAPI(title="pagedserve", version=server_version(), docs_url=None, redoc_url=None)
     app.state.frontend = state
     app.add_middleware(RequestGuard, api_key=api_key, max_body_bytes=max_body_bytes)
+    if cors is not None:
+        # Added last, so outermost: a preflight (which carries no API key) is answered before the
+        # guard, and the guard's refusals carry CORS headers too, so a page can read them.
+        app.add_middleware(CORSMiddleware, allow_origins=cors.allowed_origins, allow_methods=cors.allowed_methods,
+                           allow_headers=cors.allowed_headers, allow_credentials=cors.allow_credentials)
 
     @app.exception_handler(PagedServeError)
     async def _pagedserve_error(request: Request, exc: PagedServeError) -> JSONResponse:

@@ -152,11 +152,11 @@ class PagedServeServicer(pagedserve_pb2_grpc.PagedServeServicer):
             echo = state.tokenizer.decode(prompt_ids) if request.echo else ""
         elif field == "chat":
             prompt_ids = await self._render_chat(request.chat)
-            # vLLM's chat echo: the last message when it has the reply's role, which is the
-            # assistant's when a new turn opens, else the continued message's own.
+            # vLLM's chat echo: the last message when it has the reply's role, which is
+            # --response-role's when a new turn opens, else the continued message's own.
             opens_turn = not request.chat.HasField("add_generation_prompt") or request.chat.add_generation_prompt
             last = request.chat.messages[-1]
-            echo = last.content if not opens_turn or last.role == "assistant" else ""
+            echo = last.content if not opens_turn or last.role == state.response_role else ""
         else:
             raise _invalid("a prompt is required: one of text, token_ids or chat", "prompt")
         structured = params.structured_outputs

@@ -253,10 +253,15 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateRequest):
     functions: list[dict[str, Any]] | None = None  # the deprecated spelling of tools
     function_call: Any = None  # ... and of tool_choice
     _auto_tool_parser: str | None = PrivateAttr(None)  # the server's --tool-call-parser, if enabled
+    _new_turn_role: str = PrivateAttr("assistant")  # the server's --response-role
 
     def enable_auto_tools(self, parser: str | None) -> None:
         """Let tool_choice "auto" run, with this tool-call parser (None: refuse it)."""
         self._auto_tool_parser = parser
+
+    def use_response_role(self, role: str) -> None:
+        """The role of a reply that opens a new turn (--response-role)."""
+        self._new_turn_role = role
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -300,9 +305,9 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateRequest):
                                        {"max_tokens": max_tokens_param, "logprobs": "top_logprobs"}, model_defaults)
 
     def response_role(self) -> str:
-        """The reply's role, as vLLM's: the assistant's when the template opens a new
-        turn, else (a turn being continued) that of the last message."""
-        return "assistant" if self.add_generation_prompt else self.messages[-1].role
+        """The reply's role, as vLLM's: --response-role (the assistant's) when the template
+        opens a new turn, else (a turn being continued) that of the last message."""
+        return self._new_turn_role if self.add_generation_prompt else self.messages[-1].role
 
     def echoed_text(self) -> str:
         """vLLM's chat echo: the last message's content, when it has the reply's role."""

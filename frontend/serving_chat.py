@@ -59,6 +59,7 @@ async def create_chat_completion(state: FrontendState, body: ChatCompletionReque
     arrival = time.monotonic()
     state.check_model(body.model)
     body.enable_auto_tools(state.tool_call_parser)
+    body.use_response_role(state.response_role)
     body.check_supported()
     generator = state.generator
     params = body.sampling_params(await generator.vocab_size(), state.sampling_defaults)

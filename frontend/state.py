@@ -27,6 +27,7 @@ class FrontendState:
     # The model's generation_config.json sampling values, for fields a request leaves unset.
     sampling_defaults: dict[str, float | int] = field(default_factory=dict)
     tool_call_parser: str | None = None  # --tool-call-parser with --enable-auto-tool-choice: "auto" runs
+    response_role: str = "assistant"  # --response-role: chat replies that open a new turn
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
