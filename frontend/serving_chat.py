@@ -56,6 +56,20 @@ class _Reply:
 
 
 async def create_chat_completion(state: FrontendState, body: ChatCompletionRequest, raw_request: Request) -> Response:
+    reply, deltas = await start_chat_generation(state, body, raw_request, "chatcmpl")
+    if body.stream:
+        return StreamingResponse(sse.with_error_events(_stream(reply, deltas)), media_type=sse.MEDIA_TYPE,
+                                 headers=sse.HEADERS)
+    completed, response = await cancel_on_disconnect(raw_request, collect_chat_completion(reply, deltas))
+    if not completed:
+        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+    return JSONResponse(response.model_dump())
+
+
+async def start_chat_generation(state: FrontendState, body: ChatCompletionRequest, raw_request: Request,
+                                id_prefix: str) -> tuple[_Reply, AsyncIterator[GenerationDelta]]:
+    """Check the request, render its prompt and start generating (also the Responses
+    API's way in): every error here is a plain 400, before any output."""
     arrival = time.monotonic()
     state.check_model(body.model)
     body.enable_auto_tools(state.tool_call_parser)
@@ -69,20 +83,12 @@ async def create_chat_completion(state: FrontendState, body: ChatCompletionReque
                              max_tokens_param=max_tokens_param, structured_output=body.structured_output())
     await state.engine.ensure_connected()
 
-    response_id, engine_id = request_ids(raw_request, "chatcmpl")
+    response_id, engine_id = request_ids(raw_request, id_prefix)
     reply = _Reply(id=response_id, created=int(time.time()), model=state.model_name,
                    body=body, texts=generator.token_texts, num_prompt_tokens=len(prompt_ids))
     request = GenerationRequest(request_id=engine_id, prompt_token_ids=prompt_ids, sampling_params=params,
                                 arrival_time=arrival, priority=body.priority, cache_salt=body.cache_salt)
-    deltas = generator.generate(request)
-
-    if body.stream:
-        return StreamingResponse(sse.with_error_events(_stream(reply, deltas)), media_type=sse.MEDIA_TYPE,
-                                 headers=sse.HEADERS)
-    completed, response = await cancel_on_disconnect(raw_request, _collect(reply, deltas, params.num_samples))
-    if not completed:
-        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
-    return JSONResponse(response.model_dump())
+    return reply, generator.generate(request)
 
 
 async def render_chat_prompt(state: FrontendState, body: ChatTemplateRequest) -> list[int]:
@@ -96,8 +102,9 @@ async def render_chat_prompt(state: FrontendState, body: ChatTemplateRequest) ->
         raise
 
 
-async def _collect(reply: _Reply, deltas: AsyncIterator[GenerationDelta], num_samples: int) -> ChatCompletionResponse:
-    samples = [SampleResult(i) for i in range(num_samples)]
+async def collect_chat_completion(reply: _Reply, deltas: AsyncIterator[GenerationDelta]) -> ChatCompletionResponse:
+    """The whole reply, once every sample has finished."""
+    samples = [SampleResult(i) for i in range(reply.body.best_of or reply.body.n)]
     prompt_logprobs = None
     async with aclosing(deltas):
         async for delta in deltas:
