@@ -2,8 +2,9 @@
 
 `FakeScheduler` binds a ROUTER like the real scheduler and speaks the same
 protocol: each EngineRequest gets a scripted continuation, one output per
-tick (finishing with STOP at the script's EOS, or LENGTH at max_tokens), an
-Abort ends a request with an ABORT output, and too-long prompts get an
+tick (finishing with STOP at the script's EOS, or LENGTH at max_tokens), each
+of its samples (n > 1) the same one, an Abort ends a request (or one of its
+samples) with an ABORT output, and too-long prompts get an
 EngineError. It records everything it receives so tests can check what the
 frontend sent. `FakeControl` serves the scheduler's control gRPC service.
 """
@@ -20,7 +21,7 @@ import zmq
 
 from common.grpc_gen import control_pb2, control_pb2_grpc
 from common.protocol import (Abort, EngineError, EngineOutputs, EngineRequest, FinishReason, FrontendHello,
-                             MessageType, RequestOutput, TokenLogprobs)
+                             MessageType, RequestOutput, TokenLogprobs, parent_request_id, sample_request_id)
 from common.transport import MessageDecoder, make_socket, recv, send
 
 def free_port() -> int:
@@ -38,6 +39,7 @@ class _Running:
     peer: bytes
     script: list[int]
     interval: float
+    index: int = 0  # the sample, when the request asks for several (n > 1)
     sent: int = 0
     next_time: float = 0.0
 
@@ -120,10 +122,9 @@ class FakeScheduler:
             else:
                 self.received.requests.append(msg)
         if isinstance(msg, Abort):
-            for request_id in msg.request_ids:
-                running = self._running.pop(request_id, None)
-                if running is not None:
-                    self._publish(sock, running, [], FinishReason.ABORT)
+            for request_id in msg.request_ids:  # a request's id aborts all its samples
+                for key in [k for k in self._running if request_id in (k, parent_request_id(k))]:
+                    self._publish(sock, self._running.pop(key), [], FinishReason.ABORT)
             return
         if not isinstance(msg, EngineRequest):
             return
@@ -134,7 +135,12 @@ class FakeScheduler:
             return
         slow = self.slow_token is not None and self.slow_token in prompt
         script = list(self.slow_script) if slow else [*self.script, self.eos_token_id]
-        self._running[msg.request_id] = _Running(msg, peer, script, self.slow_interval if slow else self.interval)
+        interval = self.slow_interval if slow else self.interval
+        num_samples = msg.sampling_params.num_samples
+        if num_samples == 1:
+            self._running[msg.request_id] = _Running(msg, peer, script, interval)
+        for index in range(num_samples if num_samples > 1 else 0):
+            self._running[sample_request_id(msg.request_id, index)] = _Running(msg, peer, script, interval, index)
 
     def _emit(self, sock) -> None:
         now = time.monotonic()
@@ -155,23 +161,24 @@ class FakeScheduler:
                     finish = FinishReason.LENGTH
                 if finish is not None:
                     break
-            self._publish(sock, running, new_tokens, finish)
             if finish is not None:
                 del self._running[request_id]
+            self._publish(sock, running, new_tokens, finish)
 
-    @staticmethod
-    def _publish(sock, running: _Running, tokens: list[int], finish: FinishReason | None) -> None:
+    def _publish(self, sock, running: _Running, tokens: list[int], finish: FinishReason | None) -> None:
         """Logprobs, when asked, are made up: -0.5 for each token, -1.0 for each prompt token."""
         prompt = running.request.prompt_token_ids
         params = running.request.sampling_params
         logprobs = prompt_logprobs = None
         if params.logprobs is not None:
             logprobs = [TokenLogprobs(t, -0.5, 1, [t][:params.logprobs], [-0.5][:params.logprobs]) for t in tokens]
-        if params.prompt_logprobs is not None and running.sent == len(tokens):  # with the first output
-            prompt_logprobs = [TokenLogprobs(t, -1.0, 1) for t in prompt[1:]]
-        output = RequestOutput(request_id=running.request.request_id, new_token_ids=tokens, finish_reason=finish,
-                               num_prompt_tokens=len(prompt), num_cached_tokens=len(prompt) // 2,
-                               logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+        if params.prompt_logprobs is not None and running.sent == len(tokens) and running.index == 0:
+            prompt_logprobs = [TokenLogprobs(t, -1.0, 1) for t in prompt[1:]]  # with the first output
+        request_id = running.request.request_id
+        more_samples = any(other.request.request_id == request_id for other in self._running.values())
+        output = RequestOutput(request_id=request_id, new_token_ids=tokens, finish_reason=finish,
+                               num_prompt_tokens=len(prompt), num_cached_tokens=len(prompt) // 2, index=running.index,
+                               more_samples=more_samples, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         send(sock, EngineOutputs(outputs=[output], timestamp=time.time()), to=running.peer)
 
 
