@@ -104,6 +104,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # entries with an `index`; a call's first has id, type, name
 
     @model_serializer(mode="wrap")
     def _omit_unset_fields(self, handler) -> dict[str, Any]:

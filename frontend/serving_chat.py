@@ -20,6 +20,7 @@ from frontend.openai_protocol import ChatCompletionRequest, ChatTemplateRequest
 from frontend.openai_responses import (ChatChoice, ChatCompletionChunk, ChatCompletionResponse, ChatMessage,
                                        ChatStreamChoice, DeltaMessage, UsageInfo)
 from frontend.state import SYSTEM_FINGERPRINT, FrontendState, request_ids
+from frontend.tool_call_stream import ToolCallStream, tool_call_stream
 from frontend.tool_calls import tool_call_reply
 
 
@@ -129,10 +130,9 @@ async def collect_chat_completion(reply: _Reply, deltas: AsyncIterator[Generatio
 @dataclass(slots=True)
 class _Held:
     """Logprobs of tokens whose text is not sent yet (held back, or no text), and
-    the reply's text so far when it may hold tool calls."""
+    the reply's tool calls as they stream (None: plain text)."""
+    calls: ToolCallStream | None
     logprobs: list[TokenLogprobs] = field(default_factory=list)
-    text: str = ""
-    sent: int = 0  # how much of `text` went out as content
     num_tokens: int = 0  # the choice's output tokens so far (its continuous usage, as vLLM's)
 
 
@@ -144,8 +144,8 @@ async def _stream(reply: _Reply, deltas: AsyncIterator[GenerationDelta]) -> Asyn
     for index in range(body.n):
         yield reply.chunk([ChatStreamChoice(index=index, delta=DeltaMessage(role=role, content=echo))],
                           reply.usage(0) if continuous else None)
-    held = [_Held() for _ in range(body.n)]
     tool_choice = body.resolved_tool_choice()
+    held = [_Held(tool_call_stream(tool_choice)) for _ in range(body.n)]
     async with aclosing(deltas):
         async for delta in deltas:
             reply.last = delta
@@ -153,22 +153,15 @@ async def _stream(reply: _Reply, deltas: AsyncIterator[GenerationDelta]) -> Asyn
             pending.logprobs += delta.logprobs or []
             pending.num_tokens += len(delta.token_ids)
             message, finish_reason = DeltaMessage(content=delta.text or None), delta.finish_reason
-            if tool_choice.mode != "none":
-                # Tool calls are sent whole once the reply is complete (as text if it holds none);
-                # with "auto", the text before a call streams as it comes.
-                pending.text += delta.text
-                if finish_reason is None:
-                    releasable = tool_choice.parser.releasable(pending.text) if tool_choice.parser else 0
-                    if releasable <= pending.sent and delta.prompt_logprobs is None:
-                        continue
-                    message = DeltaMessage(content=pending.text[pending.sent:releasable] or None)
-                    pending.sent = max(pending.sent, releasable)
-                elif (calls := tool_call_reply(pending.text, finish_reason, tool_choice, indexed=True)) is not None:
-                    message, finish_reason = DeltaMessage(tool_calls=calls.tool_calls), calls.finish_reason
-                else:
-                    message = DeltaMessage(content=pending.text[pending.sent:] or None)
-            elif not delta.text and finish_reason is None and delta.prompt_logprobs is None:
-                continue  # e.g. text held back while it may begin a stop string
+            if pending.calls is not None:
+                # Content up to the calls, then each call's header and arguments as they come.
+                step = pending.calls.feed(delta.text) if finish_reason is None else \
+                    pending.calls.finish(delta.text, finish_reason)
+                message = DeltaMessage(content=step.content or None, tool_calls=step.tool_calls or None)
+                finish_reason = step.finish_reason
+            if message.content is None and message.tool_calls is None and finish_reason is None \
+                    and delta.prompt_logprobs is None:
+                continue  # e.g. text held back while it may begin a stop string or a tool call tag
             choice = ChatStreamChoice(index=delta.index, delta=message,
                                       logprobs=reply.logprobs(pending.logprobs) if pending.logprobs else None,
                                       finish_reason=finish_reason, stop_reason=delta.stop_reason)

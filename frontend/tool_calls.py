@@ -137,12 +137,11 @@ def tool_calls_of(text: str, choice: ToolChoice) -> tuple[str | None, list[ToolC
 @dataclass(frozen=True, slots=True)
 class ToolCallReply:
     content: str | None
-    tool_calls: list[dict[str, Any]]  # as JSON; each with its `index` when asked (stream deltas need it)
+    tool_calls: list[dict[str, Any]]  # as JSON
     finish_reason: str | None
 
 
-def tool_call_reply(text: str, finish_reason: str | None, choice: ToolChoice, *,
-                    indexed: bool = False) -> ToolCallReply | None:
+def tool_call_reply(text: str, finish_reason: str | None, choice: ToolChoice) -> ToolCallReply | None:
     """For a reply that holds tool calls: its content, its `tool_calls` and the finish
     reason ("tool_calls" for "required" and "auto", as vLLM). None: the reply is plain text."""
     if choice.mode == "none":
@@ -153,8 +152,7 @@ def tool_call_reply(text: str, finish_reason: str | None, choice: ToolChoice, *,
     content, calls = found
     finish = "tool_calls" if choice.mode == "auto" or (choice.mode == "required" and finish_reason == "stop") \
         else finish_reason
-    return ToolCallReply(content, [{**({"index": index} if indexed else {}), **call.model_dump()}
-                                   for index, call in enumerate(calls)], finish)
+    return ToolCallReply(content, [call.model_dump() for call in calls], finish)
 
 
 def arguments_as_object(tool_call: dict[str, Any]) -> dict[str, Any]:

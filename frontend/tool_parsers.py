@@ -41,16 +41,14 @@ class HermesToolParser:
         content = text[:start]  # as streamed (and as vLLM returns it)
         return (content if content.strip() else None), calls
 
-    def releasable(self, text: str) -> int:
-        """How much of a reply still being generated can be streamed as content:
-        everything before a call starts, holding back what could begin one."""
-        start = text.find(self.START)
-        if start >= 0:
-            return start
-        for keep in range(min(len(self.START) - 1, len(text)), 0, -1):
-            if self.START.startswith(text[-keep:]):
-                return len(text) - keep
-        return len(text)
+
+def partial_marker(text: str, marker: str) -> int:
+    """The length of the longest end of `text` that could begin `marker` (to hold
+    it back until the next piece tells)."""
+    for keep in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-keep:]):
+            return keep
+    return 0
 
 
 TOOL_PARSERS = {"hermes": HermesToolParser}

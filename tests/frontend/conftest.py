@@ -143,3 +143,15 @@ def server(tmp_path_factory) -> Server:
         pool.stop()
         control.stop()
         scheduler.stop()
+
+
+@pytest.fixture(scope="session")
+def tool_stack(server, tmp_path_factory):
+    """A frontend running "auto" tool choice (hermes) in front of its own fake scheduler (`tool_stack.py`)."""
+    from tests.frontend.tool_stack import start_tool_stack
+
+    stack = start_tool_stack(server, tmp_path_factory.mktemp("auto-tools"))
+    try:
+        yield stack
+    finally:
+        stack.stop()

@@ -6,38 +6,16 @@ from __future__ import annotations
 
 import json
 
-import openai
 import pytest
 
-from frontend.tool_parsers import HermesToolParser
-from tests.frontend.conftest import start_frontend
-from tests.frontend.fakes import FakeControl, FakeScheduler, free_port
-
-REPLY = ('Let me check both. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
-         '<tool_call>\n{"name": "get_time", "arguments": {"timezone": "CET"}}\n</tool_call>')
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}},
-         {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
-ASK = [{"role": "user", "content": "Weather and time in Paris?"}]
+from frontend.tool_parsers import HermesToolParser, partial_marker
+from tests.frontend.tool_stack import ASK, REPLY, TOOLS
+from tool_stream_helpers import finish_reason, streamed_calls, streamed_content
 
 
 @pytest.fixture(scope="module")
-def client(server, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("auto-tools")
-    scheduler = FakeScheduler(f"tcp://127.0.0.1:{free_port()}", server.tokenizer.encode(REPLY),
-                              server.eos_token_id).start()
-    control_address = f"127.0.0.1:{free_port()}"
-    control = FakeControl(256, len(server.tokenizer)).start(control_address)
-    args = list(server.frontend_args)
-    args[args.index("--scheduler-address") + 1] = scheduler.address
-    args[args.index("--scheduler-control-address") + 1] = control_address
-    frontend, base_url, _ = start_frontend([*args, "--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
-                                           tmp / "frontend.log")
-    try:
-        yield openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0)
-    finally:
-        frontend.stop()
-        control.stop()
-        scheduler.stop()
+def client(tool_stack):
+    return tool_stack.client
 
 
 def test_auto_returns_the_text_and_the_calls(client):
@@ -52,11 +30,9 @@ def test_auto_returns_the_text_and_the_calls(client):
 def test_auto_streams_the_text_then_the_calls(client):
     chunks = [c for c in client.chat.completions.create(model="tiny-model", messages=ASK, tools=TOOLS,
                                                         tool_choice="auto", stream=True) if c.choices]
-    text = "".join(c.choices[0].delta.content or "" for c in chunks)
-    calls = [call for c in chunks for call in c.choices[0].delta.tool_calls or []]
-    assert text == "Let me check both. "  # streamed as it came, never a piece of "<tool_call>"
-    assert [(call.index, call.function.name) for call in calls] == [(0, "get_weather"), (1, "get_time")]
-    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert streamed_content(chunks) == "Let me check both. "  # streamed as it came, never a piece of "<tool_call>"
+    assert [(call.index, call.name) for call in streamed_calls(chunks)] == [(0, "get_weather"), (1, "get_time")]
+    assert finish_reason(chunks) == "tool_calls"
 
 
 def test_without_tools_auto_is_plain_text(client):
@@ -74,5 +50,5 @@ def test_hermes_parser():
     assert parser.extract('x <tool_call>{"name": "g", "argu') == ('x <tool_call>{"name": "g", "argu', [])
     assert parser.extract('<tool_call>["not", "an object"]</tool_call>')[1] == []
     # Streaming: hold back anything that could begin "<tool_call>".
-    assert [parser.releasable(t) for t in ("Hello", "Hello <", "Hello <tool_c", "Hi <tool_call>{", "a<b")] == [
-        5, 6, 6, 3, 3]
+    assert [partial_marker(t, parser.START) for t in ("Hello", "Hello <", "Hello <tool_c", "a<b", "<tool_call")] == [
+        0, 1, 7, 0, 10]

@@ -1,0 +1,88 @@
+"""`ToolCallStream` on its own, fed a reply in pieces: what goes out as content
+and as tool-call deltas, and the finish reason, including replies that stop
+being calls before or after a call went out."""
+from __future__ import annotations
+
+import json
+
+from hypothesis import given, strategies as st
+
+from frontend.tool_call_stream import tool_call_stream
+from frontend.tool_calls import ToolChoice, tool_call_reply
+from frontend.tool_parsers import HermesToolParser
+
+AUTO, REQUIRED, NAMED = ToolChoice("auto", parser=HermesToolParser()), ToolChoice("required"), ToolChoice("named", "f")
+
+
+def run(choice: ToolChoice, pieces: list[str], finish_reason: str = "stop") -> tuple[str, list[tuple], str | None]:
+    """(content, [(name, arguments, number of deltas)], finish reason)"""
+    stream = tool_call_stream(choice)
+    steps = [stream.feed(piece) for piece in pieces[:-1]] + [stream.finish(pieces[-1], finish_reason)]
+    calls: dict[int, list] = {}
+    for delta in (d for step in steps for d in step.tool_calls):
+        if "id" in delta:
+            assert delta["index"] not in calls and delta["type"] == "function"
+            calls[delta["index"]] = [delta["function"]["name"], "", 0]
+        calls[delta["index"]][1] += delta["function"]["arguments"]
+        calls[delta["index"]][2] += 1
+    assert all(step.finish_reason is None for step in steps[:-1])
+    return "".join(step.content for step in steps), [tuple(calls[i]) for i in sorted(calls)], steps[-1].finish_reason
+
+
+def chars(text: str) -> list[str]:
+    return list(text)
+
+
+@given(st.lists(st.integers(1, 200), max_size=8), st.sampled_from(["", "Sure. ", "a < b "]))
+def test_any_pieces_add_up_to_the_whole_reply(cuts, prefix):
+    text = (prefix + '<tool_call>{"name": "f", "arguments": {"a": "x</y", "b": [1, 2.5]}}</tool_call>\n'
+            '<tool_call>{"arguments": {}, "name": "g"}</tool_call>')
+    cuts = sorted({min(cut, len(text)) for cut in cuts} - {0, len(text)})
+    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+    content, calls, finish = run(AUTO, pieces)
+    whole = tool_call_reply(text, "stop", AUTO)
+    assert (content, [call[:2] for call in calls], finish) == (
+        whole.content or "", [(c["function"]["name"], c["function"]["arguments"]) for c in whole.tool_calls],
+        whole.finish_reason)
+
+
+def test_text_that_only_looks_like_a_tag_streams_as_it_comes():
+    assert run(AUTO, chars("a <tool b")) == ("a <tool b", [], "stop")
+
+
+def test_a_call_without_arguments_gets_an_empty_object():
+    # The header goes out when the name is complete, the arguments when the call is.
+    assert run(AUTO, chars('<tool_call>{"name": "g"}</tool_call>')) == ("", [("g", "{}", 2)], "tool_calls")
+
+
+def test_a_reply_that_breaks_before_a_call_went_out_is_text():
+    for text in ['Hi <tool_call>{"name": 3}</tool_call>', 'Hi <tool_call>{"arguments": {}}</tool_call>',
+                 'Hi <tool_call>["f"]</tool_call>', 'Hi <tool_call>{"name</tool_call>']:
+        assert run(AUTO, chars(text)) == (text, [], "stop")
+    assert run(REQUIRED, chars('[{"name": "get_we'), "length") == ('[{"name": "get_we', [], "length")
+
+
+def test_once_a_call_went_out_it_stands():
+    # Broken JSON after the name: what was valid went out, the rest is dropped;
+    # the reply is not whole calls, so the finish reason is the sample's.
+    content, calls, finish = run(AUTO, chars('Hi <tool_call>{"name": "f", "arguments": {"a": 1,,}}</tool_call>'))
+    assert (content, [c[:2] for c in calls], finish) == ("Hi ", [("f", '{"a": 1,')], "stop")
+    content, calls, finish = run(REQUIRED, chars('[{"name": "f", "parameters": {"a": "lo'), "length")
+    assert (content, [c[:2] for c in calls], finish) == ("", [("f", '{"a": "lo')], "length")
+
+
+def test_required_streams_each_parameters_object_as_written():
+    text = '[{"parameters": {"a":1}, "name": "f"},{"name":"g","parameters":{"b":[true]}}]'
+    content, calls, finish = run(REQUIRED, chars(text))
+    assert (content, [c[:2] for c in calls], finish) == ("", [("f", '{"a":1}'), ("g", '{"b":[true]}')], "tool_calls")
+    assert calls[0][2] == 1 and calls[1][2] > 1  # f's name came after its parameters: all in its header
+
+
+def test_named_sends_the_header_at_once_then_the_text():
+    stream = tool_call_stream(NAMED)
+    [header] = stream.feed("").tool_calls
+    assert header["function"] == {"name": "f", "arguments": ""} and header["id"].startswith("chatcmpl-tool-")
+    assert stream.feed('{"a"').tool_calls == [{"index": 0, "function": {"arguments": '{"a"'}}]
+    step = stream.finish(": 1}", "stop")
+    assert step.tool_calls == [{"index": 0, "function": {"arguments": ": 1}"}}] and step.finish_reason == "stop"
+    assert json.loads(stream.text) == {"a": 1}
