@@ -24,7 +24,9 @@ from frontend.http_guards import GuardRefusal, RequestGuard
 from frontend.http_options import CorsSettings
 from frontend.openai_protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from frontend.serving_chat import create_chat_completion
+from frontend.responses_request import ResponsesRequest
 from frontend.serving_completions import create_completion
+from frontend.serving_responses import create_response, delete_response, retrieve_response
 from frontend.serving_tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 from frontend.state import FrontendState
 
@@ -111,6 +113,18 @@ def build_app(state: FrontendState, *, api_key: str | None = None, max_body_byte
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw_request: Request) -> Response:
         return await create_chat_completion(state, body, raw_request)
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, raw_request: Request) -> Response:
+        return await create_response(state, body, raw_request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> JSONResponse:
+        return JSONResponse(retrieve_response(state, response_id))
+
+    @app.delete("/v1/responses/{response_id}")
+    async def remove_response(response_id: str) -> JSONResponse:
+        return JSONResponse(delete_response(state, response_id))
 
     async def model_cards() -> list[ModelCard]:
         max_model_len = await state.max_model_len()

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import logging
 from contextlib import aclosing
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from pydantic import BaseModel
 
@@ -21,22 +21,32 @@ def event(body: BaseModel) -> str:
     return f"data: {body.model_dump_json()}\n\n"
 
 
-def error_event(error: Exception) -> str:
-    """An error after the stream started (the status line is already sent)."""
+def error_body(error: Exception) -> dict:
+    """The OpenAI error object of a failure after the stream started (the status line is already sent)."""
     if not isinstance(error, PagedServeError):
         logger.exception("error while streaming", exc_info=error)
         error = PagedServeError("internal error while generating")
-    body = error.to_openai()
-    body["error"]["code"] = body["error"]["code"] or error.http_status
-    return f"data: {json.dumps(body)}\n\n"
+    body = error.to_openai()["error"]
+    body["code"] = body["code"] or error.http_status
+    return body
 
 
-async def with_error_events(events: AsyncIterator[str]) -> AsyncIterator[str]:
-    """Turn an exception in the middle of a stream into an error event, then [DONE]."""
+def error_event(error: Exception) -> str:
+    return f"data: {json.dumps({'error': error_body(error)})}\n\n"
+
+
+def _error_and_done(error: Exception) -> list[str]:
+    return [error_event(error), DONE]
+
+
+async def with_error_events(events: AsyncIterator[str],
+                            on_error: Callable[[Exception], list[str]] = _error_and_done) -> AsyncIterator[str]:
+    """Turn an exception in the middle of a stream into its last events (by
+    default an error event, then [DONE])."""
     try:
         async with aclosing(events):
             async for item in events:
                 yield item
     except Exception as e:  # noqa: BLE001 - every failure must reach the client as an event
-        yield error_event(e)
-        yield DONE
+        for item in on_error(e):
+            yield item

@@ -10,6 +10,7 @@ from frontend.engine_client import EngineClient
 from frontend.errors import ModelNotFoundError
 from frontend.generation import Generator
 from frontend.metrics import FrontendMetrics
+from frontend.responses_store import ResponseStore
 
 # Changes whenever the server (and so, possibly, its outputs) changes.
 SYSTEM_FINGERPRINT = "fp_pagedserve_0.1.0"
@@ -28,6 +29,7 @@ class FrontendState:
     sampling_defaults: dict[str, float | int] = field(default_factory=dict)
     tool_call_parser: str | None = None  # --tool-call-parser with --enable-auto-tool-choice: "auto" runs
     response_role: str = "assistant"  # --response-role: chat replies that open a new turn
+    responses: ResponseStore = field(default_factory=ResponseStore)  # the Responses API's stored responses
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:

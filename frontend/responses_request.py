@@ -1,0 +1,172 @@
+"""The request body of OpenAI's Responses API (POST /v1/responses), and how it
+becomes a chat completion: `instructions` a system message, `input` (a string
+or a list of items) the conversation after the previous response's, `text.format`
+the structured output, function `tools` and `tool_choice` as in chat.
+
+What this server does not do (built-in tools such as web search, images and
+files, background runs, reasoning) is a 400 naming the field, never ignored.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import ValidationError
+
+from common.errors import InvalidRequestError
+from frontend.errors import NotSupportedError
+from frontend.openai_protocol import ChatCompletionRequest
+from frontend.request_body import TextRequest
+
+# Chat completion fields -> the Responses API field that set them (errors name the client's).
+PARAMS_OF_CHAT_FIELDS = {"messages": "input", "max_completion_tokens": "max_output_tokens",
+                         "response_format": "text.format"}
+# Responses fields that pass to the chat completion unchanged (vLLM's extras included).
+_SAME_FIELDS = ("model", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "stop",
+                "presence_penalty", "frequency_penalty", "min_tokens", "ignore_eos", "priority", "cache_salt",
+                "user")
+
+
+class ResponsesRequest(TextRequest):
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    max_output_tokens: int | None = None
+    stream: bool = False
+    store: bool = True
+    text: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool = True
+    metadata: dict[str, str] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    truncation: str | None = "disabled"
+    reasoning: dict[str, Any] | None = None
+    background: bool = False
+    include: list[str] | None = None
+    user: str | None = None
+
+    def check_supported(self) -> None:
+        if self.background:
+            raise NotSupportedError("background", "background responses")
+        if self.truncation not in (None, "disabled"):
+            raise NotSupportedError("truncation", f"truncation {self.truncation!r} (only 'disabled')")
+        if self.reasoning and any(value is not None for value in self.reasoning.values()):
+            raise NotSupportedError("reasoning", "reasoning options (this model does not reason)")
+        if self.include:
+            raise NotSupportedError("include", f"extra output ({', '.join(map(str, self.include))})")
+        for name in ("prompt", "conversation", "top_logprobs", "max_tool_calls"):
+            if (self.model_extra or {}).get(name) not in (None, 0):
+                raise NotSupportedError(name)
+        if not self.parallel_tool_calls:
+            raise NotSupportedError("parallel_tool_calls", "parallel_tool_calls false (a reply may hold "
+                                                           "several calls)")
+
+    def input_messages(self) -> list[dict[str, Any]]:
+        """`input` as chat messages (this turn's only: no instructions, no history)."""
+        if isinstance(self.input, str):
+            return [{"role": "user", "content": self.input}]
+        if not self.input:
+            raise InvalidRequestError("input must not be empty", param="input")
+        messages: list[dict[str, Any]] = []
+        for index, item in enumerate(self.input):
+            _add_input_item(messages, item, index)
+        return messages
+
+    def chat_request(self, history: list[dict[str, Any]]) -> ChatCompletionRequest:
+        """The chat completion that answers this request after `history` (the
+        previous responses' conversation, without their instructions)."""
+        system = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        fields = {name: getattr(self, name, None) if name in type(self).model_fields else
+                  (self.model_extra or {}).get(name) for name in _SAME_FIELDS}
+        try:
+            return ChatCompletionRequest.model_validate({
+                **{name: value for name, value in fields.items() if value is not None},
+                "messages": system + history + self.input_messages(),
+                "max_completion_tokens": self.max_output_tokens,
+                "response_format": self._response_format(),
+                "tools": [_chat_tool(tool, index) for index, tool in enumerate(self.tools or [])] or None,
+                "tool_choice": _chat_tool_choice(self.tool_choice),
+            })
+        except ValidationError as e:  # an extra field of the wrong type (top_k: "x")
+            error = e.errors()[0]
+            field = str(error["loc"][0]) if error["loc"] else None
+            raise InvalidRequestError(f"{field}: {error['msg']}" if field else error["msg"],
+                                      param=PARAMS_OF_CHAT_FIELDS.get(field, field)) from None
+
+    def _response_format(self) -> dict[str, Any] | None:
+        form = (self.text or {}).get("format")
+        if form is not None and not isinstance(form, dict):
+            raise InvalidRequestError("text.format must be an object", param="text.format")
+        if form is None or form.get("type") == "text":
+            return None
+        if form.get("type") == "json_schema":  # flat here, nested under json_schema in chat
+            return {"type": "json_schema", "json_schema": {key: value for key, value in form.items()
+                                                           if key != "type"}}
+        return form
+
+
+def _add_input_item(messages: list[dict[str, Any]], item: Any, index: int) -> None:
+    where = f"input[{index}]"
+    if not isinstance(item, dict):
+        raise InvalidRequestError(f"{where} must be an object", param="input")
+    kind = item.get("type", "message")
+    if kind == "message":
+        role = item.get("role")
+        if role not in ("user", "assistant", "system", "developer"):
+            raise InvalidRequestError(f"{where}.role must be user, assistant, system or developer", param="input")
+        # Chat templates know no developer role: it is the system's, as in chat completions.
+        messages.append({"role": "system" if role == "developer" else role,
+                         "content": _content_text(item.get("content"), where)})
+    elif kind == "function_call":
+        call = {"id": _string(item, "call_id", where), "type": "function",
+                "function": {"name": _string(item, "name", where), "arguments": _string(item, "arguments", where)}}
+        last = messages[-1] if messages else None
+        if last is not None and last["role"] == "assistant" and last.get("tool_calls") and not last["content"]:
+            last["tool_calls"].append(call)  # calls of one reply, in one assistant turn
+        else:
+            messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+    elif kind == "function_call_output":
+        output = item.get("output")
+        messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", where),
+                         "content": output if isinstance(output, str) else _content_text(output, where)})
+    else:
+        raise NotSupportedError("input", f"input items of type {kind!r} (only message, function_call and "
+                                         f"function_call_output)")
+
+
+def _content_text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidRequestError(f"{where}.content must be a string or a list of parts", param="input")
+    texts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
+            raise NotSupportedError("input", f"content parts of type {kind!r} (only input_text and output_text)")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def _string(item: dict[str, Any], key: str, where: str) -> str:
+    value = item.get(key)
+    if not isinstance(value, str):
+        raise InvalidRequestError(f"{where}.{key} must be a string", param="input")
+    return value
+
+
+def _chat_tool(tool: Any, index: int) -> dict[str, Any]:
+    """A Responses function tool (flat) as chat's ({"type", "function": {...}})."""
+    if not isinstance(tool, dict) or tool.get("type") != "function":
+        kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
+        raise NotSupportedError("tools", f"tools of type {kind!r} (only function tools)")
+    function = {key: tool[key] for key in ("name", "description", "parameters", "strict") if key in tool}
+    return {"type": "function", "function": function}
+
+
+def _chat_tool_choice(choice: Any) -> Any:
+    if isinstance(choice, dict) and choice.get("type") == "function" and "function" not in choice:
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    return choice
