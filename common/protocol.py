@@ -239,6 +239,7 @@ class RenderChatJob(msgspec.Struct, **_STRUCT):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict = {}
+    add_special_tokens: bool = False  # on top of the template's (vLLM's chat add_special_tokens)
 
 
 class DetokenizeJob(msgspec.Struct, **_STRUCT):

@@ -214,6 +214,7 @@ class ChatTemplateRequest(RequestBody):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, Any]] | None = None  # vLLM's: for templates that cite documents (RAG)
+    add_special_tokens: bool | None = False  # the tokenizer's (BOS...) on top of the template's, as vLLM
 
     def check_template_options(self) -> None:
         if self.continue_final_message and self.add_generation_prompt:

@@ -97,7 +97,8 @@ async def render_chat_prompt(state: FrontendState, body: ChatTemplateRequest) ->
     try:
         return await state.tokenizer_client.render_chat(
             body.template_messages(), add_generation_prompt=body.add_generation_prompt,
-            continue_final_message=body.continue_final_message, chat_template_kwargs=body.template_kwargs())
+            continue_final_message=body.continue_final_message, chat_template_kwargs=body.template_kwargs(),
+            add_special_tokens=bool(body.add_special_tokens))
     except InvalidRequestError as e:  # the pool's reply names no parameter; the messages are at fault
         e.param = e.param or "messages"
         raise

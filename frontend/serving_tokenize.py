@@ -15,7 +15,6 @@ from __future__ import annotations
 from pydantic import Field
 
 from common.errors import InvalidRequestError
-from frontend.errors import NotSupportedError
 from frontend.openai_protocol import ChatMessageParam, ChatTemplateRequest
 from frontend.openai_responses import OpenAIBaseModel
 from frontend.request_body import TextRequest
@@ -56,9 +55,6 @@ async def tokenize(state: FrontendState, body: TokenizeRequest) -> TokenizeRespo
         tokens = await state.tokenizer_client.encode(body.prompt,
                                                      add_special_tokens=body.add_special_tokens is not False)
     else:
-        if body.add_special_tokens:
-            raise NotSupportedError("add_special_tokens", "add_special_tokens with messages (the chat "
-                                    "template places the special tokens)")
         body.check_template_options()
         tokens = await render_chat_prompt(state, body)
     token_strs = state.tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None

@@ -50,19 +50,20 @@ class TokenizerClient:
 
     async def render_chat(self, messages: Iterable[dict | ChatMessage], add_generation_prompt: bool = True,
                           continue_final_message: bool = False,
-                          chat_template_kwargs: dict | None = None) -> list[int]:
+                          chat_template_kwargs: dict | None = None, add_special_tokens: bool = False) -> list[int]:
         reply = await self.render_chat_reply(messages, add_generation_prompt, continue_final_message,
-                                             chat_template_kwargs)
+                                             chat_template_kwargs, add_special_tokens)
         return reply.token_ids
 
     async def render_chat_reply(self, messages: Iterable[dict | ChatMessage], add_generation_prompt: bool = True,
                                 continue_final_message: bool = False,
-                                chat_template_kwargs: dict | None = None) -> TokenizerReply:
+                                chat_template_kwargs: dict | None = None,
+                                add_special_tokens: bool = False) -> TokenizerReply:
         """Like render_chat, with the rendered prompt text in `.text` as well."""
         job = RenderChatJob(job_id=self._new_id(), messages=to_chat_messages(messages),
                             add_generation_prompt=add_generation_prompt,
                             continue_final_message=continue_final_message,
-                            chat_template_kwargs=chat_template_kwargs or {})
+                            chat_template_kwargs=chat_template_kwargs or {}, add_special_tokens=add_special_tokens)
         return await self.submit(job)
 
     async def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:

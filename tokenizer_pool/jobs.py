@@ -40,8 +40,8 @@ def render_chat(tokenizer, job: RenderChatJob) -> TokenizerReply:
         continue_final_message=job.continue_final_message,
         chat_template_kwargs=job.chat_template_kwargs or None)
     # As common.tokenizer.apply_chat_template does (the template writes any BOS
-    # itself); rendered once here because the reply carries the text as well.
-    ids = tokenizer.encode(text, add_special_tokens=False)
+    # itself, unless asked); rendered once here because the reply carries the text as well.
+    ids = tokenizer.encode(text, add_special_tokens=job.add_special_tokens)
     return TokenizerReply(job_id=job.job_id, token_ids=list(ids), text=text)
 
 

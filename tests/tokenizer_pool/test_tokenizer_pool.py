@@ -165,3 +165,32 @@ def test_local_workers_reach_a_wildcard_bind_over_loopback():
     assert local_connect_address("tcp://*:5557") == "tcp://127.0.0.1:5557"
     assert local_connect_address("tcp://10.0.0.5:5557") == "tcp://10.0.0.5:5557"
     assert local_connect_address("ipc:///run/pagedserve/tok") == "ipc:///run/pagedserve/tok"
+
+
+def test_chat_add_special_tokens_adds_the_tokenizers_own_on_top_of_the_template(tmp_path):
+    """vLLM's chat `add_special_tokens`: off by default (the template writes its own),
+    on asks the tokenizer for its BOS as well, here one whose post-processor adds it."""
+    import json
+
+    from common.tokenizer import load_tokenizer
+    from tokenizer_pool_helpers import build_tiny_tokenizer
+
+    directory = build_tiny_tokenizer(tmp_path / "bos-tokenizer")
+    config = json.loads((directory / "tokenizer.json").read_text())
+    bos = next(token["id"] for token in config["added_tokens"] if token["content"] == "<|endoftext|>")
+    config["post_processor"] = {"type": "TemplateProcessing", "single": [
+        {"SpecialToken": {"id": "<|endoftext|>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {"<|endoftext|>": {"id": "<|endoftext|>", "ids": [bos], "tokens": ["<|endoftext|>"]}}}
+    (directory / "tokenizer.json").write_text(json.dumps(config))
+    tokenizer = load_tokenizer(str(directory))
+    messages = [{"role": "user", "content": "How are you?"}]
+    pool = launch_pool(tmp_path, ["--model", str(directory), "--tokenizer-pool-size", "1"])
+    try:
+        assert pool.wait_for_log(r"joined the pool \(1 workers\)", timeout=60), pool.log()
+        plain, special = ask(pool, lambda client: asyncio.gather(
+            client.render_chat(messages), client.render_chat(messages, add_special_tokens=True)))
+    finally:
+        pool.stop()
+    assert plain == apply_chat_template(tokenizer, messages) and plain[0] != bos
+    assert special == [bos, *plain]
