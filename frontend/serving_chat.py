@@ -7,18 +7,18 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
 
 from common.errors import InvalidRequestError
 from common.protocol import TokenLogprobs
 from frontend import sse
-from frontend.async_utils import cancel_on_disconnect
 from frontend.choices import SampleResult, best_samples
 from frontend.generation import GenerationDelta, GenerationRequest
 from frontend.logprobs_format import TokenTexts, chat_logprobs, prompt_logprobs_json
 from frontend.openai_protocol import ChatCompletionRequest, ChatTemplateRequest
 from frontend.openai_responses import (ChatChoice, ChatCompletionChunk, ChatCompletionResponse, ChatMessage,
                                        ChatStreamChoice, DeltaMessage, UsageInfo)
+from frontend.replies import event_stream, json_reply
 from frontend.state import SYSTEM_FINGERPRINT, FrontendState, request_ids
 from frontend.tool_call_stream import ToolCallStream, tool_call_stream
 from frontend.tool_calls import tool_call_reply
@@ -59,12 +59,8 @@ class _Reply:
 async def create_chat_completion(state: FrontendState, body: ChatCompletionRequest, raw_request: Request) -> Response:
     reply, deltas = await start_chat_generation(state, body, raw_request, "chatcmpl")
     if body.stream:
-        return StreamingResponse(sse.with_error_events(_stream(reply, deltas)), media_type=sse.MEDIA_TYPE,
-                                 headers=sse.HEADERS)
-    completed, response = await cancel_on_disconnect(raw_request, collect_chat_completion(reply, deltas))
-    if not completed:
-        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
-    return JSONResponse(response.model_dump())
+        return event_stream(_stream(reply, deltas))
+    return await json_reply(raw_request, collect_chat_completion(reply, deltas))
 
 
 async def start_chat_generation(state: FrontendState, body: ChatCompletionRequest, raw_request: Request,

@@ -9,17 +9,18 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
 
 from common.protocol import TokenLogprobs
 from frontend import sse
-from frontend.async_utils import cancel_on_disconnect, merge_async_iterators
+from frontend.async_utils import merge_async_iterators
 from frontend.choices import SampleResult, best_samples
 from frontend.generation import GenerationDelta, GenerationRequest
 from frontend.logprobs_format import TokenTexts, completion_logprobs, prompt_logprobs_json
 from frontend.openai_protocol import CompletionRequest
 from frontend.openai_responses import CompletionChoice, CompletionResponse, UsageInfo
 from frontend.output_decoder import DecodedDelta
+from frontend.replies import event_stream, json_reply
 from frontend.state import SYSTEM_FINGERPRINT, FrontendState, request_ids
 
 
@@ -102,12 +103,8 @@ async def create_completion(state: FrontendState, body: CompletionRequest, raw_r
     merged = merge_async_iterators([generator.generate(r) for r in requests])
 
     if body.stream:
-        return StreamingResponse(sse.with_error_events(_stream(reply, merged)), media_type=sse.MEDIA_TYPE,
-                                 headers=sse.HEADERS)
-    completed, response = await cancel_on_disconnect(raw_request, _collect(reply, merged))
-    if not completed:
-        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
-    return JSONResponse(response.model_dump())
+        return event_stream(_stream(reply, merged))
+    return await json_reply(raw_request, _collect(reply, merged))
 
 
 async def _prompt_token_ids(state: FrontendState, prompt: str | list[int], add_special_tokens: bool) -> list[int]:

@@ -14,16 +14,16 @@ from __future__ import annotations
 import json
 import secrets
 from contextlib import aclosing
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Awaitable
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
 
 from common.errors import InvalidRequestError, PagedServeError
 from frontend import sse
-from frontend.async_utils import cancel_on_disconnect
 from frontend.generation import GenerationDelta
 from frontend.openai_responses import ChatCompletionResponse, UsageInfo
+from frontend.replies import event_stream, json_reply
 from frontend.responses_request import PARAMS_OF_CHAT_FIELDS, ResponsesRequest
 from frontend.responses_store import StoredResponse
 from frontend.serving_chat import collect_chat_completion, start_chat_generation
@@ -56,12 +56,12 @@ async def create_response(state: FrontendState, body: ResponsesRequest, raw_requ
     if body.stream:
         stream = _stream(draft, reply, deltas) if chat.resolved_tool_choice().mode == "none" \
             else _stream_when_complete(draft, collect_chat_completion(reply, deltas))
-        return StreamingResponse(sse.with_error_events(stream, draft.error_event), media_type=sse.MEDIA_TYPE,
-                                 headers=sse.HEADERS)
-    completed, chat_response = await cancel_on_disconnect(raw_request, collect_chat_completion(reply, deltas))
-    if not completed:
-        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
-    return JSONResponse(draft.finish_chat(chat_response))
+        return event_stream(stream, draft.error_event)
+    return await json_reply(raw_request, _finished(draft, collect_chat_completion(reply, deltas)))
+
+
+async def _finished(draft: "_Draft", collected: Awaitable[ChatCompletionResponse]) -> dict[str, Any]:
+    return draft.finish_chat(await collected)
 
 
 def retrieve_response(state: FrontendState, response_id: str) -> dict[str, Any]:
