@@ -5,16 +5,20 @@ A matcher follows its request's output tokens. The worker drops a request's
 state when it is preempted (and rebuilds it on re-admission), so a new
 matcher replays the outputs generated so far: the constraint holds across
 preemption and worker restarts. Grammars are compiled once per spec and
-cached; compiling happens on the worker thread when a request first arrives
-(typically milliseconds; a large JSON schema may take longer). What every
-grammar needs first, xgrammar's view of the tokenizer (about a second for a
-50k vocabulary), is built in the background when the worker starts, so the
-first structured request does not stall every other request's step.
+cached, least recently used first out once the cache holds GRAMMAR_CACHE_BYTES
+(clients that send a new schema with every request must not grow the worker
+without bound: one compiled JSON schema can take a megabyte); compiling
+happens on the worker thread when a request first arrives (typically
+milliseconds; a large JSON schema may take longer). What every grammar needs
+first, xgrammar's view of the tokenizer (about a second for a 50k
+vocabulary), is built in the background when the worker starts, so the first
+structured request does not stall every other request's step.
 """
 from __future__ import annotations
 
 import logging
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,6 +28,8 @@ import torch
 from common.structured_outputs import StructuredOutputs, build_grammar
 
 logger = logging.getLogger(__name__)
+
+GRAMMAR_CACHE_BYTES = 512 * 1024 * 1024  # as vLLM's VLLM_XGRAMMAR_CACHE_MB default
 
 
 class GrammarMatcher:
@@ -65,7 +71,9 @@ class GrammarCompiler:
         self._eos_token_ids = list(eos_token_ids)
         self._compiler: Any = None
         self._compiler_lock = threading.Lock()  # held while it is built: a first request waits for the warm-up
-        self._compiled: dict[bytes, Any] = {}  # by the spec's encoding (a choice list is not hashable)
+        # By the spec's encoding (a choice list is not hashable), least recently used first.
+        self._compiled: OrderedDict[bytes, Any] = OrderedDict()
+        self._compiled_bytes = 0
         self._warm_up_thread: threading.Thread | None = None
 
     @property
@@ -94,14 +102,23 @@ class GrammarCompiler:
         """A matcher for `spec` that has accepted `output_token_ids` (a request re-admitted after preemption)."""
         import xgrammar
 
-        key = msgspec.msgpack.encode(spec)
-        compiled = self._compiled.get(key)
-        if compiled is None:
-            compiled = self._compiled[key] = self._xgrammar_compiler().compile_grammar(build_grammar(spec))
-        matcher = GrammarMatcher(xgrammar.GrammarMatcher(compiled), request_id, self._vocab_size)
+        matcher = GrammarMatcher(xgrammar.GrammarMatcher(self._compile(spec)), request_id, self._vocab_size)
         for token_id in output_token_ids:
             matcher.accept(token_id)
         return matcher
+
+    def _compile(self, spec: StructuredOutputs) -> Any:
+        key = msgspec.msgpack.encode(spec)
+        compiled = self._compiled.get(key)
+        if compiled is not None:
+            self._compiled.move_to_end(key)
+            return compiled
+        compiled = self._compiled[key] = self._xgrammar_compiler().compile_grammar(build_grammar(spec))
+        self._compiled_bytes += compiled.memory_size_bytes
+        # Matchers hold their own reference: evicting a grammar never breaks a running request.
+        while self._compiled_bytes > GRAMMAR_CACHE_BYTES and len(self._compiled) > 1:
+            self._compiled_bytes -= self._compiled.popitem(last=False)[1].memory_size_bytes
+        return compiled
 
     def _xgrammar_compiler(self) -> Any:
         with self._compiler_lock:
@@ -113,7 +130,9 @@ class GrammarCompiler:
                 info = xgrammar.TokenizerInfo.from_huggingface(load_tokenizer(self._tokenizer_dir),
                                                                vocab_size=self._vocab_size,
                                                                stop_token_ids=self._eos_token_ids or None)
-                self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)  # the model owns the cores
+                # One thread: the model owns the cores. No cache of xgrammar's own (unbounded by
+                # default): the one above is bounded.
+                self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
             return self._compiler
 
 
