@@ -4,7 +4,9 @@ Infinity) and reports where each value starts and ends, so a streamed tool
 call can be cut into its parts before the whole text is there.
 
 One pass over the text, a character at a time: a reply's text is scanned
-once however many pieces it arrives in.
+once however many pieces it arrives in. By default the text is the value alone
+(only whitespace may follow it); `then_text=True` scans a value that other
+text follows (tool calls inside free text): scanning stops at its end.
 """
 from __future__ import annotations
 
@@ -44,9 +46,11 @@ _NUMBER_ENDS = {"zero", "int", "frac", "exp"}
 
 
 class JsonScanner:
-    def __init__(self) -> None:
+    def __init__(self, then_text: bool = False) -> None:
         self.text = ""
         self.done = False  # the top-level value is complete
+        self.then_text = then_text  # stop at the value's end: `text` is the value, the rest is not scanned
+        self.end: int | None = None  # where the top-level value ends, once it has
         self.error: JsonSyntaxError | None = None  # the text stopped being JSON
         self._stack: list[_Container] = []
         self._state = "value"  # what the next character may be
@@ -65,11 +69,15 @@ class JsonScanner:
         offset = len(self.text)
         self.text += text
         for position in range(offset, len(self.text)):
+            if self.done and self.then_text:
+                break
             try:
                 self._step(self.text[position], position, events)
             except JsonSyntaxError as e:
                 self.error, self.text = e, self.text[:position]
                 break
+        if self.done and self.then_text:  # what follows is not the value's (a number ends at the next character)
+            self.text = self.text[:self.end]
         return events
 
     # --- where a value starts and ends -------------------------------------------
@@ -108,7 +116,7 @@ class JsonScanner:
         if self._stack:
             self._stack[-1].count += 1
         else:
-            self.done = True
+            self.done, self.end = True, end
 
     # --- one character -----------------------------------------------------------
     def _step(self, char: str, position: int, events: list[JsonEvent]) -> None:
@@ -126,7 +134,8 @@ class JsonScanner:
                 if state not in _NUMBER_ENDS:
                     raise JsonSyntaxError(f"unexpected {char!r} in a number at {position}")
                 self._end_scalar(position, events)
-                self._step(char, position, events)  # the character after the number
+                if not (self.done and self.then_text):
+                    self._step(char, position, events)  # the character after the number
         elif char in _WHITESPACE:
             pass
         elif state == "value":

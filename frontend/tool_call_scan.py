@@ -11,17 +11,17 @@ model spaces or escapes differently).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 from frontend.json_scan import JsonEvent, JsonScanner
-from frontend.tool_calls import new_tool_call_id
+from frontend.tool_parser_base import new_tool_call_id
 
 
 @dataclass(slots=True)
 class _Call:
     index: int
-    id: str = field(default_factory=new_tool_call_id)
+    id: str
     name: str | None = None
     arguments_start: int | None = None
     arguments_end: int | None = None
@@ -53,11 +53,17 @@ class _Call:
 
 class CallScanner:
     """The calls in one JSON value: the value itself (depth 0, one call) or the
-    objects of a top-level array (depth 1)."""
+    objects of a top-level array (depth 1). `arguments_keys`: the keys that may hold
+    a call's arguments (the first one written counts); `arguments_required`: a call
+    without them is an error (else its arguments are {}), and its header waits for
+    them. `then_text`: other text follows the value (see `JsonScanner`)."""
 
-    def __init__(self, depth: int, arguments_key: str, first_index: int = 0):
-        self.depth, self.arguments_key, self.first_index = depth, arguments_key, first_index
-        self.json = JsonScanner()
+    def __init__(self, depth: int, arguments_keys: tuple[str, ...], first_index: int = 0,
+                 arguments_required: bool = False, then_text: bool = False,
+                 new_id: Callable[[], str] = new_tool_call_id):
+        self.depth, self.arguments_keys, self.first_index = depth, arguments_keys, first_index
+        self.arguments_required, self.new_id = arguments_required, new_id
+        self.json = JsonScanner(then_text=then_text)
         self.calls: list[_Call] = []
         self.error: str | None = None  # the text is not (or stopped being) calls
 
@@ -72,7 +78,12 @@ class CallScanner:
                 self.error = self._on(event)
         if self.json.error is not None and self.error is None:
             self.error = str(self.json.error)
-        return [delta for call in self.calls if (delta := call.delta(self.json.text)) is not None]
+        return [delta for call in self.calls
+                if (self._header_due(call) and (delta := call.delta(self.json.text)) is not None)]
+
+    def _header_due(self, call: _Call) -> bool:
+        # With required arguments, a name alone (`{"name": "Bob"}` in prose) is not a call yet.
+        return not self.arguments_required or call.arguments_start is not None or call.complete
 
     def _on(self, event: JsonEvent) -> str | None:
         """Follow one event; what is wrong with it, if anything."""
@@ -82,21 +93,55 @@ class CallScanner:
         if event.depth == self.depth and event.kind == "start":
             if text[event.start] != "{":
                 return "a tool call must be a JSON object"
-            self.calls.append(_Call(self.first_index + len(self.calls)))
+            self.calls.append(_Call(self.first_index + len(self.calls), self.new_id()))
             return None
         call = self.calls[-1]
         if event.depth == self.depth:
             if call.name is None:
                 return "a tool call without a name"
+            if self.arguments_required and call.arguments_start is None:
+                return "a tool call without arguments"
             call.complete = True
         elif event.depth == self.depth + 1 and event.kind == "end" and event.key == "name" and call.name is None:
             name = json.loads(text[event.start:event.end])
             if not isinstance(name, str):
                 return "a tool call's name must be a string"
             call.name = name
-        elif event.depth == self.depth + 1 and event.key == self.arguments_key and call.arguments_end is None:
+        elif event.depth == self.depth + 1 and event.key in self.arguments_keys and call.arguments_end is None:
             if event.kind == "start":
                 call.arguments_start = event.start
             else:
                 call.arguments_end = event.end
         return None
+
+
+class ArgumentsScanner:
+    """One call whose name is already known, its arguments the JSON object that
+    comes next (Mistral's `name[ARGS]{...}`), other text possibly after it. The
+    header goes out when the object starts."""
+
+    def __init__(self, name: str, index: int, new_id: Callable[[], str]):
+        self.name = name
+        self.json = JsonScanner(then_text=True)
+        self.call = _Call(index, new_id())
+        self.calls = [self.call]
+        self.error: str | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.json.done and self.error is None
+
+    def feed(self, text: str) -> list[dict[str, Any]]:
+        for event in self.json.feed(text):
+            if event.depth > 0 or self.error is not None:
+                continue
+            if event.kind == "end":
+                self.call.arguments_end, self.call.complete = event.end, True
+            elif self.json.text[event.start] == "{":
+                self.call.name, self.call.arguments_start = self.name, event.start
+            else:
+                self.error = "a tool call's arguments must be a JSON object"
+        if self.json.error is not None and self.error is None:
+            self.error = str(self.json.error)
+        delta = self.call.delta(self.json.text)
+        return [delta] if delta is not None else []

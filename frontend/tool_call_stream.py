@@ -5,9 +5,10 @@ with the next piece of the arguments' JSON text.
 
 - a named function: the reply is the arguments; the header goes out at once.
 - "required": the reply is a JSON array of {"name", "parameters"} objects.
-- "auto" (hermes): text streams as content up to a <tool_call>; each
-  <tool_call>{"name", "arguments"}</tool_call> streams as a call; text between
-  and after the calls is dropped, as the non-stream reply drops it.
+- "auto": the parser's reader (`tool_parser_base.CallReader`) finds the calls in
+  the text as it grows; the text before the first one streams as content (less
+  what could begin a call's marker), text after the calls is dropped, as the
+  non-stream reply, which reads the text with the same reader, drops it.
 
 Until a call's header is out, the reply may still turn out to be text (broken
 JSON, a call without a name, cut by max_tokens): then the text not yet sent goes
@@ -24,7 +25,6 @@ from typing import Any
 
 from frontend.tool_call_scan import CallScanner
 from frontend.tool_calls import ToolChoice, new_tool_call_id, tool_call_reply
-from frontend.tool_parsers import HermesToolParser, partial_marker
 
 
 @dataclass(slots=True)
@@ -95,57 +95,26 @@ class RequiredCallStream(ToolCallStream):
 
     def __init__(self, choice: ToolChoice):
         super().__init__(choice)
-        self.scanner = CallScanner(depth=1, arguments_key="parameters")
+        self.scanner = CallScanner(depth=1, arguments_keys=("parameters",))
 
     def _advance(self, step: StreamStep, last: bool) -> None:
         step.tool_calls += self.scanner.feed(self.text[len(self.scanner.json.text):])
         self.broken = self.scanner.error is not None
 
 
-class HermesCallStream(ToolCallStream):
-    """Text, then <tool_call>{"name": ..., "arguments": {...}}</tool_call> ..."""
+class AutoCallStream(ToolCallStream):
+    """Free text holding calls in the format of the server's tool-call parser."""
 
-    def __init__(self, choice: ToolChoice, parser: HermesToolParser):
+    def __init__(self, choice: ToolChoice):
         super().__init__(choice)
-        self.parser = parser
-        self.call: CallScanner | None = None  # the call being written
-        self.fed = 0  # how much of `text` went to `call`
-        self.next_index = 0
+        assert choice.parser is not None
+        self.reader = choice.parser.reader()
 
     def _advance(self, step: StreamStep, last: bool) -> None:
-        while True:
-            if self.call is None:
-                start = self._next_call(step, last)
-                if start < 0:
-                    return
-                self.fed = start + len(self.parser.START)
-                self.call = CallScanner(depth=0, arguments_key="arguments", first_index=self.next_index)
-            # A call's JSON ends at its end tag (as the non-stream reply reads it); an
-            # end of text that could begin the tag waits for the next piece.
-            end = self.text.find(self.parser.END, self.fed)
-            limit = end if end >= 0 else len(self.text) - (0 if last else partial_marker(self.text, self.parser.END))
-            step.tool_calls += self.call.feed(self.text[self.fed:limit])
-            self.fed = limit
-            if self.call.error is not None or (end >= 0 and not self.call.done):
-                self.broken = True
-                return
-            if end < 0:
-                return
-            self.fed, self.call = end + len(self.parser.END), None
-            self.next_index += 1
-
-    def _next_call(self, step: StreamStep, last: bool) -> int:
-        """Where the next call's start tag is (-1: not there yet). The text before
-        the first one streams as content, holding back what could begin the tag."""
-        if self.next_index > 0:
-            return self.text.find(self.parser.START, self.fed)
-        start = self.text.find(self.parser.START, self.sent)
-        release = start
-        if start < 0:
-            release = len(self.text) - (0 if last else partial_marker(self.text, self.parser.START))
-        step.content += self.text[self.sent:release]
-        self.sent = release
-        return start
+        step.tool_calls += self.reader.read(self.text, last)
+        step.content += self.text[self.sent:self.reader.content_end]
+        self.sent = max(self.sent, self.reader.content_end)
+        self.broken = self.reader.error is not None
 
 
 def tool_call_stream(choice: ToolChoice) -> ToolCallStream | None:
@@ -155,5 +124,5 @@ def tool_call_stream(choice: ToolChoice) -> ToolCallStream | None:
     if choice.mode == "required":
         return RequiredCallStream(choice)
     if choice.mode == "auto" and choice.parser is not None:
-        return HermesCallStream(choice, choice.parser)
+        return AutoCallStream(choice)
     return None

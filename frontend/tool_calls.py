@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import json
-import secrets
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +22,8 @@ from common.errors import InvalidRequestError
 from common.structured_outputs import StructuredOutputs
 from frontend.errors import NotSupportedError
 from frontend.openai_responses import OpenAIBaseModel
-from frontend.tool_parsers import TOOL_PARSERS, HermesToolParser
+from frontend.tool_parser_base import new_tool_call_id
+from frontend.tool_parsers import TOOL_PARSERS, ToolParser
 
 
 class FunctionCall(OpenAIBaseModel):
@@ -41,7 +41,7 @@ class ToolCall(OpenAIBaseModel):
 class ToolChoice:
     mode: str  # "none", "auto", "required" or "named"
     name: str | None = None  # the function, when named
-    parser: HermesToolParser | None = None  # finds the calls, when auto
+    parser: ToolParser | None = None  # finds the calls, when auto
 
 
 def resolve_tool_choice(tools: list[dict[str, Any]] | None, tool_choice: Any,
@@ -106,10 +106,6 @@ def tool_call_output(tools: list[dict[str, Any]], choice: ToolChoice) -> Structu
     return None
 
 
-def new_tool_call_id() -> str:
-    return f"chatcmpl-tool-{secrets.token_hex(16)}"
-
-
 def tool_calls_of(text: str, choice: ToolChoice) -> tuple[str | None, list[ToolCall]] | None:
     """The content and tool calls of a reply; None when it holds no call (a
     constrained reply that is not complete JSON: cut by max_tokens, or stopped
@@ -118,8 +114,8 @@ def tool_calls_of(text: str, choice: ToolChoice) -> tuple[str | None, list[ToolC
         content, parsed = choice.parser.extract(text)
         if not parsed:
             return None
-        return content, [ToolCall(id=new_tool_call_id(), function=FunctionCall(name=call.name, arguments=call.arguments))
-                         for call in parsed]
+        return content, [ToolCall(id=choice.parser.new_call_id(),
+                                  function=FunctionCall(name=call.name, arguments=call.arguments)) for call in parsed]
     if choice.mode == "named":
         try:
             json.loads(text)

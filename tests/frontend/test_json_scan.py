@@ -60,3 +60,19 @@ def test_what_json_rejects_stops_the_scan_where_it_goes_wrong():
         scanner, _ = scan(text, [1])
         assert scanner.error is not None and scanner.text == valid, text
         assert scanner.feed("}") == [] and scanner.text == valid  # nothing more is read
+
+
+@given(VALUES, st.sampled_from(["", " ", "; {\"x\": 1}", "]", "trailing text"]),
+       st.lists(st.integers(0, 400), max_size=6))
+def test_then_text_stops_at_the_end_of_the_value(value, after, cuts):
+    # A value inside free text: the scan stops at its end (as json's raw_decode), whatever follows.
+    text = json.dumps(value) + after
+    scanner = JsonScanner(then_text=True)
+    cuts = sorted(min(cut, len(text)) for cut in cuts)
+    for start, end in zip([0, *cuts], [*cuts, len(text)]):
+        scanner.feed(text[start:end])
+    value_end = json.JSONDecoder().raw_decode(text)[1]
+    if scanner.done:
+        assert scanner.error is None and scanner.text == text[:value_end] == text[:scanner.end]
+    else:  # a number with nothing after it: it may go on
+        assert isinstance(value, (int, float)) and after == "" and scanner.text == text
