@@ -22,7 +22,7 @@ from common.cli_args import (add_engine_args, engine_argv, engine_config_from_ar
                              port_number, positive_float)
 from common.generation_defaults import SOURCES_HELP
 from frontend.http_options import add_http_options, http_options_argv
-from frontend.tool_parsers import TOOL_PARSERS
+from frontend.tool_parsers import TOOL_PARSERS, TOOL_PARSERS_HELP
 from common.errors import ConfigError
 from common.logging_setup import setup_logging
 from common.proctitle import set_process_title
@@ -53,8 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="sampling defaults for fields a request leaves unset: " + SOURCES_HELP)
     parser.add_argument("--enable-auto-tool-choice", action="store_true",
                         help='let tool_choice "auto" run (needs --tool-call-parser)')
-    parser.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
-                        help="how the model writes tool calls in its text (hermes: Hermes 2 Pro, Qwen2.5)")
+    parser.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None, help=TOOL_PARSERS_HELP)
     parser.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                         help="a Jinja chat template (its file, or the text) to use instead of the model's")
     parser.add_argument("--disable-log-stats", action="store_true")

@@ -13,7 +13,7 @@ from common.addresses import default_address
 from common.cli_args import env_default, parse_size, port_number, positive_float
 from common.generation_defaults import SOURCES_HELP
 from frontend.http_options import add_http_options
-from frontend.tool_parsers import TOOL_PARSERS
+from frontend.tool_parsers import TOOL_PARSERS, TOOL_PARSERS_HELP
 from common.logging_setup import setup_logging
 from common.proctitle import set_process_title
 
@@ -62,8 +62,7 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    default=env_default("ENABLE_AUTO_TOOL_CHOICE", "") not in ("", "0", "false"),
                    help='let tool_choice "auto" (the default with tools) run; needs --tool-call-parser')
     g.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=env_default("TOOL_CALL_PARSER", None),
-                   help="how the model writes tool calls in its text (hermes: <tool_call>{...}</tool_call>, "
-                        "Hermes 2 Pro and Qwen2.5)")
+                   help=TOOL_PARSERS_HELP + " (env PAGEDSERVE_TOOL_CALL_PARSER)")
     g.add_argument("--log-level", default=None, help="DEBUG, INFO, ... (default $PAGEDSERVE_LOG_LEVEL or INFO)")
     add_http_options(parser)
     return parser

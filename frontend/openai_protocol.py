@@ -302,8 +302,13 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateRequest):
                         model_defaults: Mapping[str, Any] | None = None) -> SamplingParams:
         max_tokens, max_tokens_param = self.requested_max_tokens()
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self.to_sampling_params(max_tokens, logprobs, vocab_size,
-                                       {"max_tokens": max_tokens_param, "logprobs": "top_logprobs"}, model_defaults)
+        params = self.to_sampling_params(max_tokens, logprobs, vocab_size,
+                                         {"max_tokens": max_tokens_param, "logprobs": "top_logprobs"}, model_defaults)
+        parser = self.resolved_tool_choice().parser
+        if parser is not None and parser.keeps_special_tokens:
+            # Its markers are special tokens: skipped, the parser would never see a call (as vLLM).
+            params = msgspec.structs.replace(params, skip_special_tokens=False)
+        return params
 
     def response_role(self) -> str:
         """The reply's role, as vLLM's: --response-role (the assistant's) when the template

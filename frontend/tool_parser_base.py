@@ -19,7 +19,10 @@ import json
 import secrets
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:  # (tool_call_scan imports this module)
+    from frontend.tool_call_scan import ArgumentsScanner, CallScanner
 
 
 def new_tool_call_id() -> str:
@@ -54,6 +57,16 @@ class CallReader(ABC):
     def read(self, text: str, last: bool) -> list[dict[str, Any]]:
         """`last`: the text is whole (no marker may be held back; a call not
         complete by now is an error)."""
+
+    def scan(self, scanner: CallScanner | ArgumentsScanner, start: int, text: str,
+             last: bool) -> tuple[list[dict[str, Any]], bool]:
+        """Feed a call scanner (`tool_call_scan`, reading the text from `start`, other text
+        after its value) what it has not seen: (its deltas, whether its value is complete).
+        A value that is not calls, or not complete at the end, is an `error`."""
+        deltas = scanner.feed(text[start + len(scanner.json.text):])
+        if scanner.error is not None or (last and not scanner.done):
+            self.error = scanner.error or "a tool call that is not complete JSON"
+        return deltas, scanner.done and self.error is None
 
     def release_until(self, text: str, start: int, last: bool, *markers: str) -> None:
         """Content runs up to `start` (where the calls start), or, when -1, to the end

@@ -6,7 +6,17 @@ from __future__ import annotations
 
 from frontend.tool_parser_base import ParsedCall, ToolParser, partial_marker
 from frontend.tool_parser_hermes import HermesToolParser
+from frontend.tool_parser_llama3 import Llama3JsonToolParser
+from frontend.tool_parser_mistral import MistralToolParser
+from frontend.tool_parser_pythonic import PythonicToolParser
 
-TOOL_PARSERS: dict[str, type[ToolParser]] = {parser.name: parser for parser in (HermesToolParser,)}
+TOOL_PARSERS: dict[str, type[ToolParser]] = {parser.name: parser for parser in (
+    HermesToolParser, Llama3JsonToolParser, MistralToolParser, PythonicToolParser)}
 
-__all__ = ["TOOL_PARSERS", "HermesToolParser", "ParsedCall", "ToolParser", "partial_marker"]
+# The --tool-call-parser help of `pagedserve serve` and `pagedserve frontend`.
+TOOL_PARSERS_HELP = ("how the model writes tool calls in its text: hermes (<tool_call>{...}</tool_call>: "
+                     "Hermes 2 Pro, Qwen2.5), llama3_json ({\"name\": ..., \"parameters\": {...}}: Llama 3.1-3.3), "
+                     "mistral ([TOOL_CALLS]...: Mistral), pythonic ([f(x=1), ...]: Llama 3.2, Llama 4)")
+
+__all__ = ["TOOL_PARSERS", "TOOL_PARSERS_HELP", "HermesToolParser", "Llama3JsonToolParser", "MistralToolParser",
+           "ParsedCall", "PythonicToolParser", "ToolParser", "partial_marker"]

@@ -146,12 +146,26 @@ def server(tmp_path_factory) -> Server:
 
 
 @pytest.fixture(scope="session")
-def tool_stack(server, tmp_path_factory):
-    """A frontend running "auto" tool choice (hermes) in front of its own fake scheduler (`tool_stack.py`)."""
+def tool_stacks(server, tmp_path_factory):
+    """`tool_stacks(parser)`: a frontend running "auto" tool choice with that tool-call
+    parser, in front of its own fake scheduler (`tool_stack.py`); started on first use."""
     from tests.frontend.tool_stack import start_tool_stack
 
-    stack = start_tool_stack(server, tmp_path_factory.mktemp("auto-tools"))
+    stacks = {}
+
+    def stack_for(parser: str):
+        if parser not in stacks:
+            stacks[parser] = start_tool_stack(server, tmp_path_factory.mktemp(f"auto-tools-{parser}"), parser)
+        return stacks[parser]
+
     try:
-        yield stack
+        yield stack_for
     finally:
-        stack.stop()
+        for stack in stacks.values():
+            stack.stop()
+
+
+@pytest.fixture(scope="session")
+def tool_stack(tool_stacks):
+    """The hermes stack."""
+    return tool_stacks("hermes")
