@@ -14,6 +14,7 @@ from frontend.tool_parser_base import CallReader, ToolParser, partial_marker
 class HermesToolParser(ToolParser):
     name = "hermes"
     START, END = "<tool_call>", "</tool_call>"
+    keeps_special_tokens = True  # <tool_call> is a special token in some models (vLLM keeps them too)
 
     def reader(self) -> CallReader:
         return HermesReader(self.new_call_id)

@@ -32,6 +32,24 @@ def test_serve_hands_each_parser_to_the_frontend(name, tmp_path):
     assert TOOL_PARSERS[name].name == name
 
 
+@pytest.mark.parametrize("name, keeps", [("hermes", True), ("mistral", True), ("llama3_json", False),
+                                         ("pythonic", False)])
+def test_replies_are_decoded_with_special_tokens_when_the_markers_are_some(name, keeps):
+    # As vLLM: hermes' <tool_call> (in some models) and mistral's [TOOL_CALLS] are special tokens;
+    # llama3_json's <|python_tag|> is one too, but vLLM reads the reply without it.
+    from frontend.openai_protocol import ChatCompletionRequest
+
+    def skips(tools, tool_choice=None) -> bool:
+        body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], tools=tools,
+                                     tool_choice=tool_choice, skip_special_tokens=True)
+        body.enable_auto_tools(name)
+        return body.sampling_params().skip_special_tokens
+
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    assert skips(tools) is not keeps
+    assert skips(None) and skips(tools, "none")  # no parser at work: as the client asked
+
+
 # --- llama3_json -------------------------------------------------------------------
 LLAMA = Llama3JsonToolParser()
 
