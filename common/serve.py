@@ -21,7 +21,7 @@ import urllib.request
 from common.cli_args import (add_engine_args, engine_argv, engine_config_from_args, non_negative_int,
                              port_number, positive_float)
 from common.generation_defaults import SOURCES_HELP
-from frontend.http_options import add_http_options, http_options_argv
+from frontend.frontend_options import add_frontend_options, frontend_options_argv
 from frontend.tool_parsers import TOOL_PARSERS, TOOL_PARSERS_HELP
 from common.errors import ConfigError
 from common.logging_setup import setup_logging
@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--runtime-dir", default=None, help="where internal sockets live (default: a temp dir)")
     parser.add_argument("--ready-timeout", type=positive_float, default=600.0,
                         help="seconds to wait for every component to become ready")
-    add_http_options(parser)
+    add_frontend_options(parser)
     return add_engine_args(parser)
 
 
@@ -86,7 +86,7 @@ def component_commands(args: argparse.Namespace, runtime_dir: str) -> list[Compo
         frontend += ["--tool-call-parser", args.tool_call_parser]
     if args.request_timeout is not None:
         frontend += ["--request-timeout", str(args.request_timeout)]
-    frontend += http_options_argv(args)
+    frontend += frontend_options_argv(args)
     scheduler = ([] if args.max_waiting_requests is None
                  else ["--max-waiting-requests", str(args.max_waiting_requests)])
     # The key goes through the environment: a command line is visible to every local user (ps).

@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common.errors import InvalidRequestError, PagedServeError
 from frontend.http_guards import GuardRefusal, RequestGuard
-from frontend.http_options import CorsSettings
+from frontend.frontend_options import CorsSettings
 from frontend.openai_protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from frontend.serving_chat import create_chat_completion
 from frontend.responses_request import ResponsesRequest

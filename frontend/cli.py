@@ -12,7 +12,7 @@ import socket
 from common.addresses import default_address
 from common.cli_args import env_default, parse_size, port_number, positive_float
 from common.generation_defaults import SOURCES_HELP
-from frontend.http_options import add_http_options
+from frontend.frontend_options import add_frontend_options
 from frontend.tool_parsers import TOOL_PARSERS, TOOL_PARSERS_HELP
 from common.logging_setup import setup_logging
 from common.proctitle import set_process_title
@@ -64,7 +64,7 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=env_default("TOOL_CALL_PARSER", None),
                    help=TOOL_PARSERS_HELP + " (env PAGEDSERVE_TOOL_CALL_PARSER)")
     g.add_argument("--log-level", default=None, help="DEBUG, INFO, ... (default $PAGEDSERVE_LOG_LEVEL or INFO)")
-    add_http_options(parser)
+    add_frontend_options(parser)
     return parser
 
 
@@ -126,7 +126,8 @@ async def run_frontend(args: argparse.Namespace) -> None:
     from frontend.engine_client import EngineClient
     from frontend.graceful_shutdown import GracefulServer
     from frontend.grpc_server import start_grpc_server
-    from frontend.http_options import CorsSettings
+    from frontend.frontend_options import CorsSettings
+    from frontend.request_log import RequestLogger
     from frontend.metrics import FrontendMetrics
     from frontend.state import FrontendState
     from tokenizer_pool.client import TokenizerClient
@@ -153,14 +154,17 @@ async def run_frontend(args: argparse.Namespace) -> None:
                           metrics=FrontendMetrics(names[0]),
                           sampling_defaults=sampling_defaults(tokenizer_dir, args.generation_config),
                           tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
-                          response_role=args.response_role)
+                          response_role=args.response_role,
+                          request_logger=(RequestLogger(tokenizer, args.max_log_len)
+                                          if args.enable_log_requests else None))
     await engine.start()
     http_socket = bind_socket(args.host, args.port)
     grpc_server, grpc_port = await start_grpc_server(state, args.host, args.grpc_port, api_key=args.api_key)
     # log_config=None: uvicorn's records go through our handler and format.
     app = build_app(state, api_key=args.api_key, max_body_bytes=args.max_request_body_size,
                     cors=CorsSettings.from_args(args))
-    server = GracefulServer(uvicorn.Config(app, log_config=None, access_log=False), engine, grpc_server,
+    server = GracefulServer(uvicorn.Config(app, log_config=None, access_log=not args.disable_uvicorn_access_log),
+                            engine, grpc_server,
                             tokenizer_client=tokenizer_client)
     http_port = http_socket.getsockname()[1]
     logger.info("frontend %s serving %s: OpenAI API on http://%s:%d/v1, gRPC on %s:%d "

@@ -25,6 +25,7 @@ from frontend.engine_client import EngineClient
 from frontend.logprobs_format import TokenTexts
 from frontend.metrics import FrontendMetrics, RequestTimer
 from frontend.output_decoder import DecodedDelta, OutputDecoder
+from frontend.request_log import RequestLogger
 
 
 @dataclass(slots=True)
@@ -58,11 +59,13 @@ class GenerationDelta:
 
 
 class Generator:
-    def __init__(self, engine: EngineClient, tokenizer, control: ControlClient, metrics: FrontendMetrics):
+    def __init__(self, engine: EngineClient, tokenizer, control: ControlClient, metrics: FrontendMetrics,
+                 request_logger: RequestLogger | None = None):
         self.engine = engine
         self.tokenizer = tokenizer
         self.control = control
         self.metrics = metrics
+        self.request_logger = request_logger  # --enable-log-requests
         self.token_texts = TokenTexts(tokenizer)  # each token's text, for logprobs
 
     async def vocab_size(self) -> int:
@@ -114,6 +117,8 @@ class Generator:
         stream = _SampleStreams(self.tokenizer, request)
         timer = RequestTimer(self.metrics, request.arrival_time)
         finished = False
+        if self.request_logger is not None:
+            self.request_logger.received(request)
         outputs = self.engine.generate(request.request_id, request.prompt_token_ids, request.sampling_params,
                                        priority=request.priority, cache_salt=request.cache_salt)
         try:
@@ -125,6 +130,7 @@ class Generator:
                         if delta.request_finished:
                             finished = True
                             timer.finished(delta.finish_reason or "abort", now)
+                            self._log_finished(request, delta.finish_reason or "abort", delta.num_output_tokens)
                         yield delta
                     if finished:
                         # Leaving the loop closes `outputs`, which aborts the
@@ -136,7 +142,15 @@ class Generator:
         except (asyncio.CancelledError, GeneratorExit):
             if not finished:
                 timer.finished("abort", time.monotonic())  # the client went away
+                self._log_finished(request, "abort (the client went away)", stream.num_output_tokens)
             raise
+        except Exception as e:
+            self._log_finished(request, f"failed ({e})", stream.num_output_tokens)
+            raise
+
+    def _log_finished(self, request: GenerationRequest, reason: str, num_output_tokens: int) -> None:
+        if self.request_logger is not None:
+            self.request_logger.finished(request.request_id, reason, num_output_tokens)
 
 
 class _SampleStreams:

@@ -10,6 +10,7 @@ from frontend.engine_client import EngineClient
 from frontend.errors import ModelNotFoundError
 from frontend.generation import Generator
 from frontend.metrics import FrontendMetrics
+from frontend.request_log import RequestLogger
 from frontend.responses_store import ResponseStore
 
 # Changes whenever the server (and so, possibly, its outputs) changes.
@@ -30,12 +31,13 @@ class FrontendState:
     tool_call_parser: str | None = None  # --tool-call-parser with --enable-auto-tool-choice: "auto" runs
     response_role: str = "assistant"  # --response-role: chat replies that open a new turn
     responses: ResponseStore = field(default_factory=ResponseStore)  # the Responses API's stored responses
+    request_logger: RequestLogger | None = None  # --enable-log-requests
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
             raise ValueError("at least one served model name is required")
-        self.generator = Generator(self.engine, self.tokenizer, self.control, self.metrics)
+        self.generator = Generator(self.engine, self.tokenizer, self.control, self.metrics, self.request_logger)
 
     @property
     def model_name(self) -> str:

@@ -1,6 +1,7 @@
-"""vLLM's HTTP settings on the frontend (and handed on by `serve`): CORS, so a
-browser page may call the API (every origin by default, as vLLM; a preflight
-needs no API key), and --response-role."""
+"""vLLM's frontend settings (handed on by `serve` too): CORS, so a browser page
+may call the API (every origin by default, as vLLM; a preflight needs no API
+key), --response-role, and the logs: uvicorn's access log (on by default, as
+vLLM) and --enable-log-requests with --max-log-len."""
 from __future__ import annotations
 
 import grpc
@@ -86,8 +87,37 @@ def test_serve_hands_the_settings_to_the_frontend(tmp_path):
     from frontend.cli import build_parser as frontend_parser
 
     args = build_parser().parse_args(["--allowed-origins", f'["{PAGE}"]', "--allow-credentials",
-                                      "--response-role", "bot"])
+                                      "--response-role", "bot", "--enable-log-requests", "--max-log-len", "7",
+                                      "--disable-uvicorn-access-log"])
     frontend = next(c for c in component_commands(args, str(tmp_path)) if c.name == "frontend")
     parsed = frontend_parser().parse_args(frontend.argv[1:])
     assert (parsed.allowed_origins, parsed.allow_credentials, parsed.response_role) == ([PAGE], True, "bot")
     assert parsed.allowed_methods == ["*"] and parsed.allowed_headers == ["*"]
+    assert (parsed.enable_log_requests, parsed.max_log_len, parsed.disable_uvicorn_access_log) == (True, 7, True)
+    defaults = frontend_parser().parse_args(next(
+        c for c in component_commands(build_parser().parse_args([]), str(tmp_path)) if c.name == "frontend").argv[1:])
+    assert (defaults.enable_log_requests, defaults.max_log_len, defaults.disable_uvicorn_access_log) == \
+        (False, None, False)
+
+
+def test_the_access_log_is_on_and_requests_are_not_logged_by_default(server):
+    httpx.get(f"{server.api_url}/models", headers={"X-Request-Id": "access-log-probe"}, timeout=10)
+    server.frontend.wait_for_log(r'"GET /v1/models HTTP/1.1" 200')
+    assert "Received request" not in server.frontend.log()  # prompts are the clients' data
+
+
+def test_enable_log_requests_logs_each_request_and_how_it_ended(server, tmp_path):
+    frontend, base_url, _ = start_frontend([*server.frontend_args, "--enable-log-requests", "--max-log-len", "3",
+                                            "--disable-uvicorn-access-log"], tmp_path / "frontend.log")
+    try:
+        client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="x", max_retries=0)
+        reply = client.completions.create(model="tiny-model", prompt="Say hello to me.", max_tokens=4)
+        prompt_ids = server.tokenizer.encode("Say hello to me.")
+        received = frontend.wait_for_log(rf"Received request {reply.id}\S*: prompt: (.*), prompt_token_ids "
+                                         rf"\(first 3 of {len(prompt_ids)}\): (\[.*?\]), params: .*max_tokens=4")
+        assert received.group(2) == str(prompt_ids[:3])
+        assert received.group(1) == repr(server.tokenizer.decode(prompt_ids[:3]))
+        frontend.wait_for_log(rf"Finished request {reply.id}\S*: length after 4 output tokens")
+        assert "HTTP/1.1" not in frontend.log()  # --disable-uvicorn-access-log
+    finally:
+        frontend.stop()

@@ -1,13 +1,15 @@
-"""HTTP settings `serve` hands on to the frontend, with vLLM's flag names:
-CORS (`--allowed-origins` and friends, JSON lists; every origin by default, as
-vLLM, so a browser page may call the API) and `--response-role`."""
+"""Frontend settings `serve` hands on, with vLLM's flag names: CORS
+(`--allowed-origins` and friends, JSON lists; every origin by default, as
+vLLM, so a browser page may call the API), `--response-role`, and logging
+(`--enable-log-requests` with `--max-log-len`; uvicorn's access log, on as in
+vLLM unless `--disable-uvicorn-access-log`)."""
 from __future__ import annotations
 
 import argparse
 import json
 from dataclasses import dataclass
 
-from common.cli_args import env_default
+from common.cli_args import env_default, non_negative_int
 
 
 def json_string_list(text: str) -> list[str]:
@@ -38,21 +40,34 @@ _LIST_FLAGS = {"--allowed-origins": ("ALLOWED_ORIGINS", "origins a browser may c
                "--allowed-headers": ("ALLOWED_HEADERS", "request headers those pages may send")}
 
 
-def add_http_options(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("HTTP (as vLLM's)")
+_SWITCHES = [("--allow-credentials", "ALLOW_CREDENTIALS", "CORS: let those pages send cookies and credentials"),
+             ("--enable-log-requests", "ENABLE_LOG_REQUESTS",
+              "log each request (its prompt and sampling parameters) and how it ended"),
+             ("--disable-uvicorn-access-log", "DISABLE_UVICORN_ACCESS_LOG", "no log line per HTTP request")]
+
+
+def _env_switch(name: str) -> bool:
+    return env_default(name, "") not in ("", "0", "false")
+
+
+def add_frontend_options(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("HTTP API and logging (as vLLM's)")
     for flag, (env, what) in _LIST_FLAGS.items():
         g.add_argument(flag, type=json_string_list, default=env_default(env, '["*"]'), metavar="JSON_LIST",
                        help=f'CORS: {what}, a JSON list (default ["*"]; env PAGEDSERVE_{env})')
-    g.add_argument("--allow-credentials", action="store_true",
-                   default=env_default("ALLOW_CREDENTIALS", "") not in ("", "0", "false"),
-                   help="CORS: let those pages send cookies and credentials (env PAGEDSERVE_ALLOW_CREDENTIALS)")
     g.add_argument("--response-role", default=env_default("RESPONSE_ROLE", "assistant"),
                    help="the role of chat replies that open a new turn (default assistant; env "
                         "PAGEDSERVE_RESPONSE_ROLE)")
+    for flag, env, what in _SWITCHES:
+        g.add_argument(flag, action="store_true", default=_env_switch(env), help=f"{what} (env PAGEDSERVE_{env})")
+    g.add_argument("--max-log-len", type=non_negative_int, default=env_default("MAX_LOG_LEN", None),
+                   help="with --enable-log-requests: log at most this many prompt tokens (default: all)")
 
 
-def http_options_argv(args: argparse.Namespace) -> list[str]:
-    """The flags that pass `args`' HTTP settings on to a frontend."""
+def frontend_options_argv(args: argparse.Namespace) -> list[str]:
+    """The flags that pass `args`' frontend settings on to a frontend."""
     argv = [item for flag in _LIST_FLAGS
             for item in (flag, json.dumps(getattr(args, flag[2:].replace("-", "_"))))]
-    return argv + (["--allow-credentials"] if args.allow_credentials else []) + ["--response-role", args.response_role]
+    argv += [flag for flag, _, _ in _SWITCHES if getattr(args, flag[2:].replace("-", "_"))]
+    argv += ["--response-role", args.response_role]
+    return argv + ([] if args.max_log_len is None else ["--max-log-len", str(args.max_log_len)])
