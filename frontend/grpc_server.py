@@ -181,10 +181,24 @@ class PagedServeServicer(pagedserve_pb2_grpc.PagedServeServicer):
             return await self.state.tokenizer_client.render_chat(
                 messages, add_generation_prompt=add_generation_prompt,
                 continue_final_message=chat.continue_final_message,
-                chat_template_kwargs=json_format.MessageToDict(chat.chat_template_kwargs))
+                chat_template_kwargs=template_kwargs_from_proto(chat.chat_template_kwargs))
         except InvalidRequestError as e:
             e.param = e.param or "chat"
             raise
+
+
+def template_kwargs_from_proto(struct) -> dict:
+    """A protobuf Struct as the dict a template sees. Struct numbers are all doubles:
+    a whole one is an int again, as the JSON the client meant (`range(n)` needs one)."""
+    def restore(value):
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, dict):
+            return {key: restore(item) for key, item in value.items()}
+        if isinstance(value, list):
+            return [restore(item) for item in value]
+        return value
+    return restore(json_format.MessageToDict(struct))
 
 
 def _invalid(message: str, param: str) -> InvalidRequestError:

@@ -127,3 +127,18 @@ def test_list_models_and_health(server, stub):
         assert not health.ok and health.message == "no worker"
     finally:
         server.control.healthy = True
+
+
+def test_chat_template_kwargs_keep_whole_numbers_whole():
+    """A protobuf Struct carries every number as a double; a template's `range(n)`
+    or `{{ n }}` needs the int the client wrote."""
+    from google.protobuf import struct_pb2
+
+    from frontend.grpc_server import template_kwargs_from_proto
+
+    struct = struct_pb2.Struct()
+    struct.update({"n": 3, "ratio": 0.5, "enable_thinking": False, "nested": {"sizes": [1, 2.5]}, "name": "x"})
+    kwargs = template_kwargs_from_proto(struct)
+    assert kwargs == {"n": 3, "ratio": 0.5, "enable_thinking": False, "nested": {"sizes": [1, 2.5]}, "name": "x"}
+    assert type(kwargs["n"]) is int and type(kwargs["nested"]["sizes"][0]) is int
+    assert type(kwargs["enable_thinking"]) is bool
