@@ -4,10 +4,13 @@ or a list of items) the conversation after the previous response's, `text.format
 the structured output, function `tools` and `tool_choice` as in chat.
 
 What this server does not do (built-in tools such as web search, images and
-files, background runs, reasoning) is a 400 naming the field, never ignored.
+files, background runs, reasoning) is a 400 naming the field, never ignored;
+so are chat completion fields (max_tokens, response_format, n, ...), which the
+chat completion made here would not see.
 """
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from pydantic import ValidationError
@@ -15,7 +18,7 @@ from pydantic import ValidationError
 from common.errors import InvalidRequestError
 from frontend.errors import NotSupportedError
 from frontend.openai_protocol import ChatCompletionRequest
-from frontend.request_body import TextRequest
+from frontend.request_body import UNIMPLEMENTED_VLLM_FIELDS, TextRequest, check_unimplemented
 
 # Chat completion fields -> the Responses API field that set them (errors name the client's).
 PARAMS_OF_CHAT_FIELDS = {"messages": "input", "max_completion_tokens": "max_output_tokens",
@@ -24,6 +27,21 @@ PARAMS_OF_CHAT_FIELDS = {"messages": "input", "max_completion_tokens": "max_outp
 _SAME_FIELDS = ("model", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "stop",
                 "presence_penalty", "frequency_penalty", "min_tokens", "ignore_eos", "priority", "cache_salt",
                 "user")
+# Chat completion fields a response spells otherwise. Any other chat field sent here would
+# be ignored (the chat completion is built from the Responses fields): it is a 400 instead.
+_RESPONSES_SPELLING = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
+                       "response_format": "text.format", "messages": "input", "functions": "tools",
+                       "function_call": "tool_choice", "logprobs": "include and top_logprobs"}
+_CHAT_ONLY_FIELDS = sorted(set(ChatCompletionRequest.model_fields) - set(_SAME_FIELDS) - {
+    "stream", "tools", "tool_choice", "top_logprobs", "stream_options"})
+
+
+def speak_responses(error: InvalidRequestError) -> InvalidRequestError:
+    """`error` of the chat completion, naming the Responses field the client sent
+    (in `param` and in the message: "max_output_tokens must be ...")."""
+    error.message = re.sub(r"\bmax_(?:completion_)?tokens\b", "max_output_tokens", error.message)
+    error.param = PARAMS_OF_CHAT_FIELDS.get(error.param or "", error.param)
+    return error
 
 
 class ResponsesRequest(TextRequest):
@@ -56,12 +74,29 @@ class ResponsesRequest(TextRequest):
             raise NotSupportedError("reasoning", "reasoning options (this model does not reason)")
         if self.include:
             raise NotSupportedError("include", f"extra output ({', '.join(map(str, self.include))})")
+        extra = self.model_extra or {}
         for name in ("prompt", "conversation", "top_logprobs", "max_tool_calls"):
-            if (self.model_extra or {}).get(name) not in (None, 0):
+            if extra.get(name) not in (None, 0):
                 raise NotSupportedError(name)
-        if not self.parallel_tool_calls:
-            raise NotSupportedError("parallel_tool_calls", "parallel_tool_calls false (a reply may hold "
-                                                           "several calls)")
+        if (self.text or {}).get("verbosity") not in (None, "medium"):  # "medium" is OpenAI's default
+            raise NotSupportedError("text.verbosity", "text.verbosity other than 'medium'")
+        options = extra.get("stream_options")  # OpenAI's only option changes no text
+        if options is not None and (not isinstance(options, dict) or set(options) - {"include_obfuscation"}):
+            raise InvalidRequestError("stream_options of a response may only hold include_obfuscation",
+                                      param="stream_options")
+        for name in _CHAT_ONLY_FIELDS:
+            if extra.get(name) is not None:
+                hint = f"; use {_RESPONSES_SPELLING[name]}" if name in _RESPONSES_SPELLING else ""
+                raise InvalidRequestError(f"{name} is a chat completion field, not one of the Responses "
+                                          f"API{hint}", param=name, code="unknown_parameter")
+        check_unimplemented(self, UNIMPLEMENTED_VLLM_FIELDS)
+        if not self.parallel_tool_calls and self._may_call_several():
+            raise NotSupportedError("parallel_tool_calls", "parallel_tool_calls false with tool_choice "
+                                                           "auto or required (a reply may hold several calls)")
+
+    def _may_call_several(self) -> bool:
+        # No tools, "none" or a named function: at most one call can come, so false holds.
+        return bool(self.tools) and self.tool_choice in (None, "auto", "required")
 
     def input_messages(self) -> list[dict[str, Any]]:
         """`input` as chat messages (this turn's only: no instructions, no history)."""

@@ -24,7 +24,7 @@ from frontend import sse
 from frontend.generation import GenerationDelta
 from frontend.openai_responses import ChatCompletionResponse, UsageInfo
 from frontend.replies import event_stream, json_reply
-from frontend.responses_request import PARAMS_OF_CHAT_FIELDS, ResponsesRequest
+from frontend.responses_request import ResponsesRequest, speak_responses
 from frontend.responses_store import StoredResponse
 from frontend.serving_chat import collect_chat_completion, start_chat_generation
 from frontend.state import FrontendState
@@ -50,8 +50,7 @@ async def create_response(state: FrontendState, body: ResponsesRequest, raw_requ
     try:
         reply, deltas = await start_chat_generation(state, chat, raw_request, "resp")
     except InvalidRequestError as e:  # name the Responses field the client sent
-        e.param = PARAMS_OF_CHAT_FIELDS.get(e.param, e.param)
-        raise
+        raise speak_responses(e)
     draft = _Draft(state, body, reply.id, reply.created, history + body.input_messages())
     if body.stream:
         stream = _stream(draft, reply, deltas) if chat.resolved_tool_choice().mode == "none" \

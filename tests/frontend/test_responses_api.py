@@ -141,12 +141,47 @@ def test_stored_responses_are_retrieved_and_deleted(client):
     ({"model": "other-model"}, "model"),
     ({"extra_body": {"top_k": "many"}}, "top_k"),
     ({"reasoning": {"effort": "high"}}, "reasoning"),
+    ({"text": {"verbosity": "low"}}, "text.verbosity"),
+    # Chat completion fields a response does not take: sent here, they would be ignored.
+    ({"extra_body": {"max_tokens": 5}}, "max_tokens"),
+    ({"extra_body": {"response_format": {"type": "json_object"}}}, "response_format"),
+    ({"extra_body": {"messages": [{"role": "user", "content": "Hi"}]}}, "messages"),
+    ({"extra_body": {"n": 2}}, "n"),
+    ({"extra_body": {"logprobs": True}}, "logprobs"),
+    ({"extra_body": {"logit_bias": {"5": 10}}}, "logit_bias"),
+    ({"extra_body": {"guided_regex": "a+"}}, "guided_regex"),
+    ({"extra_body": {"stream_options": {"include_usage": True}}}, "stream_options"),
+    ({"extra_body": {"structural_tag": "{}"}}, "structural_tag"),
 ])
 def test_what_cannot_run_is_a_400_naming_the_field(client, request_fields, param):
     request = {"model": "tiny-model", "input": "Hi", **request_fields}
     with pytest.raises(openai.APIStatusError) as refused:
         client.responses.create(**request)
     assert refused.value.status_code in (400, 404) and refused.value.body["param"] == param
+
+
+@pytest.mark.parametrize("request_fields, param", [
+    ({"max_output_tokens": 0}, "max_output_tokens"), ({"max_output_tokens": 10**6}, "max_output_tokens"),
+    ({"input": "Hello, world! " * 200}, "input")])  # too long for the context (256 tokens)
+def test_errors_speak_of_the_responses_fields(client, request_fields, param):
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(**{"model": "tiny-model", "input": "Hi", "max_output_tokens": 8, **request_fields})
+    assert refused.value.body["param"] == param
+    assert "max_output_tokens" in refused.value.message and "max_tokens" not in refused.value.message \
+        and "max_completion_tokens" not in refused.value.message
+
+
+def test_parallel_tool_calls_false_runs_when_at_most_one_call_can_come(client):
+    tool = {"type": "function", "name": "get_weather", "parameters": {"type": "object"}}
+    for fields in ({}, {"tools": [tool], "tool_choice": "none"},
+                   {"tools": [tool], "tool_choice": {"type": "function", "name": "get_weather"}}):
+        response = client.responses.create(model="tiny-model", input="Hi", max_output_tokens=2,
+                                           parallel_tool_calls=False, **fields)
+        assert response.parallel_tool_calls is False
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(model="tiny-model", input="Hi", tools=[tool], tool_choice="required",
+                                parallel_tool_calls=False)
+    assert refused.value.body["param"] == "parallel_tool_calls"
 
 
 def test_function_calls_come_back_as_items_whole_and_streamed(tool_stack):
