@@ -26,7 +26,8 @@ from frontend.openai_protocol import ChatCompletionRequest, CompletionRequest, M
 from frontend.serving_chat import create_chat_completion
 from frontend.responses_request import ResponsesRequest
 from frontend.serving_completions import create_completion
-from frontend.serving_responses import create_response, delete_response, retrieve_response
+from frontend.serving_responses import (cancel_response, create_response, delete_response, list_input_items,
+                                        retrieve_response)
 from frontend.serving_tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 from frontend.state import FrontendState
 
@@ -119,12 +120,20 @@ def build_app(state: FrontendState, *, api_key: str | None = None, max_body_byte
         return await create_response(state, body, raw_request)
 
     @app.get("/v1/responses/{response_id}")
-    async def get_response(response_id: str) -> JSONResponse:
-        return JSONResponse(retrieve_response(state, response_id))
+    async def get_response(response_id: str, raw_request: Request) -> JSONResponse:
+        return JSONResponse(retrieve_response(state, response_id, raw_request.query_params))
 
     @app.delete("/v1/responses/{response_id}")
     async def remove_response(response_id: str) -> JSONResponse:
         return JSONResponse(delete_response(state, response_id))
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def response_input_items(response_id: str, raw_request: Request) -> JSONResponse:
+        return JSONResponse(list_input_items(state, response_id, raw_request.query_params))
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel(response_id: str) -> JSONResponse:
+        return JSONResponse(cancel_response(state, response_id))
 
     async def model_cards() -> list[ModelCard]:
         max_model_len = await state.max_model_len()

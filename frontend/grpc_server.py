@@ -165,7 +165,7 @@ class PagedServeServicer(pagedserve_pb2_grpc.PagedServeServicer):
                                        structured_output=(structured, STRUCTURED_OUTPUTS_PARAM) if structured else None)
         await state.engine.ensure_connected()
         return GenerationRequest(
-            request_id=request.request_id or random_id("grpc"), prompt_token_ids=prompt_ids,
+            request_id=request.request_id or random_id("grpc-"), prompt_token_ids=prompt_ids,
             sampling_params=params, arrival_time=arrival, priority=request.priority,
             cache_salt=request.cache_salt or None), echo if request.echo else ""
 

@@ -17,6 +17,7 @@ DEFAULT_MAX_STORED_RESPONSES = 1000
 class StoredResponse:
     body: dict[str, Any]  # the response object, as returned
     conversation: list[dict[str, Any]]  # chat messages up to and including its output, without instructions
+    input_items: list[dict[str, Any]]  # the items it was made from, oldest first (GET .../input_items)
 
 
 class ResponseStore:

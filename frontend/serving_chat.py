@@ -57,7 +57,7 @@ class _Reply:
 
 
 async def create_chat_completion(state: FrontendState, body: ChatCompletionRequest, raw_request: Request) -> Response:
-    reply, deltas = await start_chat_generation(state, body, raw_request, "chatcmpl")
+    reply, deltas = await start_chat_generation(state, body, raw_request, "chatcmpl-")
     if body.stream:
         return event_stream(_stream(reply, deltas))
     return await json_reply(raw_request, collect_chat_completion(reply, deltas))

@@ -91,7 +91,7 @@ async def create_completion(state: FrontendState, body: CompletionRequest, raw_r
                                  structured_output=structured_output)
     await state.engine.ensure_connected()
 
-    response_id, engine_id = request_ids(raw_request, "cmpl")
+    response_id, engine_id = request_ids(raw_request, "cmpl-")
     reply = _Reply(id=response_id, created=int(time.time()), model=state.model_name, body=body,
                    texts=generator.token_texts, prompts=[
                        _Prompt(ids, (p if isinstance(p, str) else state.tokenizer.decode(ids)) if body.echo else None,

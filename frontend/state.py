@@ -65,7 +65,8 @@ class FrontendState:
 
 
 def random_id(prefix: str) -> str:
-    return f"{prefix}-{secrets.token_hex(16)}"
+    """`prefix` holds its separator: "chatcmpl-" as OpenAI's chat ids, "resp_" as its responses'."""
+    return f"{prefix}{secrets.token_hex(16)}"
 
 
 def request_ids(raw_request, prefix: str) -> tuple[str, str]:
@@ -77,5 +78,5 @@ def request_ids(raw_request, prefix: str) -> tuple[str, str]:
     if not header:
         response_id = random_id(prefix)
         return response_id, response_id
-    response_id = f"{prefix}-{header}"
+    response_id = f"{prefix}{header}"
     return response_id, f"{response_id}-{secrets.token_hex(4)}"

@@ -44,3 +44,25 @@ def test_a_named_function_comes_back_as_a_function_call(client):
     [call] = response.output
     assert call.type == "function_call" and call.name == "get_weather"
     assert set(json.loads(call.arguments)) == {"city", "country"}
+
+
+def test_a_streamed_call_and_its_output_continue_the_conversation(client):
+    """A call's arguments stream piece by piece; its result continues the conversation,
+    stored (previous_response_id) or sent back whole, to the same reply."""
+    tool = {"type": "function", "name": "get_weather", "description": "Get the weather in a city",
+            "parameters": CITY_SCHEMA}
+    ask = {"model": MODEL, "temperature": 0, "tools": [tool]}
+    with client.responses.stream(**ask, max_output_tokens=60, input="What is the weather in Paris?",
+                                 tool_choice="required") as stream:
+        pieces = [event.delta for event in stream if event.type == "response.function_call_arguments.delta"]
+        response = stream.get_final_response()
+    [call] = response.output
+    assert len(pieces) > 1 and "".join(pieces) == call.arguments and call.call_id.startswith("call_")
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "21 C and sunny"}
+    answer = {**ask, "max_output_tokens": 8, "tool_choice": "none"}  # (this server runs no "auto")
+    stored = client.responses.create(**answer, previous_response_id=response.id, input=[result])
+    resent = client.responses.create(**answer, store=False, input=[
+        {"role": "user", "content": "What is the weather in Paris?"}, *response.output, result])
+    assert stored.output_text == resent.output_text and stored.usage.input_tokens == resent.usage.input_tokens
+    items = client.responses.input_items.list(stored.id, order="asc").data
+    assert [item.type for item in items] == ["message", "function_call", "function_call_output"]

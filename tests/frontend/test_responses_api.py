@@ -193,7 +193,7 @@ def test_function_calls_come_back_as_items_whole_and_streamed(tool_stack):
     assert message.type == "message" and response.output_text == REPLY[:REPLY.index("<tool_call>")]
     assert [(call.type, call.name, json.loads(call.arguments)) for call in calls] == [
         ("function_call", "get_weather", {"city": "Paris"}), ("function_call", "get_time", {"timezone": "CET"})]
-    assert all(call.call_id.startswith("chatcmpl-tool-") for call in calls)
+    assert all(call.call_id.startswith("call_") for call in calls)
     with tool_stack.client.responses.stream(**request) as stream:
         streamed = stream.get_final_response()
     assert [(item.type, getattr(item, "arguments", None)) for item in streamed.output] == \
