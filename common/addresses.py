@@ -57,13 +57,15 @@ def refuse_if_in_use(address: str) -> None:
 GRPC_SERVER_OPTIONS = [("grpc.so_reuseport", 0)]
 
 
-def bind_grpc_port(server, address: str) -> int:
-    """Add an insecure listening address to a grpc (or grpc.aio) server created
-    with GRPC_SERVER_OPTIONS; returns the port. Raises OSError when the address
-    is in use or cannot be bound (grpc itself returns 0 or raises RuntimeError)."""
+def bind_grpc_port(server, address: str, credentials=None) -> int:
+    """Add a listening address to a grpc (or grpc.aio) server created with
+    GRPC_SERVER_OPTIONS, with TLS when given `credentials` (grpc.ServerCredentials);
+    returns the port. Raises OSError when the address is in use or cannot be
+    bound (grpc itself returns 0 or raises RuntimeError)."""
     refuse_if_in_use(address)
     try:
-        port = server.add_insecure_port(address)
+        port = (server.add_insecure_port(address) if credentials is None
+                else server.add_secure_port(address, credentials))
     except RuntimeError:
         port = 0
     if port == 0:

@@ -14,6 +14,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import sys
 import time
 import urllib.request
@@ -21,7 +22,7 @@ import urllib.request
 from common.cli_args import (add_engine_args, engine_argv, engine_config_from_args, non_negative_int,
                              port_number, positive_float)
 from common.generation_defaults import SOURCES_HELP
-from frontend.frontend_options import add_frontend_options, frontend_options_argv
+from frontend.frontend_options import TlsFiles, add_frontend_options, frontend_options_argv
 from frontend.tool_parsers import TOOL_PARSERS, TOOL_PARSERS_HELP
 from common.errors import ConfigError
 from common.logging_setup import setup_logging
@@ -130,14 +131,21 @@ def wait_until_ready(supervisor: Supervisor, url: str, timeout_s: float) -> bool
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and not supervisor.stopping:
         supervisor.poll()
-        try:
-            with urllib.request.urlopen(url, timeout=2) as response:
-                if response.status == 200:
-                    return True
-        except OSError:
-            pass
+        if health_ok(url):
+            return True
         time.sleep(0.5)
     return False
+
+
+def health_ok(url: str) -> bool:
+    """Whether /health at `url` answers 200. Over HTTPS the certificate is not
+    checked: this is our own frontend on this host, whatever name it was issued for."""
+    context = ssl._create_unverified_context() if url.startswith("https:") else None
+    try:
+        with urllib.request.urlopen(url, timeout=2, context=context) as response:
+            return response.status == 200
+    except OSError:
+        return False
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -149,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         args.model = args.model_tag
     try:
         load_chat_template(args.chat_template)  # a bad one fails here, once, not in a restart loop
+        TlsFiles.from_args(args)
     except ConfigError as e:
         parser.error(str(e))
     setup_logging("serve")
@@ -170,10 +179,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         supervisor.start_all()
         host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
-        if wait_until_ready(supervisor, f"http://{host}:{args.port}/health", args.ready_timeout):
-            print(f"pagedserve is ready: OpenAI API on http://{args.host}:{args.port}/v1 "
+        scheme = "https" if args.ssl_certfile else "http"
+        if wait_until_ready(supervisor, f"{scheme}://{host}:{args.port}/health", args.ready_timeout):
+            print(f"pagedserve is ready: OpenAI API on {scheme}://{args.host}:{args.port}/v1 "
                   f"(model {args.served_model_name or args.model_tag or args.model}), "
-                  f"gRPC on {args.host}:{args.grpc_port}", flush=True)
+                  f"gRPC{' (TLS)' if args.ssl_certfile else ''} on {args.host}:{args.grpc_port}", flush=True)
         elif not supervisor.stopping:
             logger.error("components not ready after %.0fs; still trying (see the logs above)", args.ready_timeout)
         while not supervisor.stopping:

@@ -11,11 +11,12 @@ import socket
 
 from common.addresses import default_address
 from common.cli_args import env_default, parse_size, port_number, positive_float
+from common.errors import ConfigError
 from common.generation_defaults import SOURCES_HELP
-from frontend.frontend_options import add_frontend_options
-from frontend.tool_parsers import TOOL_PARSERS, TOOL_PARSERS_HELP
 from common.logging_setup import setup_logging
 from common.proctitle import set_process_title
+from frontend.frontend_options import TlsFiles, add_frontend_options
+from frontend.tool_parsers import TOOL_PARSERS, TOOL_PARSERS_HELP
 
 logger = logging.getLogger(__name__)
 
@@ -159,17 +160,22 @@ async def run_frontend(args: argparse.Namespace) -> None:
                                           if args.enable_log_requests else None))
     await engine.start()
     http_socket = bind_socket(args.host, args.port)
-    grpc_server, grpc_port = await start_grpc_server(state, args.host, args.grpc_port, api_key=args.api_key)
+    tls = TlsFiles.from_args(args)
+    grpc_server, grpc_port = await start_grpc_server(state, args.host, args.grpc_port, api_key=args.api_key,
+                                                     tls_key_pair=tls.grpc_key_pair() if tls else None)
     # log_config=None: uvicorn's records go through our handler and format.
     app = build_app(state, api_key=args.api_key, max_body_bytes=args.max_request_body_size,
                     cors=CorsSettings.from_args(args))
-    server = GracefulServer(uvicorn.Config(app, log_config=None, access_log=not args.disable_uvicorn_access_log),
+    server = GracefulServer(uvicorn.Config(app, log_config=None, access_log=not args.disable_uvicorn_access_log,
+                                           ssl_keyfile=tls.keyfile if tls else None,
+                                           ssl_certfile=tls.certfile if tls else None),
                             engine, grpc_server,
                             tokenizer_client=tokenizer_client)
     http_port = http_socket.getsockname()[1]
-    logger.info("frontend %s serving %s: OpenAI API on http://%s:%d/v1, gRPC on %s:%d "
+    logger.info("frontend %s serving %s: OpenAI API on %s://%s:%d/v1, gRPC%s on %s:%d "
                 "(scheduler %s, control %s, tokenizer pool %s)%s", engine.frontend_id, ", ".join(names),
-                args.host, http_port, args.host, grpc_port, args.scheduler_address,
+                "https" if tls else "http", args.host, http_port, " (TLS)" if tls else "", args.host, grpc_port,
+                args.scheduler_address,
                 args.scheduler_control_address, args.tokenizer_address,
                 "; API key required" if args.api_key else "")
     try:
@@ -191,12 +197,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         parser.error("--enable-auto-tool-choice needs --tool-call-parser")
+    try:
+        TlsFiles.from_args(args)  # a missing key fails here, not after the servers started
+    except ConfigError as e:
+        parser.error(str(e))
     setup_logging("frontend", args.log_level)
     set_process_title("pagedserve: frontend")
     raise_open_file_limit()
     import zmq
 
-    from common.errors import ConfigError
     try:
         import uvloop  # optional: faster event loop when installed
         runner = uvloop.run

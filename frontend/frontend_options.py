@@ -1,15 +1,18 @@
 """Frontend settings `serve` hands on, with vLLM's flag names: CORS
 (`--allowed-origins` and friends, JSON lists; every origin by default, as
-vLLM, so a browser page may call the API), `--response-role`, and logging
+vLLM, so a browser page may call the API), `--response-role`, logging
 (`--enable-log-requests` with `--max-log-len`; uvicorn's access log, on as in
-vLLM unless `--disable-uvicorn-access-log`)."""
+vLLM unless `--disable-uvicorn-access-log`), and TLS (`--ssl-keyfile` with
+`--ssl-certfile`: HTTPS, and gRPC over TLS on the same key)."""
 from __future__ import annotations
 
 import argparse
 import json
+import os
 from dataclasses import dataclass
 
 from common.cli_args import env_default, non_negative_int
+from common.errors import ConfigError
 
 
 def json_string_list(text: str) -> list[str]:
@@ -62,6 +65,10 @@ def add_frontend_options(parser: argparse.ArgumentParser) -> None:
         g.add_argument(flag, action="store_true", default=_env_switch(env), help=f"{what} (env PAGEDSERVE_{env})")
     g.add_argument("--max-log-len", type=non_negative_int, default=env_default("MAX_LOG_LEN", None),
                    help="with --enable-log-requests: log at most this many prompt tokens (default: all)")
+    g.add_argument("--ssl-keyfile", default=env_default("SSL_KEYFILE", None), metavar="FILE",
+                   help="serve HTTPS and gRPC over TLS with this private key (PEM; with --ssl-certfile)")
+    g.add_argument("--ssl-certfile", default=env_default("SSL_CERTFILE", None), metavar="FILE",
+                   help="the certificate (chain) of --ssl-keyfile (PEM)")
 
 
 def frontend_options_argv(args: argparse.Namespace) -> list[str]:
@@ -70,4 +77,29 @@ def frontend_options_argv(args: argparse.Namespace) -> list[str]:
             for item in (flag, json.dumps(getattr(args, flag[2:].replace("-", "_"))))]
     argv += [flag for flag, _, _ in _SWITCHES if getattr(args, flag[2:].replace("-", "_"))]
     argv += ["--response-role", args.response_role]
+    for name in ("ssl_keyfile", "ssl_certfile"):  # absolute: the frontend need not share our directory
+        if getattr(args, name):
+            argv += [f"--{name.replace('_', '-')}", os.path.abspath(os.path.expanduser(getattr(args, name)))]
     return argv + ([] if args.max_log_len is None else ["--max-log-len", str(args.max_log_len)])
+
+
+@dataclass(frozen=True, slots=True)
+class TlsFiles:
+    keyfile: str
+    certfile: str
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "TlsFiles | None":
+        """The key and certificate, checked readable (a ConfigError naming the flag), or None."""
+        if not args.ssl_keyfile and not args.ssl_certfile:
+            return None
+        if not (args.ssl_keyfile and args.ssl_certfile):
+            raise ConfigError("--ssl-keyfile and --ssl-certfile go together")
+        for flag, path in (("--ssl-keyfile", args.ssl_keyfile), ("--ssl-certfile", args.ssl_certfile)):
+            if not os.access(path, os.R_OK) or not os.path.isfile(path):
+                raise ConfigError(f"{flag} {path}: no such readable file")
+        return cls(args.ssl_keyfile, args.ssl_certfile)
+
+    def grpc_key_pair(self) -> tuple[bytes, bytes]:
+        with open(self.keyfile, "rb") as key, open(self.certfile, "rb") as cert:
+            return key.read(), cert.read()

@@ -291,12 +291,14 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
                                                    handler.response_serializer if handler else None)
 
 
-async def start_grpc_server(state: FrontendState, host: str, port: int, *,
-                            api_key: str | None = None) -> tuple[grpc.aio.Server, int]:
-    """Start serving; returns the server and the bound port (useful with port 0)."""
+async def start_grpc_server(state: FrontendState, host: str, port: int, *, api_key: str | None = None,
+                            tls_key_pair: tuple[bytes, bytes] | None = None) -> tuple[grpc.aio.Server, int]:
+    """Start serving (over TLS with a (private key, certificate chain) PEM pair);
+    returns the server and the bound port (useful with port 0)."""
     server = grpc.aio.server(interceptors=[ApiKeyInterceptor(api_key)] if api_key else None,
                              options=GRPC_SERVER_OPTIONS)
     pagedserve_pb2_grpc.add_PagedServeServicer_to_server(PagedServeServicer(state), server)
-    bound = bind_grpc_port(server, f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+    credentials = grpc.ssl_server_credentials([tls_key_pair]) if tls_key_pair else None
+    bound = bind_grpc_port(server, f"[{host}]:{port}" if ":" in host else f"{host}:{port}", credentials)
     await server.start()
     return server, bound

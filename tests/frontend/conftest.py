@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,7 +86,7 @@ def start_frontend(args: list[str], log_path: Path) -> tuple[Process, str, str]:
     """A frontend process; returns it, its base URL and its gRPC address once it is healthy."""
     frontend = Process("frontend.cli", args, log_path)
     try:
-        match = frontend.wait_for_log(r"OpenAI API on (http://[\d.]+:\d+)/v1, gRPC on ([\d.]+:\d+)")
+        match = frontend.wait_for_log(r"OpenAI API on (https?://[\d.]+:\d+)/v1, gRPC(?: \(TLS\))? on ([\d.]+:\d+)")
         wait_healthy(match.group(1) + "/health")
     except BaseException:
         frontend.stop()
@@ -96,14 +95,12 @@ def start_frontend(args: list[str], log_path: Path) -> tuple[Process, str, str]:
 
 
 def wait_healthy(url: str, timeout: float = 30.0) -> None:
+    from common.serve import health_ok
+
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url, timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            pass
+        if health_ok(url):
+            return
         time.sleep(0.1)
     raise AssertionError(f"{url} never became healthy")
 
