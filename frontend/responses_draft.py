@@ -8,6 +8,7 @@ import json
 import time
 from typing import Any
 
+from common.sampling_params import SamplingParams
 from frontend import sse
 from frontend.openai_responses import ChatCompletionResponse, UsageInfo
 from frontend.responses_items import call_id_of, function_call_item, message_item, usage_object
@@ -18,8 +19,10 @@ from frontend.state import FrontendState
 
 class ResponseDraft:
     def __init__(self, state: FrontendState, body: ResponsesRequest, response_id: str, created: int,
-                 conversation: list[dict[str, Any]], input_items: list[dict[str, Any]]):
+                 conversation: list[dict[str, Any]], input_items: list[dict[str, Any]],
+                 params: SamplingParams | None = None):
         self.state, self.body, self.id, self.created = state, body, response_id, created
+        self.params = params  # the values used, which the response reports (as OpenAI's and vLLM's)
         self.conversation = conversation  # chat messages, without the instructions: they do not carry over
         self.input_items = input_items  # what the response is made from, as input_items lists it
         self.sequence_number = 0
@@ -53,7 +56,9 @@ class ResponseDraft:
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
             "previous_response_id": body.previous_response_id, "store": body.store,
-            "temperature": body.temperature, "top_p": body.top_p, "text": body.text or {"format": {"type": "text"}},
+            "temperature": self.params.temperature if self.params else body.temperature,
+            "top_p": self.params.top_p if self.params else body.top_p,
+            "text": body.text or {"format": {"type": "text"}},
             "tools": body.tools or [], "tool_choice": body.tool_choice or ("auto" if body.tools else "none"),
             "parallel_tool_calls": body.parallel_tool_calls, "truncation": body.truncation or "disabled",
             "reasoning": {"effort": None, "summary": None}, "metadata": body.metadata or {}, "user": body.user,

@@ -11,6 +11,7 @@ from fastapi.responses import Response
 
 from common.errors import InvalidRequestError
 from common.protocol import TokenLogprobs
+from common.sampling_params import SamplingParams
 from frontend import sse
 from frontend.choices import SampleResult, best_samples
 from frontend.generation import GenerationDelta, GenerationRequest
@@ -32,6 +33,7 @@ class _Reply:
     body: ChatCompletionRequest
     texts: TokenTexts
     num_prompt_tokens: int
+    params: SamplingParams | None = None  # what the engine runs (the model's defaults filled in)
     last: GenerationDelta | None = None  # carries the running usage counts
 
     def chunk(self, choices: list[ChatStreamChoice], usage: UsageInfo | None = None,
@@ -82,7 +84,7 @@ async def start_chat_generation(state: FrontendState, body: ChatCompletionReques
 
     response_id, engine_id = request_ids(raw_request, id_prefix)
     reply = _Reply(id=response_id, created=int(time.time()), model=state.model_name,
-                   body=body, texts=generator.token_texts, num_prompt_tokens=len(prompt_ids))
+                   body=body, texts=generator.token_texts, num_prompt_tokens=len(prompt_ids), params=params)
     request = GenerationRequest(request_id=engine_id, prompt_token_ids=prompt_ids, sampling_params=params,
                                 arrival_time=arrival, priority=body.priority, cache_salt=body.cache_salt)
     return reply, generator.generate(request)

@@ -56,7 +56,7 @@ async def create_response(state: FrontendState, body: ResponsesRequest, raw_requ
     except InvalidRequestError as e:  # name the Responses field the client sent
         raise speak_responses(e)
     draft = ResponseDraft(state, body, reply.id, reply.created, history + body.input_messages(),
-                          history_items + input_item_resources(body.input))
+                          history_items + input_item_resources(body.input), reply.params)
     if body.stream:
         calls = tool_call_stream(chat.resolved_tool_choice())
         return event_stream(response_events(draft, reply, deltas, calls), draft.error_event)

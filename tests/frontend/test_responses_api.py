@@ -217,3 +217,12 @@ def test_a_failure_after_the_stream_started_is_an_error_event(server, client):
     assert events[0].type == "response.created" and events[-1].type == "error"
     assert "rejected" in events[-1].message and events[-1].code == "400"
     assert [event.sequence_number for event in events] == list(range(len(events)))
+
+
+def test_the_response_reports_the_sampling_values_used(client):
+    """As OpenAI and vLLM: the values the model ran with, not null for "unset"."""
+    default = client.responses.create(model="tiny-model", input="Say hello", max_output_tokens=2)
+    assert (default.temperature, default.top_p) == (1.0, 1.0)
+    chosen = client.responses.create(model="tiny-model", input="Say hello", max_output_tokens=2, temperature=0.3,
+                                     top_p=0.9)
+    assert (chosen.temperature, chosen.top_p) == (0.3, 0.9)
