@@ -59,7 +59,7 @@ class ResponseDraft:
             "temperature": self.params.temperature if self.params else body.temperature,
             "top_p": self.params.top_p if self.params else body.top_p,
             "text": body.text or {"format": {"type": "text"}},
-            "tools": body.tools or [], "tool_choice": body.tool_choice or ("auto" if body.tools else "none"),
+            "tools": body.tools or [], "tool_choice": body.tool_choice or "auto",  # OpenAI's default, tools or not
             "parallel_tool_calls": body.parallel_tool_calls, "truncation": body.truncation or "disabled",
             "reasoning": {"effort": None, "summary": None}, "metadata": body.metadata or {}, "user": body.user,
             "background": False, "usage": usage_object(usage) if usage is not None else None,

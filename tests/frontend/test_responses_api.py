@@ -226,3 +226,4 @@ def test_the_response_reports_the_sampling_values_used(client):
     chosen = client.responses.create(model="tiny-model", input="Say hello", max_output_tokens=2, temperature=0.3,
                                      top_p=0.9)
     assert (chosen.temperature, chosen.top_p) == (0.3, 0.9)
+    assert default.tool_choice == "auto" and default.tools == []  # OpenAI's echo of the defaults
