@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import ssl
 from dataclasses import dataclass
 
 from common.cli_args import env_default, non_negative_int
@@ -83,6 +84,20 @@ def frontend_options_argv(args: argparse.Namespace) -> list[str]:
     return argv + ([] if args.max_log_len is None else ["--max-log-len", str(args.max_log_len)])
 
 
+def _check_key_pair(keyfile: str, certfile: str) -> None:
+    """Load the pair as a server would. Checked up front: grpc reports a file that
+    is not PEM, or a key of another certificate, only as a failed bind (which read
+    as "port in use"), and the frontend would then exit and be restarted forever."""
+    try:  # the password callback stops OpenSSL from prompting on the tty for an encrypted key
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(certfile, keyfile, password=lambda: b"")
+    except (ssl.SSLError, OSError) as exc:
+        reason = getattr(exc, "reason", None) or str(exc)
+        why = ("the key is not that of the certificate" if "MISMATCH" in reason
+               else "a file is not PEM, or the key is encrypted" if "PEM" in reason else reason)
+        raise ConfigError(f"cannot use --ssl-keyfile {keyfile} with --ssl-certfile {certfile}: {why} "
+                          f"(both must be PEM files, the key unencrypted)") from None
+
+
 @dataclass(frozen=True, slots=True)
 class TlsFiles:
     keyfile: str
@@ -98,6 +113,7 @@ class TlsFiles:
         for flag, path in (("--ssl-keyfile", args.ssl_keyfile), ("--ssl-certfile", args.ssl_certfile)):
             if not os.access(path, os.R_OK) or not os.path.isfile(path):
                 raise ConfigError(f"{flag} {path}: no such readable file")
+        _check_key_pair(args.ssl_keyfile, args.ssl_certfile)
         return cls(args.ssl_keyfile, args.ssl_certfile)
 
     def grpc_key_pair(self) -> tuple[bytes, bytes]:

@@ -78,3 +78,18 @@ def test_serve_hands_the_files_on_by_absolute_path(tmp_path, certificate, monkey
     frontend = next(c for c in component_commands(args, str(tmp_path)) if c.name == "frontend")
     parsed = frontend_parser().parse_args(frontend.argv[1:])
     assert (parsed.ssl_keyfile, parsed.ssl_certfile) == (str(key), str(cert))
+
+
+@pytest.mark.parametrize("command", ["frontend", "serve"])
+def test_a_key_or_certificate_that_cannot_be_used_stops_startup(command, certificate, tmp_path):
+    """A file that is not PEM, or a key of another certificate, is one line at startup:
+    not grpc's C++ errors, a misleading "port in use" and a frontend restart loop."""
+    key, cert = certificate
+    not_pem = tmp_path / "not.pem"
+    not_pem.write_text("not a certificate\n")
+    other_key = tmp_path / "other-key.pem"
+    subprocess.run(["openssl", "genrsa", "-out", str(other_key), "2048"], check=True, capture_output=True)
+    for files in ([key, not_pem], [not_pem, cert], [other_key, cert]):
+        code, output = run([command, "--ssl-keyfile", str(files[0]), "--ssl-certfile", str(files[1])], timeout=30)
+        assert code == 2, output
+        assert_clear_error(code, output, "cannot use --ssl-keyfile", str(files[0]))
