@@ -60,6 +60,21 @@ def env_default(name: str, default):
     return os.environ.get(f"PAGEDSERVE_{name}", default)
 
 
+def env_setting(name: str, default):
+    """As env_default, but an empty PAGEDSERVE_<NAME> is the default: compose
+    passes `${VAR:-}` (empty) for a setting the operator left unset."""
+    return os.environ.get(f"PAGEDSERVE_{name}") or default
+
+
+_FALSE_WORDS = ("", "0", "false", "no", "off")
+
+
+def env_switch(name: str) -> bool:
+    """A store_true flag's default from PAGEDSERVE_<NAME>: "False", "no", "off",
+    "0" or empty (any case) are off, since operators write them to mean off."""
+    return os.environ.get(f"PAGEDSERVE_{name}", "").strip().lower() not in _FALSE_WORDS
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     d = EngineConfig.__dataclass_fields__
     g = parser.add_argument_group("engine")

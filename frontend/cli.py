@@ -10,7 +10,7 @@ import os
 import socket
 
 from common.addresses import default_address
-from common.cli_args import env_default, parse_size, port_number, positive_float
+from common.cli_args import env_default, env_switch, parse_size, port_number, positive_float
 from common.errors import ConfigError
 from common.generation_defaults import SOURCES_HELP
 from common.logging_setup import setup_logging
@@ -60,7 +60,7 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="sampling defaults for fields a request leaves unset: " + SOURCES_HELP +
                         " (default auto, as vLLM; env PAGEDSERVE_GENERATION_CONFIG)")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
-                   default=env_default("ENABLE_AUTO_TOOL_CHOICE", "") not in ("", "0", "false"),
+                   default=env_switch("ENABLE_AUTO_TOOL_CHOICE"),
                    help='let tool_choice "auto" (the default with tools) run; needs --tool-call-parser')
     g.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=env_default("TOOL_CALL_PARSER", None),
                    help=TOOL_PARSERS_HELP + " (env PAGEDSERVE_TOOL_CALL_PARSER)")

@@ -12,7 +12,7 @@ import os
 import ssl
 from dataclasses import dataclass
 
-from common.cli_args import env_default, non_negative_int
+from common.cli_args import env_setting, env_switch, non_negative_int
 from common.errors import ConfigError
 
 
@@ -50,25 +50,21 @@ _SWITCHES = [("--allow-credentials", "ALLOW_CREDENTIALS", "CORS: let those pages
              ("--disable-uvicorn-access-log", "DISABLE_UVICORN_ACCESS_LOG", "no log line per HTTP request")]
 
 
-def _env_switch(name: str) -> bool:
-    return env_default(name, "") not in ("", "0", "false")
-
-
 def add_frontend_options(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("HTTP API and logging (as vLLM's)")
     for flag, (env, what) in _LIST_FLAGS.items():
-        g.add_argument(flag, type=json_string_list, default=env_default(env, '["*"]'), metavar="JSON_LIST",
+        g.add_argument(flag, type=json_string_list, default=env_setting(env, '["*"]'), metavar="JSON_LIST",
                        help=f'CORS: {what}, a JSON list (default ["*"]; env PAGEDSERVE_{env})')
-    g.add_argument("--response-role", default=env_default("RESPONSE_ROLE", "assistant"),
+    g.add_argument("--response-role", default=env_setting("RESPONSE_ROLE", "assistant"),
                    help="the role of chat replies that open a new turn (default assistant; env "
                         "PAGEDSERVE_RESPONSE_ROLE)")
     for flag, env, what in _SWITCHES:
-        g.add_argument(flag, action="store_true", default=_env_switch(env), help=f"{what} (env PAGEDSERVE_{env})")
-    g.add_argument("--max-log-len", type=non_negative_int, default=env_default("MAX_LOG_LEN", None),
+        g.add_argument(flag, action="store_true", default=env_switch(env), help=f"{what} (env PAGEDSERVE_{env})")
+    g.add_argument("--max-log-len", type=non_negative_int, default=env_setting("MAX_LOG_LEN", None),
                    help="with --enable-log-requests: log at most this many prompt tokens (default: all)")
-    g.add_argument("--ssl-keyfile", default=env_default("SSL_KEYFILE", None), metavar="FILE",
+    g.add_argument("--ssl-keyfile", default=env_setting("SSL_KEYFILE", None), metavar="FILE",
                    help="serve HTTPS and gRPC over TLS with this private key (PEM; with --ssl-certfile)")
-    g.add_argument("--ssl-certfile", default=env_default("SSL_CERTFILE", None), metavar="FILE",
+    g.add_argument("--ssl-certfile", default=env_setting("SSL_CERTFILE", None), metavar="FILE",
                    help="the certificate (chain) of --ssl-keyfile (PEM)")
 
 

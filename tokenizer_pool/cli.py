@@ -18,7 +18,7 @@ import zmq
 
 from common.errors import ConfigError
 from common.addresses import default_address
-from common.cli_args import env_default
+from common.cli_args import env_default, env_setting
 from common.logging_setup import setup_logging
 from tokenizer_pool.pool import DEFAULT_LIVENESS_TIMEOUT, run_join_workers, run_tokenizer_pool
 from tokenizer_pool.worker import DEFAULT_HEARTBEAT_INTERVAL
@@ -42,7 +42,7 @@ def add_tokenizer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         "(env PAGEDSERVE_TOKENIZER_JOIN)")
     g.add_argument("--model-cache-dir", default=env_default("CACHE_DIR", None),
                    help="where converted GGUF models are kept (default ~/.cache/pagedserve/models)")
-    g.add_argument("--chat-template", default=env_default("CHAT_TEMPLATE", None), metavar="FILE_OR_TEMPLATE",
+    g.add_argument("--chat-template", default=env_setting("CHAT_TEMPLATE", None), metavar="FILE_OR_TEMPLATE",
                    help="a Jinja chat template (its file, or the text) to use instead of the model's "
                         "(env PAGEDSERVE_CHAT_TEMPLATE)")
     g.add_argument("--heartbeat-interval", type=float, default=DEFAULT_HEARTBEAT_INTERVAL,
