@@ -19,7 +19,7 @@ import sys
 import time
 import urllib.request
 
-from common.cli_args import (add_engine_args, engine_argv, engine_config_from_args, non_negative_int,
+from common.cli_args import (add_engine_args, engine_argv, engine_config_from_args, env_setting, non_negative_int,
                              port_number, positive_float)
 from common.generation_defaults import SOURCES_HELP
 from frontend.frontend_options import TlsFiles, add_frontend_options, frontend_options_argv
@@ -55,8 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--enable-auto-tool-choice", action="store_true",
                         help='let tool_choice "auto" run (needs --tool-call-parser)')
     parser.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None, help=TOOL_PARSERS_HELP)
-    parser.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
-                        help="a Jinja chat template (its file, or the text) to use instead of the model's")
+    # Read from the environment here too: the tokenizer pool would inherit it unchecked (a restart loop).
+    parser.add_argument("--chat-template", default=env_setting("CHAT_TEMPLATE", None), metavar="FILE_OR_TEMPLATE",
+                        help="a Jinja chat template (its file, or the text) to use instead of the model's "
+                             "(env PAGEDSERVE_CHAT_TEMPLATE)")
     parser.add_argument("--disable-log-stats", action="store_true")
     parser.add_argument("--runtime-dir", default=None, help="where internal sockets live (default: a temp dir)")
     parser.add_argument("--ready-timeout", type=positive_float, default=600.0,

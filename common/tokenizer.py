@@ -32,6 +32,8 @@ def load_chat_template(value: str | None) -> str | None:
                 template = f.read()
         except (OSError, UnicodeDecodeError) as exc:
             raise ConfigError(f"cannot read the chat template {value}: {exc}") from exc
+    elif os.path.isdir(path):
+        raise ConfigError(f"the chat template {value} is a directory, not a file")
     elif any(mark in value for mark in "{}\n"):
         template = value
     else:

@@ -39,3 +39,22 @@ def test_an_empty_file_is_an_error(tmp_path):
 def test_serve_and_the_tokenizer_pool_refuse_a_bad_template_at_startup(command):
     code, output = run([command, "--chat-template", "no/such/template.jinja"])
     assert_clear_error(code, output, "no/such/template.jinja", "no such file")
+
+
+@pytest.mark.parametrize("command", ["serve", "tokenizer"])
+def test_a_bad_template_in_the_environment_stops_startup(command, tmp_path):
+    """serve's tokenizer pool inherits PAGEDSERVE_CHAT_TEMPLATE: serve checks it
+    too, or the pool exits and is restarted forever. A directory says so."""
+    code, output = run([command], env={"PAGEDSERVE_CHAT_TEMPLATE": str(tmp_path)}, timeout=30)
+    assert_clear_error(code, output, str(tmp_path), "is a directory")
+
+
+def test_serve_hands_the_template_from_the_environment_on(tmp_path, monkeypatch):
+    from common.serve import build_parser, component_commands
+
+    (tmp_path / "t.jinja").write_text(TEMPLATE)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PAGEDSERVE_CHAT_TEMPLATE", "t.jinja")
+    tokenizer = next(c for c in component_commands(build_parser().parse_args([]), str(tmp_path))
+                     if c.name == "tokenizer")
+    assert tokenizer.argv[tokenizer.argv.index("--chat-template") + 1] == str(tmp_path / "t.jinja")
