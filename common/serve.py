@@ -19,8 +19,8 @@ import sys
 import time
 import urllib.request
 
-from common.cli_args import (add_engine_args, engine_argv, engine_config_from_args, env_setting, non_negative_int,
-                             port_number, positive_float)
+from common.cli_args import (add_engine_args, engine_argv, engine_config_from_args, env_setting, env_switch,
+                             non_negative_int, port_number, positive_float)
 from common.generation_defaults import SOURCES_HELP
 from frontend.frontend_options import TlsFiles, add_frontend_options, frontend_options_argv
 from frontend.tool_parsers import TOOL_PARSERS, TOOL_PARSERS_HELP
@@ -52,9 +52,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="fail and abort requests not finished after this many seconds (default: no limit)")
     parser.add_argument("--generation-config", default="auto",
                         help="sampling defaults for fields a request leaves unset: " + SOURCES_HELP)
-    parser.add_argument("--enable-auto-tool-choice", action="store_true",
-                        help='let tool_choice "auto" run (needs --tool-call-parser)')
-    parser.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None, help=TOOL_PARSERS_HELP)
+    # These two from the environment too: the frontend inherits it, and would fail in a restart loop.
+    parser.add_argument("--enable-auto-tool-choice", action="store_true", default=env_switch("ENABLE_AUTO_TOOL_CHOICE"),
+                        help='let tool_choice "auto" run (needs --tool-call-parser; env '
+                             'PAGEDSERVE_ENABLE_AUTO_TOOL_CHOICE)')
+    parser.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS),
+                        default=env_setting("TOOL_CALL_PARSER", None),
+                        help=TOOL_PARSERS_HELP + " (env PAGEDSERVE_TOOL_CALL_PARSER)")
     # Read from the environment here too: the tokenizer pool would inherit it unchecked (a restart loop).
     parser.add_argument("--chat-template", default=env_setting("CHAT_TEMPLATE", None), metavar="FILE_OR_TEMPLATE",
                         help="a Jinja chat template (its file, or the text) to use instead of the model's "
@@ -153,6 +157,9 @@ def health_ok(url: str) -> bool:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.tool_call_parser is not None and args.tool_call_parser not in TOOL_PARSERS:  # argparse skips defaults
+        parser.error(f"argument --tool-call-parser: invalid choice: {args.tool_call_parser!r} "
+                     f"(choose from {', '.join(sorted(TOOL_PARSERS))})")
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         parser.error("--enable-auto-tool-choice needs --tool-call-parser")
     if args.model_tag:

@@ -125,3 +125,12 @@ def test_serve_refuses_a_port_in_use_instead_of_reporting_another_server_ready(t
                             *[item for pair in ports.items() for item in pair]], timeout=60)
     assert_clear_error(code, output, "in use", str(port))
     assert "is ready" not in output and "started" not in output
+
+
+def test_serve_checks_the_tool_settings_its_frontend_inherits():
+    """The frontend inherits PAGEDSERVE_ENABLE_AUTO_TOOL_CHOICE / _TOOL_CALL_PARSER:
+    serve reads and checks them once, instead of a frontend restart loop."""
+    code, output = run(["serve"], env={"PAGEDSERVE_ENABLE_AUTO_TOOL_CHOICE": "1"}, timeout=30)
+    assert_clear_error(code, output, "--enable-auto-tool-choice needs --tool-call-parser")
+    code, output = run(["serve"], env={"PAGEDSERVE_TOOL_CALL_PARSER": "bogus"}, timeout=30)
+    assert_clear_error(code, output, "--tool-call-parser", "bogus")
