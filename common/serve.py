@@ -23,7 +23,7 @@ from common.cli_args import (add_engine_args, engine_argv, engine_config_from_ar
                              non_negative_int, port_number, positive_float)
 from common.generation_defaults import SOURCES_HELP
 from frontend.frontend_options import TlsFiles, add_frontend_options, frontend_options_argv
-from frontend.tool_parsers import TOOL_PARSERS, TOOL_PARSERS_HELP
+from frontend.tool_parsers import TOOL_PARSERS, TOOL_PARSERS_HELP, check_tool_choice_args
 from common.errors import ConfigError
 from common.logging_setup import setup_logging
 from common.proctitle import set_process_title
@@ -157,11 +157,7 @@ def health_ok(url: str) -> bool:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.tool_call_parser is not None and args.tool_call_parser not in TOOL_PARSERS:  # argparse skips defaults
-        parser.error(f"argument --tool-call-parser: invalid choice: {args.tool_call_parser!r} "
-                     f"(choose from {', '.join(sorted(TOOL_PARSERS))})")
-    if args.enable_auto_tool_choice and not args.tool_call_parser:
-        parser.error("--enable-auto-tool-choice needs --tool-call-parser")
+    check_tool_choice_args(parser, args)
     if args.model_tag:
         args.model = args.model_tag
     try:

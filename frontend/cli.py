@@ -16,7 +16,7 @@ from common.generation_defaults import SOURCES_HELP
 from common.logging_setup import setup_logging
 from common.proctitle import set_process_title
 from frontend.frontend_options import TlsFiles, add_frontend_options
-from frontend.tool_parsers import TOOL_PARSERS, TOOL_PARSERS_HELP
+from frontend.tool_parsers import TOOL_PARSERS, TOOL_PARSERS_HELP, check_tool_choice_args
 
 logger = logging.getLogger(__name__)
 
@@ -195,8 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.enable_auto_tool_choice and not args.tool_call_parser:
-        parser.error("--enable-auto-tool-choice needs --tool-call-parser")
+    check_tool_choice_args(parser, args)
     try:
         TlsFiles.from_args(args)  # a missing key fails here, not after the servers started
     except ConfigError as e:

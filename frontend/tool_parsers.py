@@ -4,6 +4,8 @@ format inside free text, and the parser finds them (`tool_parser_base`).
 """
 from __future__ import annotations
 
+import argparse
+
 from frontend.tool_parser_base import ParsedCall, ToolParser, partial_marker
 from frontend.tool_parser_hermes import HermesToolParser
 from frontend.tool_parser_llama3 import Llama3JsonToolParser
@@ -19,4 +21,13 @@ TOOL_PARSERS_HELP = ("how the model writes tool calls in its text: hermes (<tool
                      "mistral ([TOOL_CALLS]...: Mistral), pythonic ([f(x=1), ...]: Llama 3.2, Llama 4)")
 
 __all__ = ["TOOL_PARSERS", "TOOL_PARSERS_HELP", "HermesToolParser", "Llama3JsonToolParser", "MistralToolParser",
-           "ParsedCall", "PythonicToolParser", "ToolParser", "partial_marker"]
+           "ParsedCall", "PythonicToolParser", "ToolParser", "check_tool_choice_args", "partial_marker"]
+
+
+def check_tool_choice_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Exit with a usage line for tool settings that cannot run (also `serve`'s check)."""
+    if args.tool_call_parser is not None and args.tool_call_parser not in TOOL_PARSERS:  # argparse skips defaults
+        parser.error(f"argument --tool-call-parser: invalid choice: {args.tool_call_parser!r} "
+                     f"(choose from {', '.join(sorted(TOOL_PARSERS))})")
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        parser.error("--enable-auto-tool-choice needs --tool-call-parser")

@@ -134,3 +134,8 @@ def test_serve_checks_the_tool_settings_its_frontend_inherits():
     assert_clear_error(code, output, "--enable-auto-tool-choice needs --tool-call-parser")
     code, output = run(["serve"], env={"PAGEDSERVE_TOOL_CALL_PARSER": "bogus"}, timeout=30)
     assert_clear_error(code, output, "--tool-call-parser", "bogus")
+
+
+def test_the_frontend_refuses_an_unknown_tool_call_parser_from_the_environment():
+    code, output = run(frontend_args(), env={"PAGEDSERVE_TOOL_CALL_PARSER": "bogus"}, timeout=30)
+    assert_clear_error(code, output, "--tool-call-parser", "bogus")
