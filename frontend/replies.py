@@ -13,11 +13,10 @@ from frontend.async_utils import cancel_on_disconnect
 
 
 def event_stream(events: AsyncIterator[str],
-                 on_error: Callable[[Exception], list[str]] | None = None) -> StreamingResponse:
+                 on_error: Callable[[Exception], list[str]] = sse.error_and_done) -> StreamingResponse:
     """`events` as server-sent events; a failure midway becomes its last events
     (`on_error`; by default an OpenAI error event, then [DONE])."""
-    guarded = sse.with_error_events(events) if on_error is None else sse.with_error_events(events, on_error)
-    return StreamingResponse(guarded, media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)
+    return StreamingResponse(sse.with_error_events(events, on_error), media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)
 
 
 async def json_reply(raw_request: Request, work: Awaitable[BaseModel | dict[str, Any]]) -> Response:

@@ -35,12 +35,13 @@ def error_event(error: Exception) -> str:
     return f"data: {json.dumps({'error': error_body(error)})}\n\n"
 
 
-def _error_and_done(error: Exception) -> list[str]:
+def error_and_done(error: Exception) -> list[str]:
+    """The OpenAI streams' ending after a failure: an error event, then [DONE]."""
     return [error_event(error), DONE]
 
 
 async def with_error_events(events: AsyncIterator[str],
-                            on_error: Callable[[Exception], list[str]] = _error_and_done) -> AsyncIterator[str]:
+                            on_error: Callable[[Exception], list[str]] = error_and_done) -> AsyncIterator[str]:
     """Turn an exception in the middle of a stream into its last events (by
     default an error event, then [DONE])."""
     try:
