@@ -253,6 +253,7 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateRequest):
     tool_choice: Any = None
     functions: list[dict[str, Any]] | None = None  # the deprecated spelling of tools
     function_call: Any = None  # ... and of tool_choice
+    parallel_tool_calls: bool = True  # false: at most one tool call per reply
     _auto_tool_parser: str | None = PrivateAttr(None)  # the server's --tool-call-parser, if enabled
     _new_turn_role: str = PrivateAttr("assistant")  # the server's --response-role
 
@@ -279,7 +280,8 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateRequest):
         self.check_template_options()
 
     def resolved_tool_choice(self) -> ToolChoice:
-        return resolve_tool_choice(self.tools, self.tool_choice, self._auto_tool_parser)
+        return resolve_tool_choice(self.tools, self.tool_choice, self._auto_tool_parser,
+                                   parallel_tool_calls=self.parallel_tool_calls)
 
     def structured_output(self) -> tuple[StructuredOutputs, str] | None:
         """A tool choice that asks for a call is a structured output too (only one may be asked)."""

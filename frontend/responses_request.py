@@ -33,7 +33,7 @@ _RESPONSES_SPELLING = {"max_tokens": "max_output_tokens", "max_completion_tokens
                        "response_format": "text.format", "messages": "input", "functions": "tools",
                        "function_call": "tool_choice", "logprobs": "include and top_logprobs"}
 _CHAT_ONLY_FIELDS = sorted(set(ChatCompletionRequest.model_fields) - set(_SAME_FIELDS) - {
-    "stream", "tools", "tool_choice", "top_logprobs", "stream_options"})
+    "stream", "tools", "tool_choice", "parallel_tool_calls", "top_logprobs", "stream_options"})
 
 
 def speak_responses(error: InvalidRequestError) -> InvalidRequestError:
@@ -90,13 +90,6 @@ class ResponsesRequest(TextRequest):
                 raise InvalidRequestError(f"{name} is a chat completion field, not one of the Responses "
                                           f"API{hint}", param=name, code="unknown_parameter")
         check_unimplemented(self, UNIMPLEMENTED_VLLM_FIELDS)
-        if not self.parallel_tool_calls and self._may_call_several():
-            raise NotSupportedError("parallel_tool_calls", "parallel_tool_calls false with tool_choice "
-                                                           "auto or required (a reply may hold several calls)")
-
-    def _may_call_several(self) -> bool:
-        # No tools, "none" or a named function: at most one call can come, so false holds.
-        return bool(self.tools) and self.tool_choice in (None, "auto", "required")
 
     def input_messages(self) -> list[dict[str, Any]]:
         """`input` as chat messages (this turn's only: no instructions, no history)."""
@@ -123,6 +116,7 @@ class ResponsesRequest(TextRequest):
                 "response_format": self._response_format(),
                 "tools": [_chat_tool(tool, index) for index, tool in enumerate(self.tools or [])] or None,
                 "tool_choice": _chat_tool_choice(self.tool_choice),
+                "parallel_tool_calls": self.parallel_tool_calls,
             })
         except ValidationError as e:  # an extra field of the wrong type (top_k: "x")
             error = e.errors()[0]

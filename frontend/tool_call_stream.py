@@ -111,7 +111,9 @@ class AutoCallStream(ToolCallStream):
         self.reader = choice.parser.reader()
 
     def _advance(self, step: StreamStep, last: bool) -> None:
-        step.tool_calls += self.reader.read(self.text, last)
+        calls = self.reader.read(self.text, last)
+        # parallel_tool_calls false: the calls after the first are dropped, as in the non-stream reply.
+        step.tool_calls += [call for call in calls if call["index"] == 0] if self.choice.single_call else calls
         step.content += self.text[self.sent:self.reader.content_end]
         self.sent = max(self.sent, self.reader.content_end)
         self.broken = self.reader.error is not None

@@ -11,6 +11,10 @@
   tool calls its own way; `--enable-auto-tool-choice --tool-call-parser NAME`
   names the parser that finds them (`frontend.tool_parsers`). Without it, a
   400, as vLLM.
+
+`parallel_tool_calls` false allows one call: "required" is constrained to a list
+of exactly one, and "auto" keeps the first call the model writes (vLLM drops the
+calls after the first too; the model still generates them).
 """
 from __future__ import annotations
 
@@ -42,13 +46,21 @@ class ToolChoice:
     mode: str  # "none", "auto", "required" or "named"
     name: str | None = None  # the function, when named
     parser: ToolParser | None = None  # finds the calls, when auto
+    single_call: bool = False  # parallel_tool_calls false: at most one call
 
 
 def resolve_tool_choice(tools: list[dict[str, Any]] | None, tool_choice: Any,
-                        auto_parser: str | None = None) -> ToolChoice:
+                        auto_parser: str | None = None, parallel_tool_calls: bool = True) -> ToolChoice:
     """Check `tools` and `tool_choice` together (a 400 naming the field when they
     do not fit). `auto_parser`: the server's --tool-call-parser, None when auto
     tool choice is not enabled."""
+    choice = _resolve_mode(tools, tool_choice, auto_parser)
+    if parallel_tool_calls or choice.mode not in ("auto", "required"):
+        return choice
+    return ToolChoice(choice.mode, choice.name, choice.parser, single_call=True)
+
+
+def _resolve_mode(tools: list[dict[str, Any]] | None, tool_choice: Any, auto_parser: str | None) -> ToolChoice:
     names = [_tool_name(index, tool) for index, tool in enumerate(tools or [])]
     if tool_choice is None:
         tool_choice = "auto" if tools else "none"
@@ -101,8 +113,9 @@ def tool_call_output(tools: list[dict[str, Any]], choice: ToolChoice) -> Structu
         calls = [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
                   "properties": {"name": {"type": "string", "enum": [name]}, "parameters": _parameters(tool)}}
                  for name, tool in by_name.items()]
-        return StructuredOutputs.of("tool_choice", json={"type": "array", "minItems": 1,
-                                                         "items": {"anyOf": calls}})
+        one_or_more = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        return StructuredOutputs.of("tool_choice", json={**one_or_more, "maxItems": 1} if choice.single_call
+                                    else one_or_more)
     return None
 
 
@@ -114,6 +127,8 @@ def tool_calls_of(text: str, choice: ToolChoice) -> tuple[str | None, list[ToolC
         content, parsed = choice.parser.extract(text)
         if not parsed:
             return None
+        if choice.single_call:
+            parsed = parsed[:1]
         return content, [ToolCall(id=choice.parser.new_call_id(),
                                   function=FunctionCall(name=call.name, arguments=call.arguments)) for call in parsed]
     if choice.mode == "named":
