@@ -78,6 +78,7 @@ class ResponsesRequest(TextRequest):
         for name in ("prompt", "conversation", "top_logprobs", "max_tool_calls"):
             if extra.get(name) not in (None, 0):
                 raise NotSupportedError(name)
+        _check_metadata(self.metadata or {})
         if (self.text or {}).get("verbosity") not in (None, "medium"):  # "medium" is OpenAI's default
             raise NotSupportedError("text.verbosity", "text.verbosity other than 'medium'")
         options = extra.get("stream_options")  # OpenAI's only option changes no text
@@ -134,6 +135,17 @@ class ResponsesRequest(TextRequest):
             return {"type": "json_schema", "json_schema": {key: value for key, value in form.items()
                                                            if key != "type"}}
         return form
+
+
+def _check_metadata(metadata: dict[str, str]) -> None:
+    """OpenAI's limits: 16 pairs, keys of at most 64 characters, values of at most 512."""
+    if len(metadata) > 16:
+        raise InvalidRequestError(f"metadata may hold at most 16 pairs, not {len(metadata)}", param="metadata")
+    for key, value in metadata.items():
+        if len(key) > 64:
+            raise InvalidRequestError(f"metadata key {key[:16]!r}... is longer than 64 characters", param="metadata")
+        if len(value) > 512:
+            raise InvalidRequestError(f"metadata[{key!r}] is longer than 512 characters", param="metadata")
 
 
 def _add_input_item(messages: list[dict[str, Any]], item: Any, index: int) -> None:

@@ -152,6 +152,10 @@ def test_stored_responses_are_retrieved_and_deleted(client):
     ({"extra_body": {"guided_regex": "a+"}}, "guided_regex"),
     ({"extra_body": {"stream_options": {"include_usage": True}}}, "stream_options"),
     ({"extra_body": {"structural_tag": "{}"}}, "structural_tag"),
+    # OpenAI's metadata limits.
+    ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+    ({"metadata": {"k" * 65: "v"}}, "metadata"),
+    ({"metadata": {"k": "v" * 513}}, "metadata"),
 ])
 def test_what_cannot_run_is_a_400_naming_the_field(client, request_fields, param):
     request = {"model": "tiny-model", "input": "Hi", **request_fields}
@@ -169,6 +173,12 @@ def test_errors_speak_of_the_responses_fields(client, request_fields, param):
     assert refused.value.body["param"] == param
     assert "max_output_tokens" in refused.value.message and "max_tokens" not in refused.value.message \
         and "max_completion_tokens" not in refused.value.message
+
+
+def test_metadata_at_openais_limits_is_kept(client):
+    metadata = {f"{i:02d}" + "k" * 62: "v" * 512 for i in range(16)}
+    response = client.responses.create(model="tiny-model", input="Hi", max_output_tokens=2, metadata=metadata)
+    assert response.metadata == metadata == client.responses.retrieve(response.id).metadata
 
 
 def test_parallel_tool_calls_false_is_echoed(client):
