@@ -58,6 +58,7 @@ class SamplingRequest(TextRequest):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids in the reply
     prompt_logprobs: int | None = None
     echo: bool = False
     priority: int = Field(0, ge=-(1 << 63), lt=1 << 63)  # lower runs first

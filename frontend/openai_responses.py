@@ -1,15 +1,29 @@
 """Response bodies of the OpenAI API (pydantic), field for field as OpenAI's,
-with vLLM's additions (stop_reason, prompt_logprobs)."""
+with vLLM's additions (stop_reason, prompt_logprobs, and with `return_token_ids`
+the prompt's and each choice's token ids)."""
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 
 class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="allow")
+
+
+class TokenIdsOnRequest(OpenAIBaseModel):
+    """A body whose token-id fields (vLLM's `return_token_ids`) appear only when asked for."""
+    _token_id_fields: ClassVar[tuple[str, ...]] = ("prompt_token_ids", "token_ids")
+
+    @model_serializer(mode="wrap")
+    def _omit_token_ids_not_asked_for(self, handler) -> dict[str, Any]:
+        dumped = handler(self)
+        for name in self._token_id_fields:
+            if dumped.get(name, 0) is None:
+                del dumped[name]
+        return dumped
 
 
 class UsageInfo(OpenAIBaseModel):
@@ -40,13 +54,15 @@ class CompletionLogprobs(OpenAIBaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
-class CompletionChoice(OpenAIBaseModel):
+class CompletionChoice(TokenIdsOnRequest):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     prompt_logprobs: PromptLogprobsJSON | None = None
+    prompt_token_ids: list[int] | None = None  # its prompt's (a stream: in the choice's first chunk)
+    token_ids: list[int] | None = None  # the tokens of `text` (echo aside)
 
 
 class CompletionResponse(OpenAIBaseModel):
@@ -82,15 +98,16 @@ class ChatMessage(OpenAIBaseModel):
     content: str | None = None
 
 
-class ChatChoice(OpenAIBaseModel):
+class ChatChoice(TokenIdsOnRequest):
     index: int
     message: ChatMessage
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    token_ids: list[int] | None = None  # every output token of the choice (tool calls included)
 
 
-class ChatCompletionResponse(OpenAIBaseModel):
+class ChatCompletionResponse(TokenIdsOnRequest):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
@@ -99,6 +116,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
     choices: list[ChatChoice]
     usage: UsageInfo
     prompt_logprobs: PromptLogprobsJSON | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class DeltaMessage(OpenAIBaseModel):
@@ -112,15 +130,16 @@ class DeltaMessage(OpenAIBaseModel):
         return {k: v for k, v in handler(self).items() if v is not None}
 
 
-class ChatStreamChoice(OpenAIBaseModel):
+class ChatStreamChoice(TokenIdsOnRequest):
     index: int
     delta: DeltaMessage
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    token_ids: list[int] | None = None  # the output tokens since the choice's previous chunk
 
 
-class ChatCompletionChunk(OpenAIBaseModel):
+class ChatCompletionChunk(TokenIdsOnRequest):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
@@ -129,6 +148,7 @@ class ChatCompletionChunk(OpenAIBaseModel):
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
     prompt_logprobs: PromptLogprobsJSON | None = None
+    prompt_token_ids: list[int] | None = None  # in the first chunk
 
 
 # --- /v1/models ---------------------------------------------------------------------

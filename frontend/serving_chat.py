@@ -32,22 +32,27 @@ class _Reply:
     model: str
     body: ChatCompletionRequest
     texts: TokenTexts
-    num_prompt_tokens: int
+    prompt_token_ids: list[int]
     params: SamplingParams | None = None  # what the engine runs (the model's defaults filled in)
     last: GenerationDelta | None = None  # carries the running usage counts
 
     def chunk(self, choices: list[ChatStreamChoice], usage: UsageInfo | None = None,
-              prompt_logprobs: list[TokenLogprobs] | None = None) -> str:
-        return sse.event(ChatCompletionChunk(id=self.id, created=self.created, model=self.model,
-                                             system_fingerprint=SYSTEM_FINGERPRINT, choices=choices, usage=usage,
-                                             prompt_logprobs=self.prompt_logprobs(prompt_logprobs)))
+              prompt_logprobs: list[TokenLogprobs] | None = None, with_prompt_token_ids: bool = False) -> str:
+        return sse.event(ChatCompletionChunk(
+            id=self.id, created=self.created, model=self.model, system_fingerprint=SYSTEM_FINGERPRINT,
+            choices=choices, usage=usage, prompt_logprobs=self.prompt_logprobs(prompt_logprobs),
+            prompt_token_ids=self.token_ids(self.prompt_token_ids) if with_prompt_token_ids else None))
 
     def usage(self, completion_tokens: int | None = None) -> UsageInfo:
         """The request's usage; with `completion_tokens`, one choice's (continuous usage)."""
         last = self.last
         if completion_tokens is None:
             completion_tokens = last.num_output_tokens if last else 0
-        return UsageInfo.of(self.num_prompt_tokens, completion_tokens, last.num_cached_tokens if last else 0)
+        return UsageInfo.of(len(self.prompt_token_ids), completion_tokens, last.num_cached_tokens if last else 0)
+
+    def token_ids(self, token_ids: list[int]) -> list[int] | None:
+        """`token_ids` when the client asked for them (vLLM's return_token_ids), else None."""
+        return list(token_ids) if self.body.return_token_ids else None
 
     def logprobs(self, entries: list[TokenLogprobs] | None):
         return chat_logprobs(entries or [], self.texts) if self.body.logprobs else None
@@ -84,7 +89,7 @@ async def start_chat_generation(state: FrontendState, body: ChatCompletionReques
 
     response_id, engine_id = request_ids(raw_request, id_prefix)
     reply = _Reply(id=response_id, created=int(time.time()), model=state.model_name,
-                   body=body, texts=generator.token_texts, num_prompt_tokens=len(prompt_ids), params=params)
+                   body=body, texts=generator.token_texts, prompt_token_ids=prompt_ids, params=params)
     request = GenerationRequest(request_id=engine_id, prompt_token_ids=prompt_ids, sampling_params=params,
                                 arrival_time=arrival, priority=body.priority, cache_salt=body.cache_salt)
     return reply, generator.generate(request)
@@ -120,18 +125,21 @@ async def collect_chat_completion(reply: _Reply, deltas: AsyncIterator[Generatio
             message = ChatMessage(role=role, content=calls.content, tool_calls=calls.tool_calls)
             finish_reason = calls.finish_reason
         choices.append(ChatChoice(index=rank, message=message, logprobs=reply.logprobs(sample.logprobs),
-                                  finish_reason=finish_reason, stop_reason=sample.stop_reason))
+                                  finish_reason=finish_reason, stop_reason=sample.stop_reason,
+                                  token_ids=reply.token_ids(sample.token_ids)))
     return ChatCompletionResponse(id=reply.id, created=reply.created, model=reply.model,
                                   system_fingerprint=SYSTEM_FINGERPRINT, choices=choices, usage=reply.usage(),
-                                  prompt_logprobs=reply.prompt_logprobs(prompt_logprobs))
+                                  prompt_logprobs=reply.prompt_logprobs(prompt_logprobs),
+                                  prompt_token_ids=reply.token_ids(reply.prompt_token_ids))
 
 
 @dataclass(slots=True)
 class _Held:
-    """Logprobs of tokens whose text is not sent yet (held back, or no text), and
-    the reply's tool calls as they stream (None: plain text)."""
+    """Logprobs and ids of tokens whose text is not sent yet (held back, or no text),
+    and the reply's tool calls as they stream (None: plain text)."""
     calls: ToolCallStream | None
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
     num_tokens: int = 0  # the choice's output tokens so far (its continuous usage, as vLLM's)
 
 
@@ -142,7 +150,7 @@ async def _stream(reply: _Reply, deltas: AsyncIterator[GenerationDelta]) -> Asyn
     echo, role = body.echoed_text(), body.response_role()
     for index in range(body.n):
         yield reply.chunk([ChatStreamChoice(index=index, delta=DeltaMessage(role=role, content=echo))],
-                          reply.usage(0) if continuous else None)
+                          reply.usage(0) if continuous else None, with_prompt_token_ids=index == 0)
     tool_choice = body.resolved_tool_choice()
     held = [_Held(tool_call_stream(tool_choice)) for _ in range(body.n)]
     async with aclosing(deltas):
@@ -150,6 +158,7 @@ async def _stream(reply: _Reply, deltas: AsyncIterator[GenerationDelta]) -> Asyn
             reply.last = delta
             pending = held[delta.index]
             pending.logprobs += delta.logprobs or []
+            pending.token_ids += delta.token_ids
             pending.num_tokens += len(delta.token_ids)
             message, finish_reason = DeltaMessage(content=delta.text or None), delta.finish_reason
             if pending.calls is not None:
@@ -163,8 +172,9 @@ async def _stream(reply: _Reply, deltas: AsyncIterator[GenerationDelta]) -> Asyn
                 continue  # e.g. text held back while it may begin a stop string or a tool call tag
             choice = ChatStreamChoice(index=delta.index, delta=message,
                                       logprobs=reply.logprobs(pending.logprobs) if pending.logprobs else None,
-                                      finish_reason=finish_reason, stop_reason=delta.stop_reason)
-            pending.logprobs = []
+                                      finish_reason=finish_reason, stop_reason=delta.stop_reason,
+                                      token_ids=reply.token_ids(pending.token_ids))
+            pending.logprobs, pending.token_ids = [], []
             yield reply.chunk([choice], reply.usage(pending.num_tokens) if continuous else None, delta.prompt_logprobs)
     if body.include_usage_chunk():
         yield reply.chunk([], reply.usage())

@@ -76,6 +76,10 @@ class _Reply:
             return None
         return prompt_logprobs_json(prompt.prompt_logprobs, self.texts)
 
+    def token_ids(self, token_ids: list[int]) -> list[int] | None:
+        """`token_ids` when the client asked for them (vLLM's return_token_ids), else None."""
+        return list(token_ids) if self.body.return_token_ids else None
+
 
 async def create_completion(state: FrontendState, body: CompletionRequest, raw_request: Request) -> Response:
     arrival = time.monotonic()
@@ -133,7 +137,8 @@ async def _collect(reply: _Reply, merged: AsyncIterator[tuple[int, GenerationDel
             choices.append(CompletionChoice(
                 index=prompt_index * n + rank, text=echo + sample.text, finish_reason=sample.finish_reason,
                 stop_reason=sample.stop_reason, prompt_logprobs=reply.prompt_logprobs(prompt),
-                logprobs=reply.logprobs(prompt, sample.token_ids, sample.logprobs, prompt.echo is not None)))
+                logprobs=reply.logprobs(prompt, sample.token_ids, sample.logprobs, prompt.echo is not None),
+                prompt_token_ids=reply.token_ids(prompt.token_ids), token_ids=reply.token_ids(sample.token_ids)))
     return reply.response(choices, reply.usage())
 
 
@@ -176,7 +181,9 @@ async def _stream(reply: _Reply, merged: AsyncIterator[tuple[int, GenerationDelt
             body = CompletionChoice(
                 index=prompt_index * n + delta.index, text=text, logprobs=logprobs,
                 finish_reason=shown.finish_reason, stop_reason=shown.stop_reason,
-                prompt_logprobs=reply.prompt_logprobs(prompt) if not choice.started else None)
+                prompt_logprobs=reply.prompt_logprobs(prompt) if not choice.started else None,
+                prompt_token_ids=reply.token_ids(prompt.token_ids) if not choice.started else None,
+                token_ids=reply.token_ids(choice.held_token_ids))
             choice.started, choice.sent_chars = True, choice.sent_chars + len(text)
             choice.held_token_ids, choice.held_logprobs = [], []
             usage = reply.choice_usage(prompt, choice.num_tokens) if reply.body.continuous_usage() else None
