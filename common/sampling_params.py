@@ -17,6 +17,7 @@ MAX_LOGPROBS = 20  # logprobs, top_logprobs and prompt_logprobs (OpenAI's top_lo
 MAX_LOGIT_BIAS = 100.0  # |bias|, as OpenAI
 MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty|, as OpenAI
 MAX_STOP_STRINGS = 256  # each is looked for after every token: the frontend's cost grows with their number
+MAX_BAD_WORDS = 128  # each is tokenized twice and checked against the output every step
 _INT64_MAX = (1 << 63) - 1  # what the wire format carries
 
 
@@ -51,6 +52,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     structured_outputs: StructuredOutputs | None = None  # a grammar every output must follow
+    allowed_token_ids: list[int] | None = None  # only these may be sampled (None: any)
+    bad_words: list[str] = []  # text: tokenized where the tokenizer is into bad_words_token_ids
+    bad_words_token_ids: list[list[int]] = []  # what the worker bans (see worker.logits_processors)
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens; -1: max_model_len
 
     @classmethod
     def with_defaults(cls, overrides: Mapping[str, Any] | None = None) -> "SamplingParams":
@@ -129,7 +134,31 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         if self.prompt_logprobs is not None:
             _check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
+        self._validate_vllm_extras(vocab_size)
         return self
+
+    def _validate_vllm_extras(self, vocab_size: int | None) -> None:
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids:
+                raise _bad("allowed_token_ids", "allowed_token_ids must be a non-empty list of token ids")
+            for token_id in self.allowed_token_ids:
+                _check_token_id("allowed_token_ids", token_id, vocab_size)
+        if any(not isinstance(word, str) or not word.strip() for word in self.bad_words):
+            raise _bad("bad_words", "bad_words must be a list of non-blank strings")
+        if len(self.bad_words) > MAX_BAD_WORDS:
+            raise _bad("bad_words", f"bad_words: at most {MAX_BAD_WORDS} words are allowed, got {len(self.bad_words)}")
+        if len(self.bad_words_token_ids) > 2 * MAX_BAD_WORDS:  # each word in two spellings
+            raise _bad("bad_words", f"bad_words: at most {2 * MAX_BAD_WORDS} token sequences are allowed")
+        for ids in self.bad_words_token_ids:
+            if not ids:
+                raise _bad("bad_words", "bad_words: every bad word must be at least one token")
+            for token_id in ids:
+                _check_token_id("bad_words", token_id, vocab_size)
+        if self.truncate_prompt_tokens is not None:
+            _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, -1, _INT64_MAX)
+            if self.truncate_prompt_tokens == 0:
+                raise _bad("truncate_prompt_tokens", "truncate_prompt_tokens must be -1 (the model's maximum "
+                           "context length) or at least 1, got 0")
 
 
 def _bad(param: str, message: str) -> InvalidRequestError:

@@ -21,6 +21,13 @@ from common.sampling_params import SamplingParams
     ("max_tokens", {"max_tokens": 0}), ("min_tokens", {"min_tokens": 5, "max_tokens": 4}),
     ("stop_token_ids", {"stop_token_ids": [-1]}), ("stop", {"stop": [3]}), ("logprobs", {"logprobs": 21}),
     ("prompt_logprobs", {"prompt_logprobs": -1}),
+    ("allowed_token_ids", {"allowed_token_ids": []}), ("allowed_token_ids", {"allowed_token_ids": [3, -1]}),
+    ("allowed_token_ids", {"allowed_token_ids": [True]}), ("bad_words", {"bad_words": ["ok", "  "]}),
+    ("bad_words", {"bad_words": [3]}), ("bad_words", {"bad_words": ["w"] * 129}),
+    ("bad_words", {"bad_words_token_ids": [[1], []]}), ("bad_words", {"bad_words_token_ids": [[1, -2]]}),
+    ("truncate_prompt_tokens", {"truncate_prompt_tokens": 0}),
+    ("truncate_prompt_tokens", {"truncate_prompt_tokens": -2}),
+    ("truncate_prompt_tokens", {"truncate_prompt_tokens": 1.5}),
 ])
 def test_invalid_values_name_their_parameter(param, fields):
     with pytest.raises(InvalidRequestError) as error:
@@ -37,6 +44,12 @@ def test_token_ids_are_checked_against_the_vocabulary_when_known():
     with pytest.raises(InvalidRequestError) as error:
         SamplingParams(stop_token_ids=[50]).validate(vocab_size=50)
     assert error.value.param == "stop_token_ids"
+    for fields, param in [({"allowed_token_ids": [49, 50]}, "allowed_token_ids"),
+                          ({"bad_words_token_ids": [[3, 50]]}, "bad_words")]:
+        assert SamplingParams(**fields).validate() is not None
+        with pytest.raises(InvalidRequestError) as error:
+            SamplingParams(**fields).validate(vocab_size=50)
+        assert error.value.param == param and "50" in error.value.message
 
 
 def test_each_sample_gets_its_own_seed_and_only_the_first_scores_the_prompt():
@@ -67,3 +80,30 @@ def test_wire_format_round_trip_and_old_messages():
 def test_sample_ids():
     assert parent_request_id(sample_request_id("cmpl-1", 3)) == "cmpl-1"
     assert parent_request_id("plain") == "plain" and parent_request_id("a#b") == "a#b"
+
+
+def test_truncate_prompt_keeps_the_last_tokens():
+    from common.prompt_truncation import truncate_prompt
+    ids = list(range(10))
+    assert truncate_prompt(ids, None, 8) == ids
+    assert truncate_prompt(ids, 3, 8) == [7, 8, 9]
+    assert truncate_prompt(ids, 20, None) == ids
+    assert truncate_prompt(ids, -1, 8) == ids[2:]
+    assert truncate_prompt(ids, -1, None) == ids
+    with pytest.raises(InvalidRequestError, match="greater than max_model_len") as error:
+        truncate_prompt(ids, 9, 8)
+    assert error.value.param == "truncate_prompt_tokens"
+
+
+def test_bad_words_keep_the_spaced_spelling_only_when_it_is_another_word_of_the_same_length():
+    from common.bad_words import bad_words_token_ids, spellings, with_bad_words_tokenized
+    assert spellings("  hi there") == ("hi there", " hi there")
+    encoded = [([5], [6]), ([5, 7], [5, 8]), ([9], [10, 11]), ([12, 13], [14, 15])]
+    assert bad_words_token_ids(["a", "b", "c", "d"], encoded) == [[5], [6], [5, 7], [9], [12, 13], [14, 15]]
+    with pytest.raises(InvalidRequestError) as error:
+        bad_words_token_ids(["x"], [([], [3])])
+    assert error.value.param == "bad_words"
+    vocab = {"bad": [40], " bad": [41]}
+    params = with_bad_words_tokenized(SamplingParams(bad_words=[" bad"]), vocab.__getitem__)
+    assert params.bad_words_token_ids == [[40], [41]]
+    assert with_bad_words_tokenized(SamplingParams(), vocab.__getitem__).bad_words_token_ids == []

@@ -1,7 +1,9 @@
 """Logit adjustments applied before sampling, vectorized over the batch.
 
-In vLLM's order: the structured-output grammar masks, min_tokens (EOS and
-stop token ids cannot be sampled before `min_tokens` outputs), logit_bias,
+In vLLM's order: the structured-output grammar masks, allowed_token_ids
+(every other token masked), bad_words (a one-token word is always masked, a
+longer one's last token right after the rest of it was generated), min_tokens
+(EOS and stop token ids cannot be sampled before `min_tokens` outputs), logit_bias,
 then the penalties: repetition (over the prompt and the output, exactly
 transformers' RepetitionPenaltyLogitsProcessor), frequency and presence (over
 the output, as OpenAI documents them: logit - frequency * count - presence *
@@ -37,10 +39,11 @@ class _Penalties:
 class LogitsAdjustments:
     """Everything one step adjusts, as sparse (row, token) lists and per-row tensors."""
 
-    banned: tuple[list[int], list[int]] | None  # (rows, token ids) set to -inf (min_tokens)
+    banned: tuple[list[int], list[int]] | None  # (rows, token ids) set to -inf (min_tokens, bad_words)
     bias: tuple[list[int], list[int], list[float]] | None  # (rows, token ids, biases)
     penalties: _Penalties | None
     grammar: GrammarMasks | None = None  # rows whose structured output constrains the next token
+    allowed: tuple[list[int], list[list[int]]] | None = None  # (rows, each row's allowed_token_ids)
 
     @classmethod
     def build(cls, params: Sequence[SamplingParams], token_ids: Sequence[Sequence[int]],
@@ -56,8 +59,15 @@ class LogitsAdjustments:
         bias_tokens: list[int] = []
         biases: list[float] = []
         penalized: list[int] = []
+        allowed_rows: list[int] = []
         for row, p in enumerate(params):
             num_outputs = len(token_ids[row]) - num_prompt_tokens[row]
+            if p.allowed_token_ids:
+                allowed_rows.append(row)
+            if p.bad_words_token_ids:
+                bans = bad_word_bans(p.bad_words_token_ids, token_ids[row], num_outputs)
+                banned_rows += [row] * len(bans)
+                banned_tokens += bans
             if num_outputs < p.min_tokens:
                 stops = set(p.stop_token_ids)
                 if not p.ignore_eos:
@@ -71,12 +81,14 @@ class LogitsAdjustments:
             if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty:
                 penalized.append(row)
         masks = grammar_masks(grammars) if grammars is not None else None
-        if not (banned_rows or bias_rows or penalized or masks):
+        if not (banned_rows or bias_rows or penalized or masks or allowed_rows):
             return None
         return cls(banned=(banned_rows, banned_tokens) if banned_rows else None,
                    bias=(bias_rows, bias_tokens, biases) if bias_rows else None,
                    penalties=_build_penalties(penalized, params, token_ids, num_prompt_tokens, device),
-                   grammar=masks)
+                   grammar=masks,
+                   allowed=(allowed_rows, [params[row].allowed_token_ids for row in allowed_rows])
+                   if allowed_rows else None)
 
     def rows(self) -> set[int]:
         """The rows whose logits this changes."""
@@ -87,6 +99,8 @@ class LogitsAdjustments:
             rows.update(self.penalties.rows.tolist())
         if self.grammar is not None:
             rows.update(self.grammar.rows)
+        if self.allowed is not None:
+            rows.update(self.allowed[0])
         return rows
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
@@ -94,6 +108,10 @@ class LogitsAdjustments:
         vocab = logits.shape[1]
         if self.grammar is not None:
             self.grammar.apply(logits)
+        if self.allowed is not None:
+            rows = _tensor(self.allowed[0], logits)
+            allowed = token_mask(self.allowed[1], vocab, logits.device)
+            logits[rows] = logits.index_select(0, rows).masked_fill_(~allowed, float("-inf"))
         if self.banned is not None:
             rows, tokens = _in_vocab(vocab, *self.banned)
             logits[_tensor(rows, logits), _tensor(tokens, logits)] = float("-inf")
@@ -112,6 +130,18 @@ class LogitsAdjustments:
                                                          pen.frequency, pen.presence)
             logits[pen.rows] = sub
         return logits
+
+
+def bad_word_bans(bad_words: Sequence[Sequence[int]], token_ids: Sequence[int], num_outputs: int) -> list[int]:
+    """The tokens bad_words forbid next: each word's last token, when the output so far
+    ends with the rest of the word (always, for a one-token word). As vLLM, only the
+    output counts: a word begun at the end of the prompt is not completed by it."""
+    bans = []
+    for word in bad_words:
+        prefix = len(word) - 1
+        if prefix == 0 or (prefix <= num_outputs and list(token_ids[len(token_ids) - prefix:]) == list(word[:-1])):
+            bans.append(word[-1])
+    return bans
 
 
 def _build_penalties(rows: list[int], params: Sequence[SamplingParams], token_ids: Sequence[Sequence[int]],

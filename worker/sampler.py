@@ -68,7 +68,8 @@ class SamplingMetadata:
         return self.temperature is None
 
     def unadjusted_greedy_rows(self) -> list[int]:
-        """Greedy rows whose logits no adjustment (min_tokens, logit_bias, penalties) touches."""
+        """Greedy rows whose logits no adjustment (allowed_token_ids, bad_words, min_tokens, logit_bias,
+        penalties, grammars) touches."""
         if self.random_rows is None and self.temperature is not None:
             return []
         random = set(self.random_rows.tolist()) if self.random_rows is not None else set()
