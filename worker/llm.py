@@ -13,9 +13,11 @@ from typing import Any, Sequence, Union
 
 from tqdm.auto import tqdm
 
+from common.bad_words import with_bad_words_tokenized
 from common.config import EngineConfig
 from common.errors import InvalidRequestError
 from common.generation_defaults import sampling_defaults
+from common.prompt_truncation import truncate_prompt
 from common.protocol import EngineRequest
 from common.sampling_params import SamplingParams
 from common.structured_outputs import check_grammar
@@ -81,8 +83,11 @@ class LLM:
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        params_list = _broadcast_params(sampling_params, len(prompt_list))
+        params_list = [self._tokenize_bad_words(p.validate(self.vocab_size))
+                       for p in _broadcast_params(sampling_params, len(prompt_list))]
         encoded = [self._encode(p) for p in prompt_list]
+        encoded = [(text, truncate_prompt(ids, params.truncate_prompt_tokens, self.max_model_len))
+                   for (text, ids), params in zip(encoded, params_list)]
         return self._run(encoded, params_list, use_tqdm)
 
     def chat(self, messages: list[dict] | Sequence[list[dict]],
@@ -100,6 +105,11 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     # --- internals ------------------------------------------------------------
+    def _tokenize_bad_words(self, params: SamplingParams) -> SamplingParams:
+        if params.bad_words and self.tokenizer is None:
+            raise InvalidRequestError("bad_words need a tokenizer (skip_tokenizer_init is set)", param="bad_words")
+        return with_bad_words_tokenized(params, lambda text: self.tokenizer.encode(text, add_special_tokens=False))
+
     def _encode(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
