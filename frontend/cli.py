@@ -156,6 +156,7 @@ async def run_frontend(args: argparse.Namespace) -> None:
                           sampling_defaults=sampling_defaults(tokenizer_dir, args.generation_config),
                           tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
                           response_role=args.response_role,
+                          return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                           request_logger=(RequestLogger(tokenizer, args.max_log_len)
                                           if args.enable_log_requests else None))
     await engine.start()

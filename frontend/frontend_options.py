@@ -2,7 +2,7 @@
 (`--allowed-origins` and friends, JSON lists; every origin by default, as
 vLLM, so a browser page may call the API), `--response-role`, logging
 (`--enable-log-requests` with `--max-log-len`; uvicorn's access log, on as in
-vLLM unless `--disable-uvicorn-access-log`), and TLS (`--ssl-keyfile` with
+vLLM unless `--disable-uvicorn-access-log`), `--return-tokens-as-token-ids`, and TLS (`--ssl-keyfile` with
 `--ssl-certfile`: HTTPS, and gRPC over TLS on the same key)."""
 from __future__ import annotations
 
@@ -47,7 +47,9 @@ _LIST_FLAGS = {"--allowed-origins": ("ALLOWED_ORIGINS", "origins a browser may c
 _SWITCHES = [("--allow-credentials", "ALLOW_CREDENTIALS", "CORS: let those pages send cookies and credentials"),
              ("--enable-log-requests", "ENABLE_LOG_REQUESTS",
               "log each request (its prompt and sampling parameters) and how it ended"),
-             ("--disable-uvicorn-access-log", "DISABLE_UVICORN_ACCESS_LOG", "no log line per HTTP request")]
+             ("--disable-uvicorn-access-log", "DISABLE_UVICORN_ACCESS_LOG", "no log line per HTTP request"),
+             ("--return-tokens-as-token-ids", "RETURN_TOKENS_AS_TOKEN_IDS",
+              'logprobs name tokens "token_id:{id}" unless a request says otherwise')]
 
 
 def add_frontend_options(parser: argparse.ArgumentParser) -> None:

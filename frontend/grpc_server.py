@@ -27,6 +27,7 @@ from frontend.errors import AuthenticationError, grpc_code
 from frontend.http_guards import api_key_matches
 from frontend.generation import GenerationDelta, GenerationRequest
 from frontend.logprobs_format import TokenTexts
+from frontend.prompt_extras import echoed_prompt, encoded_prompt, truncated_prompt, with_bad_words_tokenized
 from frontend.serving_tokenize import detokenize_ids
 from frontend.state import FrontendState, random_id
 
@@ -55,7 +56,9 @@ def sampling_params_from_proto(message: pb.SamplingParams, vocab_size: int | Non
         logprobs=get("logprobs", None), prompt_logprobs=get("prompt_logprobs", None),
         skip_special_tokens=get("skip_special_tokens", True),
         spaces_between_special_tokens=get("spaces_between_special_tokens", True),
-        structured_outputs=structured_outputs_from_proto(message)).validate(vocab_size)
+        structured_outputs=structured_outputs_from_proto(message),
+        allowed_token_ids=list(message.allowed_token_ids) or None, bad_words=list(message.bad_words),
+        truncate_prompt_tokens=get("truncate_prompt_tokens", None)).validate(vocab_size)
 
 
 STRUCTURED_OUTPUTS_PARAM = "sampling_params.structured_outputs"
@@ -139,19 +142,17 @@ class PagedServeServicer(pagedserve_pb2_grpc.PagedServeServicer):
         """The generation request, and the text `echo` puts first."""
         state = self.state
         state.check_model(request.model or None)
-        params = sampling_params_from_proto(request.sampling_params, await state.generator.vocab_size(),
-                                            state.sampling_defaults)
+        params = await with_bad_words_tokenized(state, sampling_params_from_proto(
+            request.sampling_params, await state.generator.vocab_size(), state.sampling_defaults))
         field = request.WhichOneof("prompt")
         echo = ""
-        if field == "text":
+        if field in ("text", "token_ids"):
+            prompt = request.text if field == "text" else list(request.token_ids.ids)
             add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-            prompt_ids = await state.tokenizer_client.encode(request.text, add_special_tokens=add_special)
-            echo = request.text
-        elif field == "token_ids":
-            prompt_ids = list(request.token_ids.ids)
-            echo = state.tokenizer.decode(prompt_ids) if request.echo else ""
+            prompt_ids, whole = await encoded_prompt(state, prompt, add_special, params)
+            echo = echoed_prompt(state, prompt, prompt_ids, whole) if request.echo else ""
         elif field == "chat":
-            prompt_ids = await self._render_chat(request.chat)
+            prompt_ids = await truncated_prompt(state, await self._render_chat(request.chat), params)
             # vLLM's chat echo: the last message when it has the reply's role, which is
             # --response-role's when a new turn opens, else the continued message's own.
             opens_turn = not request.chat.HasField("add_generation_prompt") or request.chat.add_generation_prompt

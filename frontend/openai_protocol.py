@@ -70,6 +70,11 @@ class SamplingRequest(TextRequest):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's extras: sampling restricted to / kept from tokens, the prompt's last k tokens, token ids as logprob tokens.
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
+    return_tokens_as_token_ids: bool | None = None  # None: the server's --return-tokens-as-token-ids
     user: str | None = None  # accepted, not used
 
     def stop_strings(self) -> list[str]:
@@ -116,7 +121,9 @@ class SamplingRequest(TextRequest):
                 include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
                 prompt_logprobs=self.prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
                 spaces_between_special_tokens=self.spaces_between_special_tokens,
-                structured_outputs=asked[0] if asked else None)
+                structured_outputs=asked[0] if asked else None,
+                allowed_token_ids=self.allowed_token_ids, bad_words=list(self.bad_words or []),
+                truncate_prompt_tokens=self.truncate_prompt_tokens)
             return params.validate(vocab_size)
         except InvalidRequestError as e:  # name the field the client actually sent
             e.param = (param_names or {}).get(e.param, e.param)
@@ -131,6 +138,10 @@ class SamplingRequest(TextRequest):
                 raise InvalidRequestError(f"logit_bias keys must be token ids, got {key!r}",
                                           param="logit_bias") from None
         return bias
+
+    def tokens_as_ids(self, server_default: bool) -> bool:
+        """Whether logprobs name tokens "token_id:{id}": the request's choice, else the server's."""
+        return server_default if self.return_tokens_as_token_ids is None else self.return_tokens_as_token_ids
 
     def include_usage_chunk(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)

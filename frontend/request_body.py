@@ -18,9 +18,7 @@ from frontend.openai_responses import OpenAIBaseModel
 UNIMPLEMENTED_VLLM_FIELDS = {
     "structural_tag": "structured output (structural_tag)",
     "guided_whitespace_pattern": "structured output with a whitespace pattern (guided_whitespace_pattern)",
-    "use_beam_search": "beam search", "allowed_token_ids": "allowed_token_ids", "bad_words": "bad_words",
-    "logits_processors": "logits_processors", "truncate_prompt_tokens": "truncate_prompt_tokens",
-    "return_tokens_as_token_ids": "return_tokens_as_token_ids",
+    "use_beam_search": "beam search", "logits_processors": "logits_processors",
 }
 
 

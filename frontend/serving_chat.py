@@ -19,6 +19,7 @@ from frontend.logprobs_format import TokenTexts, chat_logprobs, prompt_logprobs_
 from frontend.openai_protocol import ChatCompletionRequest, ChatTemplateRequest
 from frontend.openai_responses import (ChatChoice, ChatCompletionChunk, ChatCompletionResponse, ChatMessage,
                                        ChatStreamChoice, DeltaMessage, UsageInfo)
+from frontend.prompt_extras import truncated_prompt, with_bad_words_tokenized
 from frontend.replies import event_stream, json_reply
 from frontend.state import SYSTEM_FINGERPRINT, FrontendState, request_ids
 from frontend.tool_call_stream import ToolCallStream, tool_call_stream
@@ -34,6 +35,7 @@ class _Reply:
     texts: TokenTexts
     prompt_token_ids: list[int]
     params: SamplingParams | None = None  # what the engine runs (the model's defaults filled in)
+    as_token_ids: bool = False  # logprobs name tokens "token_id:{id}"
     last: GenerationDelta | None = None  # carries the running usage counts
 
     def chunk(self, choices: list[ChatStreamChoice], usage: UsageInfo | None = None,
@@ -55,7 +57,7 @@ class _Reply:
         return list(token_ids) if self.body.return_token_ids else None
 
     def logprobs(self, entries: list[TokenLogprobs] | None):
-        return chat_logprobs(entries or [], self.texts) if self.body.logprobs else None
+        return chat_logprobs(entries or [], self.texts, self.as_token_ids) if self.body.logprobs else None
 
     def prompt_logprobs(self, entries: list[TokenLogprobs] | None):
         if self.body.prompt_logprobs is None or entries is None:
@@ -80,16 +82,18 @@ async def start_chat_generation(state: FrontendState, body: ChatCompletionReques
     body.use_response_role(state.response_role)
     body.check_supported()
     generator = state.generator
-    params = body.sampling_params(await generator.vocab_size(), state.sampling_defaults)
+    params = await with_bad_words_tokenized(state, body.sampling_params(await generator.vocab_size(),
+                                                                        state.sampling_defaults))
     max_tokens, max_tokens_param = body.requested_max_tokens()
-    prompt_ids = await render_chat_prompt(state, body)
+    prompt_ids = await truncated_prompt(state, await render_chat_prompt(state, body), params)
     await generator.validate(prompt_ids, max_tokens, min_tokens=params.min_tokens, prompt_param="messages",
                              max_tokens_param=max_tokens_param, structured_output=body.structured_output())
     await state.engine.ensure_connected()
 
     response_id, engine_id = request_ids(raw_request, id_prefix)
     reply = _Reply(id=response_id, created=int(time.time()), model=state.model_name,
-                   body=body, texts=generator.token_texts, prompt_token_ids=prompt_ids, params=params)
+                   body=body, texts=generator.token_texts, prompt_token_ids=prompt_ids, params=params,
+                   as_token_ids=body.tokens_as_ids(state.return_tokens_as_token_ids))
     request = GenerationRequest(request_id=engine_id, prompt_token_ids=prompt_ids, sampling_params=params,
                                 arrival_time=arrival, priority=body.priority, cache_salt=body.cache_salt)
     return reply, generator.generate(request)

@@ -20,6 +20,7 @@ from frontend.logprobs_format import TokenTexts, completion_logprobs, prompt_log
 from frontend.openai_protocol import CompletionRequest
 from frontend.openai_responses import CompletionChoice, CompletionResponse, UsageInfo
 from frontend.output_decoder import DecodedDelta
+from frontend.prompt_extras import echoed_prompt, encoded_prompt, with_bad_words_tokenized
 from frontend.replies import event_stream, json_reply
 from frontend.state import SYSTEM_FINGERPRINT, FrontendState, request_ids
 
@@ -43,6 +44,7 @@ class _Reply:
     body: CompletionRequest
     texts: TokenTexts
     prompts: list[_Prompt]
+    as_token_ids: bool = False  # logprobs name tokens "token_id:{id}"
 
     def response(self, choices: list[CompletionChoice], usage: UsageInfo | None = None) -> CompletionResponse:
         return CompletionResponse(id=self.id, created=self.created, model=self.model,
@@ -69,7 +71,7 @@ class _Reply:
         if with_echo:  # the echoed prompt's tokens come first; its first token has no logprob
             token_ids = prompt.token_ids + token_ids
             entries = [None, *(prompt.prompt_logprobs or [])] + entries
-        return completion_logprobs(token_ids, entries, self.texts, text_offset)
+        return completion_logprobs(token_ids, entries, self.texts, text_offset, self.as_token_ids)
 
     def prompt_logprobs(self, prompt: _Prompt):
         if self.body.prompt_logprobs is None or prompt.prompt_logprobs is None:
@@ -86,9 +88,11 @@ async def create_completion(state: FrontendState, body: CompletionRequest, raw_r
     state.check_model(body.model)
     body.check_supported()
     generator = state.generator
-    params = body.sampling_params(await generator.vocab_size(), state.sampling_defaults)
+    params = await with_bad_words_tokenized(state, body.sampling_params(await generator.vocab_size(),
+                                                                        state.sampling_defaults))
     prompts = body.prompts()
-    prompt_ids = await asyncio.gather(*(_prompt_token_ids(state, p, body.add_special_tokens) for p in prompts))
+    encoded = await asyncio.gather(*(encoded_prompt(state, p, body.add_special_tokens, params) for p in prompts))
+    prompt_ids = [ids for ids, _ in encoded]
     structured_output = body.structured_output()
     for ids in prompt_ids:
         await generator.validate(ids, params.max_tokens, min_tokens=params.min_tokens,
@@ -98,9 +102,10 @@ async def create_completion(state: FrontendState, body: CompletionRequest, raw_r
     response_id, engine_id = request_ids(raw_request, "cmpl-")
     reply = _Reply(id=response_id, created=int(time.time()), model=state.model_name, body=body,
                    texts=generator.token_texts, prompts=[
-                       _Prompt(ids, (p if isinstance(p, str) else state.tokenizer.decode(ids)) if body.echo else None,
+                       _Prompt(ids, echoed_prompt(state, p, ids, whole) if body.echo else None,
                                samples=[SampleResult(i) for i in range(params.num_samples)])
-                       for p, ids in zip(prompts, prompt_ids)])
+                       for p, (ids, whole) in zip(prompts, encoded)],
+                   as_token_ids=body.tokens_as_ids(state.return_tokens_as_token_ids))
     requests = [GenerationRequest(
         request_id=f"{engine_id}-{i}", prompt_token_ids=ids, sampling_params=params, arrival_time=arrival,
         priority=body.priority, cache_salt=body.cache_salt) for i, ids in enumerate(prompt_ids)]
@@ -109,12 +114,6 @@ async def create_completion(state: FrontendState, body: CompletionRequest, raw_r
     if body.stream:
         return event_stream(_stream(reply, merged))
     return await json_reply(raw_request, _collect(reply, merged))
-
-
-async def _prompt_token_ids(state: FrontendState, prompt: str | list[int], add_special_tokens: bool) -> list[int]:
-    if isinstance(prompt, str):
-        return await state.tokenizer_client.encode(prompt, add_special_tokens=add_special_tokens)
-    return list(prompt)
 
 
 def _note(prompt: _Prompt, delta: GenerationDelta) -> None:
