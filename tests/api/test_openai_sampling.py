@@ -185,3 +185,26 @@ def test_priority_user_and_skip_special_tokens_are_accepted(client):
     assert response.choices[0].finish_reason in ("stop", "length")
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=MODEL, prompt="Hi", max_tokens=3, extra_body={"priority": "high"})
+
+
+def test_vllm_extras_steer_the_real_model(client, tokenizer):
+    """allowed_token_ids, bad_words, truncate_prompt_tokens and return_tokens_as_token_ids
+    on SmolLM2 through the whole process split (the token-id labels show what was sampled)."""
+    def sampled_ids(prompt, **extra) -> list[int]:
+        reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, logprobs=0,
+                                          temperature=extra.pop("temperature", 0), seed=1,
+                                          extra_body={"return_tokens_as_token_ids": True, **extra})
+        return [int(token.removeprefix("token_id:")) for token in reply.choices[0].logprobs.tokens]
+
+    prompt = "The capital of France is"
+    free = sampled_ids(prompt)
+    word = tokenizer.decode(free[:1]).strip()
+    banned = [tokenizer.encode(text, add_special_tokens=False) for text in (word, " " + word)]
+    steered = sampled_ids(prompt, bad_words=[word])
+    assert steered != free
+    assert not any(steered[i:i + len(ids)] == ids for ids in banned for i in range(len(steered)))
+    allowed = tokenizer.encode(" yes no maybe", add_special_tokens=False)
+    assert set(sampled_ids(prompt, temperature=1.0, allowed_token_ids=allowed, ignore_eos=True)) <= set(allowed)
+    question = tokenizer.encode(prompt)
+    padded = tokenizer.encode("Lorem ipsum dolor sit amet, consectetur adipiscing elit. ") + question
+    assert sampled_ids(padded, truncate_prompt_tokens=len(question)) == free
