@@ -59,6 +59,8 @@ class SamplingRequest(TextRequest):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids in the reply
+    use_beam_search: bool = False  # vLLM's: n beams, the n best sequences as choices (frontend.beam_search)
+    length_penalty: float = 1.0  # beam search scores: cumulative logprob / length ** length_penalty
     prompt_logprobs: int | None = None
     echo: bool = False
     priority: int = Field(0, ge=-(1 << 63), lt=1 << 63)  # lower runs first

@@ -18,7 +18,7 @@ from frontend.openai_responses import OpenAIBaseModel
 UNIMPLEMENTED_VLLM_FIELDS = {
     "structural_tag": "structured output (structural_tag)",
     "guided_whitespace_pattern": "structured output with a whitespace pattern (guided_whitespace_pattern)",
-    "use_beam_search": "beam search", "logits_processors": "logits_processors",
+    "logits_processors": "logits_processors",
 }
 
 

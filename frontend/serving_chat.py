@@ -13,6 +13,7 @@ from common.errors import InvalidRequestError
 from common.protocol import TokenLogprobs
 from common.sampling_params import SamplingParams
 from frontend import sse
+from frontend.beam_search import beam_search_deltas, beam_search_params
 from frontend.choices import SampleResult, best_samples
 from frontend.generation import GenerationDelta, GenerationRequest
 from frontend.logprobs_format import TokenTexts, chat_logprobs, prompt_logprobs_json
@@ -85,6 +86,7 @@ async def start_chat_generation(state: FrontendState, body: ChatCompletionReques
     params = await with_bad_words_tokenized(state, body.sampling_params(await generator.vocab_size(),
                                                                         state.sampling_defaults))
     max_tokens, max_tokens_param = body.requested_max_tokens()
+    beams = beam_search_params(body, max_tokens)
     prompt_ids = await truncated_prompt(state, await render_chat_prompt(state, body), params)
     await generator.validate(prompt_ids, max_tokens, min_tokens=params.min_tokens, prompt_param="messages",
                              max_tokens_param=max_tokens_param, structured_output=body.structured_output())
@@ -96,7 +98,7 @@ async def start_chat_generation(state: FrontendState, body: ChatCompletionReques
                    as_token_ids=body.tokens_as_ids(state.return_tokens_as_token_ids))
     request = GenerationRequest(request_id=engine_id, prompt_token_ids=prompt_ids, sampling_params=params,
                                 arrival_time=arrival, priority=body.priority, cache_salt=body.cache_salt)
-    return reply, generator.generate(request)
+    return reply, generator.generate(request) if beams is None else beam_search_deltas(generator, request, beams)
 
 
 async def render_chat_prompt(state: FrontendState, body: ChatTemplateRequest) -> list[int]:

@@ -14,6 +14,7 @@ from fastapi.responses import Response
 from common.protocol import TokenLogprobs
 from frontend import sse
 from frontend.async_utils import merge_async_iterators
+from frontend.beam_search import beam_search_deltas, beam_search_params
 from frontend.choices import SampleResult, best_samples
 from frontend.generation import GenerationDelta, GenerationRequest
 from frontend.logprobs_format import TokenTexts, completion_logprobs, prompt_logprobs_json
@@ -90,6 +91,7 @@ async def create_completion(state: FrontendState, body: CompletionRequest, raw_r
     generator = state.generator
     params = await with_bad_words_tokenized(state, body.sampling_params(await generator.vocab_size(),
                                                                         state.sampling_defaults))
+    beams = beam_search_params(body, body.max_tokens)
     prompts = body.prompts()
     encoded = await asyncio.gather(*(encoded_prompt(state, p, body.add_special_tokens, params) for p in prompts))
     prompt_ids = [ids for ids, _ in encoded]
@@ -109,7 +111,8 @@ async def create_completion(state: FrontendState, body: CompletionRequest, raw_r
     requests = [GenerationRequest(
         request_id=f"{engine_id}-{i}", prompt_token_ids=ids, sampling_params=params, arrival_time=arrival,
         priority=body.priority, cache_salt=body.cache_salt) for i, ids in enumerate(prompt_ids)]
-    merged = merge_async_iterators([generator.generate(r) for r in requests])
+    merged = merge_async_iterators([generator.generate(r) if beams is None else beam_search_deltas(generator, r, beams)
+                                    for r in requests])
 
     if body.stream:
         return event_stream(_stream(reply, merged))

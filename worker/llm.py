@@ -14,6 +14,7 @@ from typing import Any, Sequence, Union
 from tqdm.auto import tqdm
 
 from common.bad_words import with_bad_words_tokenized
+from common.beam_search import BeamSearchParams
 from common.config import EngineConfig
 from common.errors import InvalidRequestError
 from common.generation_defaults import sampling_defaults
@@ -23,10 +24,11 @@ from common.sampling_params import SamplingParams
 from common.structured_outputs import check_grammar
 from common.tokenizer import apply_chat_template, load_tokenizer
 from scheduler.scheduler import Scheduler
+from worker.offline_beam_search import run_beam_search
 from worker.offline_outputs import CompletionOutput, GenerationOutput, OfflineRequest
 from worker.worker import Worker
 
-__all__ = ["LLM", "CompletionOutput", "GenerationOutput"]
+__all__ = ["LLM", "BeamSearchParams", "CompletionOutput", "GenerationOutput"]
 
 PromptInput = Union[str, list[int], dict]
 
@@ -59,6 +61,7 @@ class LLM:
         hello = self.worker.hello()
         self.max_model_len = hello.max_model_len
         self.vocab_size = hello.vocab_size
+        self.eos_token_ids = list(hello.eos_token_ids)
         self.scheduler = Scheduler(self.config, num_blocks=hello.num_blocks, max_model_len=hello.max_model_len,
                                    eos_token_ids=list(hello.eos_token_ids), vocab_size=hello.vocab_size)
         self.tokenizer = None if skip_tokenizer_init else load_tokenizer(self.worker.model_dir)
@@ -103,6 +106,11 @@ class LLM:
             chat_template=chat_template)}
             for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def beam_search(self, prompts: PromptInput | Sequence[PromptInput],
+                    params: BeamSearchParams) -> list[GenerationOutput]:
+        """vLLM's beam search: each prompt's `params.beam_width` best sequences, best first."""
+        return run_beam_search(self, [self._encode(p) for p in _as_prompt_list(prompts)], params)
 
     # --- internals ------------------------------------------------------------
     def _tokenize_bad_words(self, params: SamplingParams) -> SamplingParams:

@@ -1,0 +1,93 @@
+"""vLLM's `use_beam_search` on /v1/completions and /v1/chat/completions.
+
+`n` is the beam width and the number of choices, best first; `length_penalty`
+weighs the score (`common.beam_search`). The search runs here, one engine
+request per live beam and step (each a one-token generation whose top
+logprobs rank the candidates; the prefix cache keeps their prompts cheap),
+and its result comes out as ordinary `GenerationDelta`s, one per choice, so
+the APIs shape it (whole or streamed) as any other reply. Fields that would
+change the scores or need the tokens one by one (logprobs, stop strings,
+penalties, structured outputs, ...) are a 400 with beam search.
+"""
+from __future__ import annotations
+
+import asyncio
+from contextlib import aclosing
+from typing import Any, AsyncIterator
+
+from common.beam_search import Beam, BeamSearch, BeamSearchParams
+from common.errors import InvalidRequestError
+from common.sampling_params import SamplingParams
+from frontend.errors import ServiceUnavailableError
+from frontend.generation import GenerationDelta, GenerationRequest, Generator
+
+# Request fields beam search cannot honour, and their defaults.
+_NOT_WITH_BEAM_SEARCH = {
+    "best_of": None, "logprobs": (None, False), "top_logprobs": None, "prompt_logprobs": None, "stop": (None, []),
+    "stop_token_ids": (None, []), "logit_bias": (None, {}), "presence_penalty": (None, 0.0),
+    "frequency_penalty": (None, 0.0), "repetition_penalty": (None, 1.0), "min_tokens": 0,
+    "allowed_token_ids": None, "bad_words": (None, []),
+}
+
+
+def beam_search_params(body: Any, max_tokens: int | None) -> BeamSearchParams | None:
+    """The beam search a request asks for (None: it samples as usual); a 400 naming
+    the field when it also asks for something beam search cannot do."""
+    if not body.use_beam_search:
+        return None
+    for name, default in _NOT_WITH_BEAM_SEARCH.items():
+        value = getattr(body, name, None)
+        if value not in (default if isinstance(default, tuple) else (default,)):
+            raise InvalidRequestError(f"{name} cannot be used with beam search", param=name)
+    if (asked := body.structured_output()) is not None:
+        raise InvalidRequestError(f"{asked[1]} (a structured output) cannot be used with beam search",
+                                  param=asked[1])
+    params = BeamSearchParams(beam_width=body.n, max_tokens=max_tokens, ignore_eos=body.ignore_eos,
+                              length_penalty=body.length_penalty,
+                              include_stop_str_in_output=body.include_stop_str_in_output)
+    params.validate()
+    return params
+
+
+async def beam_search_deltas(generator: Generator, request: GenerationRequest,
+                             params: BeamSearchParams) -> AsyncIterator[GenerationDelta]:
+    """The search's choices, best first, as one finished delta each."""
+    info = await generator.control.model_info()
+    if info is None or not info.max_model_len:
+        raise ServiceUnavailableError("the model's shape is not known yet (no worker has registered)")
+    prompt = request.prompt_token_ids
+    search = BeamSearch(params, len(prompt), set(info.eos_token_ids), info.max_model_len)
+    step_params = params.step_params()
+    while not search.done:
+        inputs = search.next_inputs(prompt)
+        search.advance(await asyncio.gather(*(
+            _top_tokens(generator, request, f"{request.request_id}-beam{search.steps}-{i}", ids, step_params)
+            for i, ids in enumerate(inputs))))
+    beams = search.results()
+    num_output_tokens = 0
+    for index, beam in enumerate(beams):
+        token_ids = search.output_token_ids(beam)
+        num_output_tokens += len(token_ids)
+        yield _choice(generator, request, index, beam, token_ids, num_output_tokens, last=index == len(beams) - 1)
+
+
+async def _top_tokens(generator: Generator, request: GenerationRequest, step_id: str, token_ids: list[int],
+                      params: SamplingParams) -> list[tuple[int, float]]:
+    """The most likely next tokens after `token_ids`, as (token id, logprob)."""
+    outputs = generator.engine.generate(step_id, token_ids, params, priority=request.priority,
+                                        cache_salt=request.cache_salt)
+    async with aclosing(outputs):
+        async for output in outputs:
+            if output.logprobs:
+                entry = output.logprobs[0]
+                return list(zip(entry.top_token_ids, entry.top_logprobs))
+    raise ServiceUnavailableError(f"beam search step {step_id} ended without a token")
+
+
+def _choice(generator: Generator, request: GenerationRequest, index: int, beam: Beam, token_ids: list[int],
+            num_output_tokens: int, last: bool) -> GenerationDelta:
+    skip = request.sampling_params.skip_special_tokens
+    return GenerationDelta(
+        index=index, text=generator.tokenizer.decode(token_ids, skip_special_tokens=skip), token_ids=token_ids,
+        num_prompt_tokens=len(request.prompt_token_ids), num_cached_tokens=0, num_output_tokens=num_output_tokens,
+        finish_reason="stop" if beam.finished_by_eos else "length", request_finished=last)
