@@ -83,7 +83,8 @@ class PagedServeServicer(pagedserve_pb2_grpc.PagedServeServicer):
             generation, echo = await self._prepare(request, arrival)
         except PagedServeError as e:
             await context.abort(grpc_code(e), e.message)
-        reply = _Reply(generation.request_id, self.state.generator.token_texts, request.sampling_params)
+        reply = _Reply(generation.request_id, self.state.generator.token_texts, request.sampling_params,
+                       generation.prompt_token_ids)
         params = generation.sampling_params
         # A cancelled RPC cancels this task; closing the deltas aborts the request.
         async with aclosing(self.state.generator.generate(generation)) as deltas:
@@ -209,9 +210,10 @@ def _invalid(message: str, param: str) -> InvalidRequestError:
 class _Reply:
     """Builds one request's response messages."""
 
-    def __init__(self, request_id: str, texts: TokenTexts, asked: pb.SamplingParams):
+    def __init__(self, request_id: str, texts: TokenTexts, asked: pb.SamplingParams, prompt_token_ids: list[int]):
         self.request_id = request_id
         self.texts = texts
+        self.unsent_prompt: list[int] | None = prompt_token_ids  # goes with the first message
         self.show_logprobs = asked.HasField("logprobs")  # best_of asks the engine for them regardless
         self.show_prompt_logprobs = asked.HasField("prompt_logprobs")
 
@@ -219,6 +221,9 @@ class _Reply:
                  finish_reason: str | None, stop_reason: str | int | None,
                  prompt_logprobs: list[TokenLogprobs] | None, usage: GenerationDelta | None) -> pb.GenerateResponse:
         response = pb.GenerateResponse(request_id=self.request_id, token_ids=token_ids, text=text, index=index)
+        if self.unsent_prompt is not None:
+            response.prompt_token_ids.extend(self.unsent_prompt)
+            self.unsent_prompt = None
         if self.show_logprobs and logprobs:
             response.logprobs.extend(self._logprobs(logprobs))
         if self.show_prompt_logprobs and prompt_logprobs is not None:

@@ -52,6 +52,16 @@ def test_token_ids_and_chat_prompts(server, stub):
     assert responses[-1].usage.prompt_tokens == len(server.tokenizer.encode(template, add_special_tokens=False))
 
 
+@pytest.mark.parametrize("best_of", [None, 3])
+def test_the_first_message_carries_the_prompt_that_ran(server, stub, best_of):
+    chat = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content=PROMPT)])
+    responses = generate(stub, request_id=f"grpc-prompt-{best_of}", chat=chat, sampling_params=pb.SamplingParams(
+        max_tokens=3, n=2, best_of=best_of, truncate_prompt_tokens=4))
+    sent = next(r for r in server.scheduler.snapshot().requests if r.request_id == f"grpc-prompt-{best_of}")
+    assert list(responses[0].prompt_token_ids) == sent.prompt_token_ids and len(sent.prompt_token_ids) == 4
+    assert not any(r.prompt_token_ids for r in responses[1:])
+
+
 def test_stop_string(server, stub):
     responses = generate(stub, request_id="grpc-stop", text=PROMPT,
                          sampling_params=pb.SamplingParams(stop=["! How"]))
