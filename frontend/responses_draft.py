@@ -63,6 +63,7 @@ class ResponseDraft:
             "parallel_tool_calls": body.parallel_tool_calls, "truncation": body.truncation or "disabled",
             "reasoning": {"effort": None, "summary": None}, "metadata": body.metadata or {}, "user": body.user,
             "background": False, "usage": usage_object(usage) if usage is not None else None,
+            "top_logprobs": body.top_logprobs,
         }
 
     def finish_chat(self, chat_response: ChatCompletionResponse) -> dict[str, Any]:
@@ -70,7 +71,11 @@ class ResponseDraft:
         choice = chat_response.choices[0]
         content, chat_calls = choice.message.content, getattr(choice.message, "tool_calls", None) or []
         status = "incomplete" if choice.finish_reason == "length" else "completed"
-        output = [message_item(content or "", status)] if content or not chat_calls else []
+        # Logprobs belong to the text: a reply with calls reports none (as the stream, which cannot
+        # tell until the end which of its tokens are the message's).
+        logprobs = [] if chat_calls or choice.logprobs is None else \
+            choice.logprobs.model_dump()["content"] or []
+        output = [message_item(content or "", status, logprobs=logprobs)] if content or not chat_calls else []
         output += [function_call_item(call_id_of(call["id"]), call["function"]["name"],
                                       call["function"]["arguments"], "completed") for call in chat_calls]
         return self.complete(output, choice.finish_reason, chat_response.usage)

@@ -30,13 +30,15 @@ def call_id_of(chat_call_id: str) -> str:
     return chat_call_id
 
 
-def text_part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def text_part(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """`logprobs`: per token of `text`, {token, logprob, bytes, top_logprobs}, when asked."""
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
-def message_item(text: str, status: str, item_id: str | None = None) -> dict[str, Any]:
+def message_item(text: str, status: str, item_id: str | None = None,
+                 logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     return {"type": "message", "id": item_id or new_item_id("msg"), "status": status, "role": "assistant",
-            "content": [text_part(text)]}
+            "content": [text_part(text, logprobs)]}
 
 
 def function_call_item(call_id: str, name: str, arguments: str, status: str,

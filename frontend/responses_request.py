@@ -16,6 +16,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from common.errors import InvalidRequestError
+from common.sampling_params import MAX_LOGPROBS
 from frontend.errors import NotSupportedError
 from frontend.openai_protocol import ChatCompletionRequest
 from frontend.request_body import UNIMPLEMENTED_VLLM_FIELDS, TextRequest, check_unimplemented
@@ -34,6 +35,9 @@ _RESPONSES_SPELLING = {"max_tokens": "max_output_tokens", "max_completion_tokens
                        "function_call": "tool_choice", "logprobs": "include and top_logprobs"}
 _CHAT_ONLY_FIELDS = sorted(set(ChatCompletionRequest.model_fields) - set(_SAME_FIELDS) - {
     "stream", "tools", "tool_choice", "parallel_tool_calls", "top_logprobs", "stream_options"})
+
+
+OUTPUT_LOGPROBS = "message.output_text.logprobs"  # the only `include` served: the output text's logprobs
 
 
 def speak_responses(error: InvalidRequestError) -> InvalidRequestError:
@@ -63,6 +67,7 @@ class ResponsesRequest(TextRequest):
     reasoning: dict[str, Any] | None = None
     background: bool = False
     include: list[str] | None = None
+    top_logprobs: int | None = None  # alternatives per output token, with include's OUTPUT_LOGPROBS
     user: str | None = None
 
     def check_supported(self) -> None:
@@ -72,10 +77,14 @@ class ResponsesRequest(TextRequest):
             raise NotSupportedError("truncation", f"truncation {self.truncation!r} (only 'disabled')")
         if self.reasoning and any(value is not None for value in self.reasoning.values()):
             raise NotSupportedError("reasoning", "reasoning options (this model does not reason)")
-        if self.include:
-            raise NotSupportedError("include", f"extra output ({', '.join(map(str, self.include))})")
+        other = [kind for kind in self.include or [] if kind != OUTPUT_LOGPROBS]
+        if other:
+            raise NotSupportedError("include", f"extra output ({', '.join(map(str, other))})")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise InvalidRequestError(f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {self.top_logprobs}",
+                                      param="top_logprobs")
         extra = self.model_extra or {}
-        for name in ("prompt", "conversation", "top_logprobs", "max_tool_calls"):
+        for name in ("prompt", "conversation", "max_tool_calls"):
             if extra.get(name) not in (None, 0):
                 raise NotSupportedError(name)
         _check_metadata(self.metadata or {})
@@ -91,6 +100,10 @@ class ResponsesRequest(TextRequest):
                 raise InvalidRequestError(f"{name} is a chat completion field, not one of the Responses "
                                           f"API{hint}", param=name, code="unknown_parameter")
         check_unimplemented(self, UNIMPLEMENTED_VLLM_FIELDS)
+
+    def wants_logprobs(self) -> bool:
+        """The output text's logprobs are asked for (as vLLM: only with include's OUTPUT_LOGPROBS)."""
+        return OUTPUT_LOGPROBS in (self.include or [])
 
     def input_messages(self) -> list[dict[str, Any]]:
         """`input` as chat messages (this turn's only: no instructions, no history)."""
@@ -118,6 +131,8 @@ class ResponsesRequest(TextRequest):
                 "tools": [_chat_tool(tool, index) for index, tool in enumerate(self.tools or [])] or None,
                 "tool_choice": _chat_tool_choice(self.tool_choice),
                 "parallel_tool_calls": self.parallel_tool_calls,
+                "logprobs": self.wants_logprobs(),
+                "top_logprobs": (self.top_logprobs or 0) if self.wants_logprobs() else None,
             })
         except ValidationError as e:  # an extra field of the wrong type (top_k: "x")
             error = e.errors()[0]

@@ -16,6 +16,7 @@ from __future__ import annotations
 from contextlib import aclosing
 from typing import Any, AsyncIterator
 
+from common.protocol import TokenLogprobs
 from frontend.generation import GenerationDelta
 from frontend.responses_draft import ResponseDraft
 from frontend.responses_items import call_id_of, function_call_item, message_item, new_item_id, text_part
@@ -29,20 +30,32 @@ async def response_events(draft: ResponseDraft, reply: Any, deltas: AsyncIterato
         yield line
     output = _Output(draft)
     finish_reason = None
+    held: list[TokenLogprobs] = []  # logprobs of tokens whose text has not gone out yet
     async with aclosing(deltas):
         async for delta in deltas:
             reply.last = delta
+            logprobs = None
             if calls is None:
                 step = StreamStep(content=delta.text, finish_reason=delta.finish_reason)
-            else:
+                held += delta.logprobs or []
+                if step.content:
+                    logprobs, held = _logprob_dicts(reply, held), []
+            else:  # logprobs belong to the text, and a reply with calls has none (as the whole reply)
                 step = calls.feed(delta.text) if delta.finish_reason is None else \
                     calls.finish(delta.text, delta.finish_reason)
             finish_reason = step.finish_reason or finish_reason
-            for line in output.add(step):
+            for line in output.add(step, logprobs):
                 yield line
-    for line in output.close("incomplete" if finish_reason == "length" else "completed"):
+    for line in output.close("incomplete" if finish_reason == "length" else "completed",
+                             _logprob_dicts(reply, held)):
         yield line
     yield draft.closing(draft.complete(output.items, finish_reason, reply.usage()))
+
+
+def _logprob_dicts(reply: Any, entries: list[TokenLogprobs]) -> list[dict[str, Any]]:
+    """The Responses API's logprobs of `entries` ([] unless the request asked for them)."""
+    formatted = reply.logprobs(entries) if entries else None
+    return formatted.model_dump()["content"] if formatted is not None else []
 
 
 class _Output:
@@ -53,22 +66,25 @@ class _Output:
         self.items: list[dict[str, Any]] = []
         self.open: dict[str, Any] | None = None
 
-    def add(self, step: StreamStep) -> list[str]:
-        events = self._text(step.content) if step.content else []
+    def add(self, step: StreamStep, logprobs: list[dict[str, Any]] | None = None) -> list[str]:
+        events = self._text(step.content, logprobs or []) if step.content else []
         for call in step.tool_calls:  # a call's first piece has its id and name; the next ones, arguments
             events += self._new_call(call) if "id" in call else self._arguments(call["function"]["arguments"])
         return events
 
-    def close(self, status: str) -> list[str]:
-        """The end of the reply: the open item gets `status`; a reply without any
-        output is one empty message, as the non-stream reply."""
-        events = self._text("") if not self.items else []
+    def close(self, status: str, logprobs: list[dict[str, Any]]) -> list[str]:
+        """The end of the reply: the open item gets `status` (a message, the `logprobs`
+        of tokens that showed no text); a reply without any output is one empty
+        message, as the non-stream reply."""
+        events = self._text("", []) if not self.items else []
+        if logprobs and self.open is not None and self.open["type"] == "message":
+            self.open["content"][0]["logprobs"] += logprobs
         return events + self._finish_open(status)
 
     def _place(self, **fields: Any) -> dict[str, Any]:
         return {"item_id": self.open["id"], "output_index": len(self.items) - 1, **fields}
 
-    def _text(self, text: str) -> list[str]:
+    def _text(self, text: str, logprobs: list[dict[str, Any]]) -> list[str]:
         events = []
         if self.open is None or self.open["type"] != "message":
             events += self._finish_open("completed")
@@ -77,8 +93,9 @@ class _Output:
                                            part=text_part("")))
         if text:
             self.open["content"][0]["text"] += text
+            self.open["content"][0]["logprobs"] += logprobs
             events.append(self.draft.event("response.output_text.delta", **self._place(content_index=0),
-                                           delta=text, logprobs=[]))
+                                           delta=text, logprobs=logprobs))
         return events
 
     def _new_call(self, call: dict[str, Any]) -> list[str]:
@@ -104,11 +121,10 @@ class _Output:
         if item is None:
             return []
         if item["type"] == "message":
-            text = item["content"][0]["text"]
-            events = [self.draft.event("response.output_text.done", **self._place(content_index=0), text=text,
-                                       logprobs=[]),
-                      self.draft.event("response.content_part.done", **self._place(content_index=0),
-                                       part=text_part(text))]
+            part = item["content"][0]
+            events = [self.draft.event("response.output_text.done", **self._place(content_index=0),
+                                       text=part["text"], logprobs=part["logprobs"]),
+                      self.draft.event("response.content_part.done", **self._place(content_index=0), part=part)]
         else:
             events = [self.draft.event("response.function_call_arguments.done", **self._place(),
                                        arguments=item["arguments"], name=item["name"])]
