@@ -62,3 +62,14 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
         out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
                              attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
     return out[0, len(prompt):].tolist()
+
+
+def tiny_llama_engine(directory: Path, **engine_overrides: Any):
+    """(transformers' tiny random Llama, the offline engine on it): float32 on CPU,
+    torch attention, 4-token blocks, no tokenizer (prompts are token ids)."""
+    from worker.llm import LLM
+
+    hf_model = build_tiny_hf_model("LlamaForCausalLM", directory)
+    settings = dict(skip_tokenizer_init=True, dtype="float32", device="cpu", attention_backend="torch",
+                    block_size=4, seed=0)
+    return hf_model, LLM(model=str(directory), **{**settings, **engine_overrides})

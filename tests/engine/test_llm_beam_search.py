@@ -13,20 +13,15 @@ import torch
 from beam_search_reference import reference_beam_search
 from common.beam_search import BeamSearchParams
 from common.errors import InvalidRequestError
-from tiny_models import build_tiny_hf_model
-from worker.llm import LLM
+from tiny_models import tiny_llama_engine
 
 EOS = 2  # LlamaConfig's default eos_token_id
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("tiny-llama-beams")
-    hf_model = build_tiny_hf_model("LlamaForCausalLM", directory)
-    llm = LLM(model=str(directory), skip_tokenizer_init=True, dtype="float32", device="cpu",
-              attention_backend="torch", block_size=4, num_gpu_blocks_override=300, max_model_len=64,
-              seed=0, enforce_eager=True)
-    return hf_model, llm
+    return tiny_llama_engine(tmp_path_factory.mktemp("tiny-llama-beams"), num_gpu_blocks_override=300,
+                             max_model_len=64, enforce_eager=True)
 
 
 def hf_logprobs(hf_model, sequence: list[int]) -> list[float]:

@@ -11,8 +11,7 @@ import torch
 
 from common.errors import InvalidRequestError
 from common.sampling_params import SamplingParams
-from tiny_models import build_tiny_hf_model
-from worker.llm import LLM
+from tiny_models import tiny_llama_engine
 
 BLOCK = 4
 EOS = 2  # LlamaConfig's default eos_token_id
@@ -20,13 +19,9 @@ EOS = 2  # LlamaConfig's default eos_token_id
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("tiny-llama")
-    hf_model = build_tiny_hf_model("LlamaForCausalLM", directory)
     # A small token budget chunks every prompt below over several steps.
-    llm = LLM(model=str(directory), skip_tokenizer_init=True, dtype="float32", device="cpu",
-              attention_backend="torch", block_size=BLOCK, num_gpu_blocks_override=200,
-              max_num_batched_tokens=8, seed=0)
-    return hf_model, llm
+    return tiny_llama_engine(tmp_path_factory.mktemp("tiny-llama"), block_size=BLOCK, num_gpu_blocks_override=200,
+                             max_num_batched_tokens=8)
 
 
 def prompts(count: int, length: int, seed: int = 0) -> list[list[int]]:
