@@ -63,7 +63,7 @@ class ResponseDraft:
             "parallel_tool_calls": body.parallel_tool_calls, "truncation": body.truncation or "disabled",
             "reasoning": {"effort": None, "summary": None}, "metadata": body.metadata or {}, "user": body.user,
             "background": False, "usage": usage_object(usage) if usage is not None else None,
-            "top_logprobs": body.top_logprobs,
+            "top_logprobs": body.top_logprobs, "max_tool_calls": body.max_tool_calls,
         }
 
     def finish_chat(self, chat_response: ChatCompletionResponse) -> dict[str, Any]:

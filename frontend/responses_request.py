@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import Field, ValidationError
 
 from common.errors import InvalidRequestError
 from common.sampling_params import MAX_LOGPROBS
@@ -68,6 +68,8 @@ class ResponsesRequest(TextRequest):
     background: bool = False
     include: list[str] | None = None
     top_logprobs: int | None = None  # alternatives per output token, with include's OUTPUT_LOGPROBS
+    # OpenAI's bound on calls to built-in tools, of which there are none here: no bound applies.
+    max_tool_calls: int | None = Field(None, ge=1)
     user: str | None = None
 
     def check_supported(self) -> None:
@@ -84,7 +86,7 @@ class ResponsesRequest(TextRequest):
             raise InvalidRequestError(f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {self.top_logprobs}",
                                       param="top_logprobs")
         extra = self.model_extra or {}
-        for name in ("prompt", "conversation", "max_tool_calls"):
+        for name in ("prompt", "conversation"):
             if extra.get(name) not in (None, 0):
                 raise NotSupportedError(name)
         _check_metadata(self.metadata or {})

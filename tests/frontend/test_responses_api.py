@@ -181,6 +181,14 @@ def test_metadata_at_openais_limits_is_kept(client):
     assert response.metadata == metadata == client.responses.retrieve(response.id).metadata
 
 
+def test_max_tool_calls_bounds_built_in_tools_only_so_it_is_echoed(client):
+    response = client.responses.create(model="tiny-model", input="Hi", max_output_tokens=2, max_tool_calls=2)
+    assert response.max_tool_calls == 2 and response.output_text
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(model="tiny-model", input="Hi", max_output_tokens=2, max_tool_calls=0)
+    assert refused.value.body["param"] == "max_tool_calls"
+
+
 def test_parallel_tool_calls_false_is_echoed(client):
     tool = {"type": "function", "name": "get_weather", "parameters": {"type": "object"}}
     for fields in ({}, {"tools": [tool], "tool_choice": "none"},
