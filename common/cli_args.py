@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import sys
 
 from common.config import EngineConfig
 from common.errors import ConfigError
@@ -53,17 +54,33 @@ def non_negative_int(text: str) -> int:
     return _number(int, text, lambda v: v >= 0, "0 or more")
 
 
+class EnvText(str):
+    """A flag default read from PAGEDSERVE_<NAME>: it remembers the variable, so a
+    usage error about it can name the variable the operator set, not only the flag."""
+    variable: str
+
+
+def _from_env(name: str) -> EnvText | None:
+    value = os.environ.get(f"PAGEDSERVE_{name}")
+    if value is None:
+        return None
+    text = EnvText(value)
+    text.variable = f"PAGEDSERVE_{name}"
+    return text
+
+
 def env_default(name: str, default):
     """Flag default from PAGEDSERVE_<NAME> when set (compose passes settings this way).
     Pass the text through as the default: argparse converts it with the flag's
     type, so a bad value is a usage error naming the flag, not a traceback."""
-    return os.environ.get(f"PAGEDSERVE_{name}", default)
+    value = _from_env(name)
+    return default if value is None else value
 
 
 def env_setting(name: str, default):
     """As env_default, but an empty PAGEDSERVE_<NAME> is the default: compose
     passes `${VAR:-}` (empty) for a setting the operator left unset."""
-    return os.environ.get(f"PAGEDSERVE_{name}") or default
+    return _from_env(name) or default
 
 
 _FALSE_WORDS = ("", "0", "false", "no", "off")
@@ -73,6 +90,42 @@ def env_switch(name: str) -> bool:
     """A store_true flag's default from PAGEDSERVE_<NAME>: "False", "no", "off",
     "0" or empty (any case) are off, since operators write them to mean off."""
     return os.environ.get(f"PAGEDSERVE_{name}", "").strip().lower() not in _FALSE_WORDS
+
+
+class SettingsParser(argparse.ArgumentParser):
+    """The parser of every command: its usage errors name the PAGEDSERVE_* variable
+    a bad value came from, and a value from the environment must be one of the
+    flag's choices (argparse checks choices only on the command line). With
+    `raise_errors`, a usage error raises ConfigError instead of exiting: `serve`
+    parses each component's settings this way before starting any."""
+    raise_errors = False
+
+    def parse_known_args(self, args=None, namespace=None):
+        self._given = list(sys.argv[1:] if args is None else args)
+        parsed, extras = super().parse_known_args(args, namespace)
+        for action in self._actions:
+            value = getattr(parsed, action.dest, None)
+            if action.choices is not None and isinstance(value, EnvText) and value not in action.choices:
+                self.error(f"argument {'/'.join(action.option_strings)}: invalid choice: {str(value)!r} "
+                           f"(choose from {', '.join(map(str, action.choices))})")
+        return parsed, extras
+
+    def error(self, message: str):
+        message += self._env_origin(message)
+        if self.raise_errors:
+            raise ConfigError(message)
+        super().error(message)
+
+    def _env_origin(self, message: str) -> str:
+        """' (from PAGEDSERVE_X)' when `message` is about a flag that took its bad value from the environment."""
+        match = re.match(r"argument ([^:]+): ", message)
+        given = getattr(self, "_given", [])
+        for action in self._actions if match else []:
+            variable = getattr(action.default, "variable", None)
+            if ("/".join(action.option_strings) == match.group(1) and variable
+                    and not any(arg.split("=", 1)[0] in action.option_strings for arg in given)):
+                return f" (from {variable} in the environment)"
+        return ""
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -102,19 +155,34 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine flags as a config; ConfigError for a combination that cannot run."""
     kv = args.kv_cache_memory
+    return EngineConfig(
+        model=args.model, dtype=args.dtype, device=args.device, attention_backend=args.attention_backend,
+        block_size=args.block_size, kv_cache_memory=kv if isinstance(kv, int) else parse_size(kv),
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        num_gpu_blocks_override=args.num_gpu_blocks_override, max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
+        enforce_eager=args.enforce_eager, model_cache_dir=args.model_cache_dir)
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     try:
-        return EngineConfig(
-            model=args.model, dtype=args.dtype, device=args.device, attention_backend=args.attention_backend,
-            block_size=args.block_size, kv_cache_memory=kv if isinstance(kv, int) else parse_size(kv),
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            num_gpu_blocks_override=args.num_gpu_blocks_override, max_model_len=args.max_model_len,
-            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-            enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
-            enforce_eager=args.enforce_eager, model_cache_dir=args.model_cache_dir)
+        return engine_config(args)
     except ConfigError as e:
         raise SystemExit(f"error: {e}") from None
+
+
+def parse_engine_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """Parse a command with the engine flags: a config that cannot run is a usage error."""
+    args = parser.parse_args(argv)
+    try:
+        engine_config(args)
+    except ConfigError as e:
+        parser.error(str(e))
+    return args
 
 
 def engine_argv(config: EngineConfig) -> list[str]:

@@ -10,6 +10,7 @@ nothing).
 """
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import math
@@ -25,6 +26,18 @@ SOURCES_HELP = ("'auto' (the model's generation_config.json), 'vllm' (ignore it)
 # Sampling fields read from the file -> transformers' GenerationConfig default for each.
 _TRANSFORMERS_DEFAULTS: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None,
                                           "repetition_penalty": 1.0}
+
+
+def generation_config_source(text: str) -> str:
+    """--generation-config's type: 'auto', 'vllm', or a directory with a generation_config.json
+    (made absolute). Checked when the flags are parsed, so a bad one never starts a frontend."""
+    if text in ("auto", "vllm"):
+        return text
+    path = os.path.abspath(os.path.expanduser(text))
+    if not os.path.isfile(os.path.join(path, "generation_config.json")):
+        raise argparse.ArgumentTypeError(f"{text!r} is neither 'auto', 'vllm' nor a directory holding a "
+                                         "generation_config.json")
+    return path
 
 
 def sampling_defaults(model_dir: str | None, source: str = "auto") -> dict[str, float | int]:

@@ -16,53 +16,45 @@ import signal
 import socket
 import ssl
 import sys
+import tempfile
 import time
 import urllib.request
 
-from common.cli_args import (add_engine_args, engine_argv, engine_config_from_args, env_setting, env_switch,
-                             non_negative_int, port_number, positive_float)
-from common.generation_defaults import SOURCES_HELP
-from frontend.frontend_options import TlsFiles, add_frontend_options, frontend_options_argv
-from frontend.tool_parsers import TOOL_PARSERS, TOOL_PARSERS_HELP, check_tool_choice_args
+from common.cli_args import (SettingsParser, add_engine_args, engine_argv, engine_config,
+                             env_default, non_negative_int, positive_float)
 from common.errors import ConfigError
 from common.logging_setup import setup_logging
 from common.proctitle import set_process_title
 from common.runtime_dir import create_runtime_dir, remove_stale_runtime_dirs
+from common.settings_check import check_settings
 from common.supervisor import Component, Supervisor
-from common.tokenizer import load_chat_template
+from frontend.cli import add_api_args
+from frontend.frontend_options import add_frontend_options, frontend_options_argv
+from tokenizer_pool.cli import add_chat_template_arg
 
 logger = logging.getLogger("pagedserve.serve")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pagedserve serve", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = SettingsParser(prog="pagedserve serve", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model_tag", nargs="?", default=None, help="model (same as --model)")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=port_number, default=8000)
-    parser.add_argument("--grpc-port", type=port_number, default=50051)
-    parser.add_argument("--served-model-name", default=None)
-    parser.add_argument("--tokenizer-pool-size", type=non_negative_int, default=2)
-    parser.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"),
+    # Flags serve hands on read the components' own PAGEDSERVE_* defaults (add_api_args,
+    # add_chat_template_arg ...): a default of serve's must not mask a variable the
+    # operator set. Settings serve has no flag for reach the components by inheritance.
+    add_api_args(parser)
+    parser.add_argument("--tokenizer-pool-size", type=non_negative_int, default=env_default("TOKENIZER_POOL_SIZE", 2),
+                        help="tokenizer processes (default 2; env PAGEDSERVE_TOKENIZER_POOL_SIZE)")
+    parser.add_argument("--api-key", default=env_default("API_KEY", None),
                         help="require this key on every /v1 route and gRPC call (env PAGEDSERVE_API_KEY; "
                              "handed to the frontend through its environment, never its command line)")
     parser.add_argument("--max-waiting-requests", type=non_negative_int, default=None,
-                        help="refuse new requests with 429 while this many wait (scheduler default 4096; 0 = no limit)")
+                        help="refuse new requests with 429 while this many wait (scheduler default 4096; 0 = no "
+                             "limit; env PAGEDSERVE_MAX_WAITING_REQUESTS, which the scheduler reads)")
     parser.add_argument("--request-timeout", type=positive_float, default=None,
-                        help="fail and abort requests not finished after this many seconds (default: no limit)")
-    parser.add_argument("--generation-config", default="auto",
-                        help="sampling defaults for fields a request leaves unset: " + SOURCES_HELP)
-    # These two from the environment too: the frontend inherits it, and would fail in a restart loop.
-    parser.add_argument("--enable-auto-tool-choice", action="store_true", default=env_switch("ENABLE_AUTO_TOOL_CHOICE"),
-                        help='let tool_choice "auto" run (needs --tool-call-parser; env '
-                             'PAGEDSERVE_ENABLE_AUTO_TOOL_CHOICE)')
-    parser.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS),
-                        default=env_setting("TOOL_CALL_PARSER", None),
-                        help=TOOL_PARSERS_HELP + " (env PAGEDSERVE_TOOL_CALL_PARSER)")
-    # Read from the environment here too: the tokenizer pool would inherit it unchecked (a restart loop).
-    parser.add_argument("--chat-template", default=env_setting("CHAT_TEMPLATE", None), metavar="FILE_OR_TEMPLATE",
-                        help="a Jinja chat template (its file, or the text) to use instead of the model's "
-                             "(env PAGEDSERVE_CHAT_TEMPLATE)")
+                        help="fail and abort requests not finished after this many seconds (default: no limit; "
+                             "env PAGEDSERVE_REQUEST_TIMEOUT, which the frontend reads)")
+    add_chat_template_arg(parser)
     parser.add_argument("--disable-log-stats", action="store_true")
     parser.add_argument("--runtime-dir", default=None, help="where internal sockets live (default: a temp dir)")
     parser.add_argument("--ready-timeout", type=positive_float, default=600.0,
@@ -72,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def component_commands(args: argparse.Namespace, runtime_dir: str) -> list[Component]:
-    config = engine_config_from_args(args)
+    config = engine_config(args)  # ConfigError for one that cannot run
     ipc = lambda name: f"ipc://{runtime_dir}/{name}"  # noqa: E731
     addresses = {"scheduler": ipc("scheduler"), "worker": ipc("worker"), "tokenizer": ipc("tokenizer"),
                  "tokenizer_backend": ipc("tokenizer-backend"), "control": f"unix:{runtime_dir}/control"}
@@ -85,7 +77,7 @@ def component_commands(args: argparse.Namespace, runtime_dir: str) -> list[Compo
                 "--scheduler-address", addresses["scheduler"],
                 "--scheduler-control-address", addresses["control"],
                 "--tokenizer-address", addresses["tokenizer"],
-                "--served-model-name", args.served_model_name or args.model_tag or config.model,
+                "--served-model-name", *served_model_names(args, config.model),
                 "--generation-config", args.generation_config]
     if args.enable_auto_tool_choice:
         frontend += ["--enable-auto-tool-choice"]
@@ -99,10 +91,12 @@ def component_commands(args: argparse.Namespace, runtime_dir: str) -> list[Compo
     # The key goes through the environment: a command line is visible to every local user (ps).
     frontend_env = {"PAGEDSERVE_API_KEY": args.api_key} if args.api_key else {}
     return [
+        # Not PAGEDSERVE_TOKENIZER_JOIN: this pool is the router (empty means unset).
         Component("tokenizer", ["tokenizer", *model, *chat_template,
                                 "--tokenizer-pool-size", str(args.tokenizer_pool_size),
                                 "--frontend-address", addresses["tokenizer"],
-                                "--backend-address", addresses["tokenizer_backend"]]),
+                                "--backend-address", addresses["tokenizer_backend"]],
+                  env={"PAGEDSERVE_TOKENIZER_JOIN": ""}),
         Component("scheduler", ["scheduler", *engine, *stats, *scheduler,
                                 "--scheduler-address", addresses["scheduler"],
                                 "--worker-address", addresses["worker"],
@@ -110,6 +104,10 @@ def component_commands(args: argparse.Namespace, runtime_dir: str) -> list[Compo
         Component("worker", ["worker", *engine, "--worker-address", addresses["worker"]]),
         Component("frontend", ["frontend", *model, *frontend], env=frontend_env),
     ]
+
+
+def served_model_names(args: argparse.Namespace, model: str) -> list[str]:
+    return args.served_model_name or [args.model_tag or model]
 
 
 def _absolute_if_file(value: str) -> str:
@@ -154,17 +152,25 @@ def health_ok(url: str) -> bool:
         return False
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+def checked_settings(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """serve's settings, and every component's as it would start with them (its
+    argv, the environment it inherits), checked once here rather than in a
+    restart loop: a usage exit, or ConfigError naming the component."""
     args = parser.parse_args(argv)
-    check_tool_choice_args(parser, args)
     if args.model_tag:
         args.model = args.model_tag
+    # The runtime directory need not exist yet: addresses are not checked.
+    check_settings(component_commands(args, args.runtime_dir or tempfile.gettempdir()))
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     try:
-        load_chat_template(args.chat_template)  # a bad one fails here, once, not in a restart loop
-        TlsFiles.from_args(args)
+        args = checked_settings(parser, argv)
     except ConfigError as e:
-        parser.error(str(e))
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        return 2
     setup_logging("serve")
     set_process_title("pagedserve: serve")
     try:
@@ -187,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         scheme = "https" if args.ssl_certfile else "http"
         if wait_until_ready(supervisor, f"{scheme}://{host}:{args.port}/health", args.ready_timeout):
             print(f"pagedserve is ready: OpenAI API on {scheme}://{args.host}:{args.port}/v1 "
-                  f"(model {args.served_model_name or args.model_tag or args.model}), "
+                  f"(model {served_model_names(args, args.model)[0]}), "
                   f"gRPC{' (TLS)' if args.ssl_certfile else ''} on {args.host}:{args.grpc_port}", flush=True)
         elif not supervisor.stopping:
             logger.error("components not ready after %.0fs; still trying (see the logs above)", args.ready_timeout)

@@ -10,9 +10,10 @@ import os
 import socket
 
 from common.addresses import default_address
-from common.cli_args import env_default, env_switch, parse_size, port_number, positive_float
+from common.cli_args import (SettingsParser, env_default, env_setting, env_switch, parse_size, port_number,
+                             positive_float)
 from common.errors import ConfigError
-from common.generation_defaults import SOURCES_HELP
+from common.generation_defaults import SOURCES_HELP, generation_config_source
 from common.logging_setup import setup_logging
 from common.proctitle import set_process_title
 from frontend.frontend_options import TlsFiles, add_frontend_options
@@ -23,11 +24,11 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_BODY = "16MiB"
 
 
-def add_frontend_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    g = parser.add_argument_group("frontend")
-    g.add_argument("--model", default=env_default("MODEL", "smollm2-135m-instruct"),
-                   help="HF model directory, tokenizer directory, .gguf file or alias whose tokenizer to load "
-                        "(default: smollm2-135m-instruct)")
+def add_api_args(parser: argparse.ArgumentParser) -> None:
+    """The frontend flags `serve` has too, with the same PAGEDSERVE_* defaults: serve
+    hands its values on, so they must be the ones its frontend would read
+    (a flag, else the variable, else the default)."""
+    g = parser.add_argument_group("API")
     g.add_argument("--host", default=env_default("HOST", "127.0.0.1"), help="address to listen on (default 127.0.0.1)")
     g.add_argument("--port", type=port_number, default=env_default("PORT", 8000),
                    help="HTTP port (default 8000; 0 = any free port)")
@@ -37,6 +38,23 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--served-model-name", nargs="+", default=names.replace(",", " ").split() if names else None,
                    help="model name(s) clients use; the first is reported in responses (default: --model; "
                         "env PAGEDSERVE_SERVED_MODEL_NAME, comma-separated)")
+    g.add_argument("--generation-config", type=generation_config_source,
+                   default=env_setting("GENERATION_CONFIG", "auto"),
+                   help="sampling defaults for fields a request leaves unset: " + SOURCES_HELP +
+                        " (default auto, as vLLM; env PAGEDSERVE_GENERATION_CONFIG)")
+    g.add_argument("--enable-auto-tool-choice", action="store_true", default=env_switch("ENABLE_AUTO_TOOL_CHOICE"),
+                   help='let tool_choice "auto" (the default with tools) run; needs --tool-call-parser (env '
+                        'PAGEDSERVE_ENABLE_AUTO_TOOL_CHOICE)')
+    g.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=env_setting("TOOL_CALL_PARSER", None),
+                   help=TOOL_PARSERS_HELP + " (env PAGEDSERVE_TOOL_CALL_PARSER)")
+
+
+def add_frontend_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    add_api_args(parser)
+    g = parser.add_argument_group("frontend")
+    g.add_argument("--model", default=env_default("MODEL", "smollm2-135m-instruct"),
+                   help="HF model directory, tokenizer directory, .gguf file or alias whose tokenizer to load "
+                        "(default: smollm2-135m-instruct)")
     g.add_argument("--scheduler-address", default=default_address("SCHEDULER_ADDRESS"),
                    help="the scheduler's ZMQ address (env PAGEDSERVE_SCHEDULER_ADDRESS)")
     g.add_argument("--scheduler-control-address", default=default_address("SCHEDULER_CONTROL_ADDRESS"),
@@ -56,14 +74,6 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--max-request-body-size", type=parse_size,
                    default=env_default("MAX_REQUEST_BODY_SIZE", DEFAULT_MAX_BODY),
                    help="refuse HTTP bodies larger than this with 413, e.g. 16MiB (default %(default)s)")
-    g.add_argument("--generation-config", default=env_default("GENERATION_CONFIG", "auto"),
-                   help="sampling defaults for fields a request leaves unset: " + SOURCES_HELP +
-                        " (default auto, as vLLM; env PAGEDSERVE_GENERATION_CONFIG)")
-    g.add_argument("--enable-auto-tool-choice", action="store_true",
-                   default=env_switch("ENABLE_AUTO_TOOL_CHOICE"),
-                   help='let tool_choice "auto" (the default with tools) run; needs --tool-call-parser')
-    g.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=env_default("TOOL_CALL_PARSER", None),
-                   help=TOOL_PARSERS_HELP + " (env PAGEDSERVE_TOOL_CALL_PARSER)")
     g.add_argument("--log-level", default=None, help="DEBUG, INFO, ... (default $PAGEDSERVE_LOG_LEVEL or INFO)")
     add_frontend_options(parser)
     return parser
@@ -189,18 +199,23 @@ async def run_frontend(args: argparse.Namespace) -> None:
         http_socket.close()
 
 
-def build_parser() -> argparse.ArgumentParser:
-    return add_frontend_args(argparse.ArgumentParser(prog="pagedserve frontend", description=__doc__))
+def build_parser() -> SettingsParser:
+    return add_frontend_args(SettingsParser(prog="pagedserve frontend", description=__doc__))
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """The settings, checked: what cannot run is a usage error here (also `serve`'s check)."""
     args = parser.parse_args(argv)
     check_tool_choice_args(parser, args)
     try:
         TlsFiles.from_args(args)  # a missing key fails here, not after the servers started
     except ConfigError as e:
         parser.error(str(e))
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(build_parser(), argv)
     setup_logging("frontend", args.log_level)
     set_process_title("pagedserve: frontend")
     raise_open_file_limit()

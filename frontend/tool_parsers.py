@@ -25,9 +25,6 @@ __all__ = ["TOOL_PARSERS", "TOOL_PARSERS_HELP", "HermesToolParser", "Llama3JsonT
 
 
 def check_tool_choice_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Exit with a usage line for tool settings that cannot run (also `serve`'s check)."""
-    if args.tool_call_parser is not None and args.tool_call_parser not in TOOL_PARSERS:  # argparse skips defaults
-        parser.error(f"argument --tool-call-parser: invalid choice: {args.tool_call_parser!r} "
-                     f"(choose from {', '.join(sorted(TOOL_PARSERS))})")
+    """Exit with a usage line for tool settings that cannot run together."""
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         parser.error("--enable-auto-tool-choice needs --tool-call-parser")

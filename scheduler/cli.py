@@ -5,8 +5,8 @@ import argparse
 import logging
 
 from common.addresses import default_address
-from common.cli_args import (add_engine_args, engine_config_from_args, env_default, non_negative_float,
-                             non_negative_int, positive_float)
+from common.cli_args import (SettingsParser, add_engine_args, engine_config_from_args, env_default, non_negative_float,
+                             non_negative_int, parse_engine_args, positive_float)
 from common.logging_setup import setup_logging
 from common.proctitle import set_process_title
 from common.signals import on_stop_signals
@@ -16,8 +16,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_WAITING_REQUESTS = 4096
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pagedserve scheduler", description=__doc__)
+def build_parser() -> SettingsParser:
+    parser = SettingsParser(prog="pagedserve scheduler", description=__doc__)
     parser.add_argument("--scheduler-address", default=default_address("SCHEDULER_ADDRESS"),
                         help="ZMQ address frontends connect to (bound here)")
     parser.add_argument("--worker-address", default=default_address("WORKER_ADDRESS"),
@@ -38,8 +38,13 @@ def build_parser() -> argparse.ArgumentParser:
     return add_engine_args(parser)
 
 
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """The settings, checked (also `serve`'s check)."""
+    return parse_engine_args(parser, argv)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(build_parser(), argv)
     setup_logging("scheduler")
     set_process_title("pagedserve: scheduler")
     from scheduler.control import ControlState, SchedulerControlServicer, start_control_server

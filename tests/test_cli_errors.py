@@ -139,3 +139,36 @@ def test_serve_checks_the_tool_settings_its_frontend_inherits():
 def test_the_frontend_refuses_an_unknown_tool_call_parser_from_the_environment():
     code, output = run(frontend_args(), env={"PAGEDSERVE_TOOL_CALL_PARSER": "bogus"}, timeout=30)
     assert_clear_error(code, output, "--tool-call-parser", "bogus")
+
+
+def session_processes(session: int) -> list[int]:
+    """Live processes of this session (from /proc): what a command left behind."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == session and fields[0] != "Z":
+            found.append(int(entry))
+    return found
+
+
+def test_serve_stops_at_once_on_a_bad_setting_a_component_inherits(tmp_path):
+    """Before: the frontend read PAGEDSERVE_REQUEST_TIMEOUT, exited with a usage
+    error at each restart, and serve never became ready."""
+    proc = subprocess.Popen([sys.executable, "-m", "common.cli", "serve", "--runtime-dir", str(tmp_path / "run"),
+                             "--port", str(free_port()), "--grpc-port", str(free_port())],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PAGEDSERVE_REQUEST_TIMEOUT": "abc"}, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+    assert proc.returncode == 2, output
+    assert_clear_error(proc.returncode, output, "frontend", "--request-timeout", "PAGEDSERVE_REQUEST_TIMEOUT", "'abc'")
+    assert len(output.strip().splitlines()) == 1, output
+    assert session_processes(proc.pid) == []

@@ -18,12 +18,20 @@ import zmq
 
 from common.errors import ConfigError
 from common.addresses import default_address
-from common.cli_args import env_default, env_setting
+from common.cli_args import SettingsParser, env_default, env_setting
 from common.logging_setup import setup_logging
+from common.tokenizer import load_chat_template
 from tokenizer_pool.pool import DEFAULT_LIVENESS_TIMEOUT, run_join_workers, run_tokenizer_pool
 from tokenizer_pool.worker import DEFAULT_HEARTBEAT_INTERVAL
 
 logger = logging.getLogger(__name__)
+
+
+def add_chat_template_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """--chat-template (`serve` has it too, with the same PAGEDSERVE_CHAT_TEMPLATE default)."""
+    parser.add_argument("--chat-template", default=env_setting("CHAT_TEMPLATE", None), metavar="FILE_OR_TEMPLATE",
+                        help="a Jinja chat template (its file, or the text) to use instead of the model's "
+                             "(env PAGEDSERVE_CHAT_TEMPLATE)")
 
 
 def add_tokenizer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -31,7 +39,7 @@ def add_tokenizer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     g.add_argument("--model", default=env_default("MODEL", "smollm2-135m-instruct"),
                    help="HF model directory, .gguf file, or alias whose tokenizer to load "
                         "(default: smollm2-135m-instruct)")
-    g.add_argument("--tokenizer-pool-size", type=int, default=int(env_default("TOKENIZER_POOL_SIZE", 2)),
+    g.add_argument("--tokenizer-pool-size", type=int, default=env_default("TOKENIZER_POOL_SIZE", 2),
                    help="tokenizer worker processes on this host (default 2; 0 = router only)")
     g.add_argument("--frontend-address", default=default_address("TOKENIZER_ADDRESS"),
                    help="where frontends reach the router (env PAGEDSERVE_TOKENIZER_ADDRESS)")
@@ -42,9 +50,7 @@ def add_tokenizer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         "(env PAGEDSERVE_TOKENIZER_JOIN)")
     g.add_argument("--model-cache-dir", default=env_default("CACHE_DIR", None),
                    help="where converted GGUF models are kept (default ~/.cache/pagedserve/models)")
-    g.add_argument("--chat-template", default=env_setting("CHAT_TEMPLATE", None), metavar="FILE_OR_TEMPLATE",
-                   help="a Jinja chat template (its file, or the text) to use instead of the model's "
-                        "(env PAGEDSERVE_CHAT_TEMPLATE)")
+    add_chat_template_arg(g)
     g.add_argument("--heartbeat-interval", type=float, default=DEFAULT_HEARTBEAT_INTERVAL,
                    help="seconds between a worker's heartbeats (default %(default)s)")
     g.add_argument("--liveness-timeout", type=float, default=DEFAULT_LIVENESS_TIMEOUT,
@@ -56,12 +62,6 @@ def add_tokenizer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
 
 def run(args: argparse.Namespace) -> int:
     setup_logging("tokenizer", args.log_level)
-    if args.tokenizer_pool_size < 0 or (args.join and args.tokenizer_pool_size == 0):
-        logger.error("--tokenizer-pool-size must be >= 0 (>= 1 with --join), got %d", args.tokenizer_pool_size)
-        return 2
-    if args.heartbeat_interval <= 0 or args.liveness_timeout <= args.heartbeat_interval:
-        logger.error("need 0 < --heartbeat-interval < --liveness-timeout")
-        return 2
     try:
         if args.join:
             run_join_workers(args.model, args.join, args.tokenizer_pool_size, model_cache_dir=args.model_cache_dir,
@@ -81,14 +81,28 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pagedserve tokenizer", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> SettingsParser:
+    parser = SettingsParser(prog="pagedserve tokenizer", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     return add_tokenizer_args(parser)
 
 
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """The settings, checked: what cannot run is a usage error here (also `serve`'s check)."""
+    args = parser.parse_args(argv)
+    if args.tokenizer_pool_size < 0 or (args.join and args.tokenizer_pool_size == 0):
+        parser.error(f"--tokenizer-pool-size must be >= 0 (>= 1 with --join), got {args.tokenizer_pool_size}")
+    if args.heartbeat_interval <= 0 or args.liveness_timeout <= args.heartbeat_interval:
+        parser.error("need 0 < --heartbeat-interval < --liveness-timeout")
+    try:
+        load_chat_template(args.chat_template)  # a bad one fails here, not in each tokenizer process
+    except ConfigError as e:
+        parser.error(str(e))
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    return run(build_parser().parse_args(argv))
+    return run(parse_args(build_parser(), argv))
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ import argparse
 import logging
 
 from common.addresses import default_address
-from common.cli_args import add_engine_args, engine_config_from_args, positive_float
+from common.cli_args import SettingsParser, add_engine_args, engine_config_from_args, parse_engine_args, positive_float
 from common.logging_setup import setup_logging
 from common.proctitle import set_process_title
 from common.signals import on_stop_signals
@@ -13,8 +13,8 @@ from common.signals import on_stop_signals
 logger = logging.getLogger(__name__)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pagedserve worker", description=__doc__)
+def build_parser() -> SettingsParser:
+    parser = SettingsParser(prog="pagedserve worker", description=__doc__)
     parser.add_argument("--worker-address", default=default_address("WORKER_ADDRESS"),
                         help="the scheduler's ZMQ address for workers")
     parser.add_argument("--rank", type=int, default=0)
@@ -23,8 +23,13 @@ def build_parser() -> argparse.ArgumentParser:
     return add_engine_args(parser)
 
 
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """The settings, checked (also `serve`'s check)."""
+    return parse_engine_args(parser, argv)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(build_parser(), argv)
     setup_logging(f"worker {args.rank}")
     set_process_title(f"pagedserve: worker {args.rank}")
     from worker.service import WorkerService
