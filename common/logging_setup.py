@@ -3,7 +3,11 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
+
+# The start of each line the format below writes ("12:00:00 ERROR [frontend] frontend.cli: ").
+LINE_PREFIX = re.compile(r"\d\d:\d\d:\d\d [A-Z]+ \[[^]]*\] [\w.]+: ")
 
 
 def setup_logging(component: str, level: str | None = None) -> None:

@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         supervisor.stop_all()
         if owns_runtime_dir:
             shutil.rmtree(runtime_dir, ignore_errors=True)
-    return 0
+    return supervisor.exit_code
 
 
 def _prepare_model(args: argparse.Namespace) -> None:

@@ -10,11 +10,16 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from common.stderr_relay import StderrRelay
+
 logger = logging.getLogger("pagedserve.supervisor")
 
 MAX_BACKOFF_S = 30.0
 HEALTHY_AFTER_S = 60.0  # a component up this long has its backoff reset
 STOP_GRACE_S = 10.0
+# A component's usage error (argparse, a ConfigError): its settings are wrong, and a
+# restart with the same ones would fail the same way, so the supervisor gives up.
+USAGE_ERROR = 2
 _PR_SET_PDEATHSIG = 1
 
 
@@ -46,6 +51,7 @@ class Component:
     backoff_s: float = 1.0
     restart_at: float | None = None
     env: dict[str, str] = field(default_factory=dict)
+    relay: StderrRelay | None = None
 
     def command(self) -> list[str]:
         return [sys.executable, "-m", "common.cli", *self.argv]
@@ -55,10 +61,12 @@ class Supervisor:
     def __init__(self, components: list[Component]):
         self.components = components
         self.stopping = False
+        self.exit_code = 0  # what serve exits with: USAGE_ERROR when it gave up on a component
 
     def start(self, component: Component) -> None:
         component.process = subprocess.Popen(component.command(), env={**os.environ, **component.env},
-                                             preexec_fn=_die_with_parent)
+                                             stderr=subprocess.PIPE, preexec_fn=_die_with_parent)
+        component.relay = StderrRelay(component.process.stderr)
         component.started_at = time.monotonic()
         component.restart_at = None
         logger.info("started %s (pid %d)", component.name, component.process.pid)
@@ -84,10 +92,23 @@ class Supervisor:
                 if now - c.started_at > HEALTHY_AFTER_S:
                     c.backoff_s = 1.0
                 continue
+            how = describe_exit(code) + self._last_words(c, code)
+            if code == USAGE_ERROR:
+                logger.error("%s (pid %d) %s; not restarting it: exit status 2 is a usage error, which the same "
+                             "settings would repeat; stopping", c.name, c.process.pid, how)
+                self.exit_code = USAGE_ERROR
+                self.request_stop()
+                return
             c.restart_at = now + c.backoff_s
-            logger.warning("%s (pid %d) %s; restarting in %.0fs", c.name, c.process.pid, describe_exit(code),
-                           c.backoff_s)
+            logger.warning("%s (pid %d) %s; restarting in %.0fs", c.name, c.process.pid, how, c.backoff_s)
             c.backoff_s = min(MAX_BACKOFF_S, c.backoff_s * 2)
+
+    @staticmethod
+    def _last_words(c: Component, code: int) -> str:
+        """': <its last line>' for a component that exited by itself with an error (not one
+        killed by a signal: what it last logged then is no reason)."""
+        last = c.relay.last_line() if c.relay is not None and code > 0 else ""
+        return f": {last}" if last else ""
 
     def request_stop(self) -> None:
         self.stopping = True
@@ -110,3 +131,5 @@ class Supervisor:
                     logger.warning("%s did not stop in time; killing it", c.name)
                     c.process.kill()
                     c.process.wait()
+        for c in running:
+            c.relay.last_line()  # let its final lines through before serve exits

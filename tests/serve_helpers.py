@@ -9,6 +9,7 @@ import urllib.request
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -21,24 +22,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _proc_stats() -> Iterator[tuple[int, list[str]]]:
+    """(pid, the fields of /proc/PID/stat after the command name) of every live process."""
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                yield int(entry), f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+
+
 def descendants(pid: int) -> list[int]:
     """All live descendants of `pid`, from /proc."""
     children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
+    for child, fields in _proc_stats():
+        children.setdefault(int(fields[1]), []).append(child)
     found, stack = [], [pid]
     while stack:
         for child in children.get(stack.pop(), []):
             found.append(child)
             stack.append(child)
     return found
+
+
+def session_processes(session: int) -> list[int]:
+    """Live (not zombie) processes of this session: what a command started with
+    start_new_session left behind."""
+    return [pid for pid, fields in _proc_stats() if int(fields[3]) == session and fields[0] != "Z"]
 
 
 def cmdline(pid: int) -> str:

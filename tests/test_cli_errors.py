@@ -11,6 +11,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from serve_helpers import session_processes
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -139,20 +140,6 @@ def test_serve_checks_the_tool_settings_its_frontend_inherits():
 def test_the_frontend_refuses_an_unknown_tool_call_parser_from_the_environment():
     code, output = run(frontend_args(), env={"PAGEDSERVE_TOOL_CALL_PARSER": "bogus"}, timeout=30)
     assert_clear_error(code, output, "--tool-call-parser", "bogus")
-
-
-def session_processes(session: int) -> list[int]:
-    """Live processes of this session (from /proc): what a command left behind."""
-    found = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == session and fields[0] != "Z":
-            found.append(int(entry))
-    return found
 
 
 def test_serve_stops_at_once_on_a_bad_setting_a_component_inherits(tmp_path):
