@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import re
 import sys
@@ -69,6 +70,13 @@ def _from_env(name: str) -> EnvText | None:
     return text
 
 
+def log_level(text: str) -> str:
+    """A logging level name, e.g. debug or INFO."""
+    if not isinstance(logging.getLevelName(text.strip().upper()), int):
+        raise argparse.ArgumentTypeError(f"not a log level: {text!r} (DEBUG, INFO, WARNING, ERROR)")
+    return text.strip().upper()
+
+
 def env_default(name: str, default):
     """Flag default from PAGEDSERVE_<NAME> when set (compose passes settings this way).
     Pass the text through as the default: argparse converts it with the flag's
@@ -126,6 +134,12 @@ class SettingsParser(argparse.ArgumentParser):
                     and not any(arg.split("=", 1)[0] in action.option_strings for arg in given)):
                 return f" (from {variable} in the environment)"
         return ""
+
+
+def add_log_level_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """--log-level, every component's (setup_logging reads the variable only where no parser does)."""
+    parser.add_argument("--log-level", type=log_level, default=env_setting("LOG_LEVEL", None),
+                        help="DEBUG, INFO, ... (default INFO; env PAGEDSERVE_LOG_LEVEL)")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -20,7 +20,7 @@ import tempfile
 import time
 import urllib.request
 
-from common.cli_args import (SettingsParser, add_engine_args, engine_argv, engine_config,
+from common.cli_args import (SettingsParser, add_engine_args, add_log_level_arg, engine_argv, engine_config,
                              env_default, non_negative_int, positive_float)
 from common.errors import ConfigError
 from common.logging_setup import setup_logging
@@ -55,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="fail and abort requests not finished after this many seconds (default: no limit; "
                              "env PAGEDSERVE_REQUEST_TIMEOUT, which the frontend reads)")
     add_chat_template_arg(parser)
+    add_log_level_arg(parser)
     parser.add_argument("--disable-log-stats", action="store_true")
     parser.add_argument("--runtime-dir", default=None, help="where internal sockets live (default: a temp dir)")
     parser.add_argument("--ready-timeout", type=positive_float, default=600.0,
@@ -90,7 +91,7 @@ def component_commands(args: argparse.Namespace, runtime_dir: str) -> list[Compo
                  else ["--max-waiting-requests", str(args.max_waiting_requests)])
     # The key goes through the environment: a command line is visible to every local user (ps).
     frontend_env = {"PAGEDSERVE_API_KEY": args.api_key} if args.api_key else {}
-    return [
+    components = [
         # Not PAGEDSERVE_TOKENIZER_JOIN: this pool is the router (empty means unset).
         Component("tokenizer", ["tokenizer", *model, *chat_template,
                                 "--tokenizer-pool-size", str(args.tokenizer_pool_size),
@@ -104,6 +105,9 @@ def component_commands(args: argparse.Namespace, runtime_dir: str) -> list[Compo
         Component("worker", ["worker", *engine, "--worker-address", addresses["worker"]]),
         Component("frontend", ["frontend", *model, *frontend], env=frontend_env),
     ]
+    for component in components if args.log_level else []:
+        component.argv += ["--log-level", args.log_level]
+    return components
 
 
 def served_model_names(args: argparse.Namespace, model: str) -> list[str]:
@@ -171,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
         return 2
-    setup_logging("serve")
+    setup_logging("serve", args.log_level)
     set_process_title("pagedserve: serve")
     try:
         check_ports_free(args.host, {"HTTP": args.port, "gRPC": args.grpc_port})

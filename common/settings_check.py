@@ -11,7 +11,6 @@ the component will get, and stops at the first bad setting.
 from __future__ import annotations
 
 import importlib
-import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -48,9 +47,6 @@ def check_component(component: Component) -> None:
 
 def check_shared_settings() -> None:
     """Settings every component reads outside its parser."""
-    level = os.environ.get("PAGEDSERVE_LOG_LEVEL")
-    if level and not isinstance(logging.getLevelName(level.upper()), int):
-        raise ConfigError(f"PAGEDSERVE_LOG_LEVEL={level!r} is not a log level (DEBUG, INFO, WARNING, ERROR)")
     try:
         curve_keys_from_env()
     except (OSError, ValueError) as e:

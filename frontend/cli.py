@@ -10,7 +10,7 @@ import os
 import socket
 
 from common.addresses import default_address
-from common.cli_args import (SettingsParser, env_default, env_setting, env_switch, parse_size, port_number,
+from common.cli_args import (SettingsParser, add_log_level_arg, env_default, env_setting, env_switch, parse_size, port_number,
                              positive_float)
 from common.errors import ConfigError
 from common.generation_defaults import SOURCES_HELP, generation_config_source
@@ -74,7 +74,7 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--max-request-body-size", type=parse_size,
                    default=env_default("MAX_REQUEST_BODY_SIZE", DEFAULT_MAX_BODY),
                    help="refuse HTTP bodies larger than this with 413, e.g. 16MiB (default %(default)s)")
-    g.add_argument("--log-level", default=None, help="DEBUG, INFO, ... (default $PAGEDSERVE_LOG_LEVEL or INFO)")
+    add_log_level_arg(g)
     add_frontend_options(parser)
     return parser
 

@@ -5,7 +5,7 @@ import argparse
 import logging
 
 from common.addresses import default_address
-from common.cli_args import (SettingsParser, add_engine_args, engine_config_from_args, env_default, non_negative_float,
+from common.cli_args import (SettingsParser, add_engine_args, add_log_level_arg, engine_config_from_args, env_default, non_negative_float,
                              non_negative_int, parse_engine_args, positive_float)
 from common.logging_setup import setup_logging
 from common.proctitle import set_process_title
@@ -35,6 +35,7 @@ def build_parser() -> SettingsParser:
                         help="treat the worker as hung and wait for another one when a step takes longer than "
                              "this many seconds; 0 = never (default; env PAGEDSERVE_WORKER_STEP_TIMEOUT)")
     parser.add_argument("--disable-log-stats", action="store_true")
+    add_log_level_arg(parser)
     return add_engine_args(parser)
 
 
@@ -45,7 +46,7 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argpa
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(build_parser(), argv)
-    setup_logging("scheduler")
+    setup_logging("scheduler", args.log_level)
     set_process_title("pagedserve: scheduler")
     from scheduler.control import ControlState, SchedulerControlServicer, start_control_server
     from scheduler.service import SchedulerService

@@ -40,6 +40,7 @@ BAD_VALUES: dict[str, tuple[str, ...]] = {
     "PAGEDSERVE_ALLOWED_METHODS": ("GET", "--allowed-methods"),
     "PAGEDSERVE_ALLOWED_HEADERS": ("x", "--allowed-headers"),
     "PAGEDSERVE_MAX_LOG_LEN": ("-1", "--max-log-len"),
+    "PAGEDSERVE_LOG_LEVEL": ("loud", "--log-level"),
     # read by serve too, checked after parsing: the message names the setting, not the variable
     "PAGEDSERVE_BLOCK_SIZE": ("12", "block_size must be a positive power of two"),
     "PAGEDSERVE_CHAT_TEMPLATE": ("no/such/template.jinja", "the tokenizer would not start", "no such file"),
@@ -50,7 +51,7 @@ BAD_VALUES: dict[str, tuple[str, ...]] = {
 ANY_TEXT = {"PAGEDSERVE_MODEL", "PAGEDSERVE_HOST", "PAGEDSERVE_SERVED_MODEL_NAME", "PAGEDSERVE_CACHE_DIR",
             "PAGEDSERVE_API_KEY", "PAGEDSERVE_RESPONSE_ROLE", "PAGEDSERVE_TOKENIZER_JOIN"}
 # Read outside any parser: serve checks them itself.
-SHARED_BAD_VALUES = {"PAGEDSERVE_LOG_LEVEL": "loud", "PAGEDSERVE_CURVE_SECRET_KEY": "not-a-key"}
+SHARED_BAD_VALUES = {"PAGEDSERVE_CURVE_SECRET_KEY": "not-a-key"}
 
 
 def check_serve(argv: list[str] | None = None) -> None:

@@ -18,7 +18,7 @@ import zmq
 
 from common.errors import ConfigError
 from common.addresses import default_address
-from common.cli_args import SettingsParser, env_default, env_setting
+from common.cli_args import SettingsParser, add_log_level_arg, env_default, env_setting
 from common.logging_setup import setup_logging
 from common.tokenizer import load_chat_template
 from tokenizer_pool.pool import DEFAULT_LIVENESS_TIMEOUT, run_join_workers, run_tokenizer_pool
@@ -56,7 +56,7 @@ def add_tokenizer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     g.add_argument("--liveness-timeout", type=float, default=DEFAULT_LIVENESS_TIMEOUT,
                    help="the router drops a worker silent this long and re-dispatches its jobs "
                         "(default %(default)s)")
-    g.add_argument("--log-level", default=None, help="DEBUG, INFO, ... (default $PAGEDSERVE_LOG_LEVEL or INFO)")
+    add_log_level_arg(g)
     return parser
 
 

@@ -5,7 +5,7 @@ import argparse
 import logging
 
 from common.addresses import default_address
-from common.cli_args import SettingsParser, add_engine_args, engine_config_from_args, parse_engine_args, positive_float
+from common.cli_args import SettingsParser, add_engine_args, add_log_level_arg, engine_config_from_args, parse_engine_args, positive_float
 from common.logging_setup import setup_logging
 from common.proctitle import set_process_title
 from common.signals import on_stop_signals
@@ -20,6 +20,7 @@ def build_parser() -> SettingsParser:
     parser.add_argument("--rank", type=int, default=0)
     parser.add_argument("--handshake-timeout", type=positive_float, default=None,
                         help="give up if the scheduler does not answer within this many seconds")
+    add_log_level_arg(parser)
     return add_engine_args(parser)
 
 
@@ -30,7 +31,7 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argpa
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(build_parser(), argv)
-    setup_logging(f"worker {args.rank}")
+    setup_logging(f"worker {args.rank}", args.log_level)
     set_process_title(f"pagedserve: worker {args.rank}")
     from worker.service import WorkerService
     from worker.worker import Worker
