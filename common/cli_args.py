@@ -6,6 +6,7 @@ import logging
 import os
 import re
 import sys
+from typing import NoReturn
 
 from common.config import EngineConfig
 from common.errors import ConfigError
@@ -108,8 +109,9 @@ class SettingsParser(argparse.ArgumentParser):
     parses each component's settings this way before starting any."""
     raise_errors = False
 
-    def parse_known_args(self, args=None, namespace=None):
-        self._given = list(sys.argv[1:] if args is None else args)
+    def parse_known_args(self, args: list[str] | None = None, namespace: argparse.Namespace | None = None
+                         ) -> tuple[argparse.Namespace, list[str]]:
+        self._given = list(sys.argv[1:] if args is None else args)  # what came from the command line
         parsed, extras = super().parse_known_args(args, namespace)
         for action in self._actions:
             value = getattr(parsed, action.dest, None)
@@ -118,7 +120,7 @@ class SettingsParser(argparse.ArgumentParser):
                            f"(choose from {', '.join(map(str, action.choices))})")
         return parsed, extras
 
-    def error(self, message: str):
+    def error(self, message: str) -> NoReturn:
         message += self._env_origin(message)
         if self.raise_errors:
             raise ConfigError(message)

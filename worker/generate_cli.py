@@ -1,16 +1,15 @@
 """`pagedserve generate`: offline generation; only the generated text goes to stdout."""
 from __future__ import annotations
 
-import argparse
 import sys
 
-from common.cli_args import add_engine_args, engine_config_from_args
+from common.cli_args import SettingsParser, add_engine_args, engine_config_from_args
 from common.errors import InvalidRequestError
 from common.logging_setup import setup_logging
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pagedserve generate", description=__doc__)
+def build_parser() -> SettingsParser:
+    parser = SettingsParser(prog="pagedserve generate", description=__doc__)
     parser.add_argument("--prompt", action="append", required=True,
                         help="prompt text (repeat for several prompts)")
     parser.add_argument("--chat", action="store_true", help="wrap each prompt as a user chat message")
