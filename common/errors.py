@@ -26,3 +26,9 @@ class InvalidRequestError(PagedServeError):
 
 class ConfigError(ValueError):
     """A bad engine or server setting, reported at startup."""
+
+
+# The exit status of a usage error: a flag or setting (or a file one names) that a
+# component cannot run with. argparse exits with it too; a restart would fail the
+# same way, so `serve` does not restart a component that exits with it.
+USAGE_ERROR = 2

@@ -22,7 +22,7 @@ import urllib.request
 
 from common.cli_args import (SettingsParser, add_engine_args, add_log_level_arg, engine_argv, engine_config,
                              env_default, non_negative_int, positive_float)
-from common.errors import ConfigError
+from common.errors import USAGE_ERROR, ConfigError
 from common.logging_setup import setup_logging
 from common.proctitle import set_process_title
 from common.runtime_dir import create_runtime_dir, remove_stale_runtime_dirs
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         args = checked_settings(parser, argv)
     except ConfigError as e:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
-        return 2
+        return USAGE_ERROR
     setup_logging("serve", args.log_level)
     set_process_title("pagedserve: serve")
     try:

@@ -10,6 +10,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from common.errors import USAGE_ERROR
 from common.stderr_relay import StderrRelay
 
 logger = logging.getLogger("pagedserve.supervisor")
@@ -17,9 +18,6 @@ logger = logging.getLogger("pagedserve.supervisor")
 MAX_BACKOFF_S = 30.0
 HEALTHY_AFTER_S = 60.0  # a component up this long has its backoff reset
 STOP_GRACE_S = 10.0
-# A component's usage error (argparse, a ConfigError): its settings are wrong, and a
-# restart with the same ones would fail the same way, so the supervisor gives up.
-USAGE_ERROR = 2
 _PR_SET_PDEATHSIG = 1
 
 

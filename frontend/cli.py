@@ -12,7 +12,7 @@ import socket
 from common.addresses import default_address
 from common.cli_args import (SettingsParser, add_log_level_arg, env_default, env_setting, env_switch, parse_size, port_number,
                              positive_float)
-from common.errors import ConfigError
+from common.errors import USAGE_ERROR, ConfigError
 from common.generation_defaults import SOURCES_HELP, generation_config_source
 from common.logging_setup import setup_logging
 from common.proctitle import set_process_title
@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         runner(run_frontend(args))
     except ConfigError as e:
         logger.error("%s", e)
-        return 2
+        return USAGE_ERROR
     except (OSError, zmq.ZMQError) as e:  # a port in use, a host or address that cannot be used
         logger.error("cannot start the frontend: %s", e)
         return 1

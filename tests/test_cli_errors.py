@@ -159,3 +159,11 @@ def test_serve_stops_at_once_on_a_bad_setting_a_component_inherits(tmp_path):
     assert_clear_error(proc.returncode, output, "frontend", "--request-timeout", "PAGEDSERVE_REQUEST_TIMEOUT", "'abc'")
     assert len(output.strip().splitlines()) == 1, output
     assert session_processes(proc.pid) == []
+
+
+def test_a_worker_whose_kv_cache_holds_no_block_exits_with_a_usage_error(tmp_path):
+    """Exit status 2, which serve does not restart: the same settings would fail the same way."""
+    code, output = run(["worker", "--dtype", "float32", "--kv-cache-memory", "1KiB",
+                        "--worker-address", f"ipc://{tmp_path}/worker"], timeout=120)
+    assert code == 2, output
+    assert_clear_error(code, output, "cannot start the worker", "kv_cache_memory", "KV cache blocks")

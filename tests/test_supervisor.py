@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 from serve_helpers import free_port, session_processes
 
-from common.supervisor import USAGE_ERROR, Component, Supervisor
+from common.errors import USAGE_ERROR
+from common.supervisor import Component, Supervisor
 
 REPO = Path(__file__).resolve().parents[1]
 

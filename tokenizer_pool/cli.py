@@ -16,7 +16,7 @@ import sys
 
 import zmq
 
-from common.errors import ConfigError
+from common.errors import USAGE_ERROR, ConfigError
 from common.addresses import default_address
 from common.cli_args import SettingsParser, add_log_level_arg, env_default, env_setting
 from common.logging_setup import setup_logging
@@ -72,9 +72,9 @@ def run(args: argparse.Namespace) -> int:
                                model_cache_dir=args.model_cache_dir, heartbeat_interval=args.heartbeat_interval,
                                liveness_timeout=args.liveness_timeout, log_level=args.log_level,
                                chat_template=args.chat_template)
-    except ConfigError as e:
+    except ConfigError as e:  # a model without a usable tokenizer: a usage error, which a restart would repeat
         logger.error("%s", e)
-        return 1
+        return USAGE_ERROR
     except zmq.ZMQError as e:  # typically: the address is in use or malformed
         logger.error("cannot start the tokenizer pool: %s", e)
         return 1

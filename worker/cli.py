@@ -6,6 +6,7 @@ import logging
 
 from common.addresses import default_address
 from common.cli_args import SettingsParser, add_engine_args, add_log_level_arg, engine_config_from_args, parse_engine_args, positive_float
+from common.errors import USAGE_ERROR, ConfigError
 from common.logging_setup import setup_logging
 from common.proctitle import set_process_title
 from common.signals import on_stop_signals
@@ -44,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     except zmq.ZMQError as e:  # a malformed address
         logger.error("cannot start the worker: %s", e)
         return 1
+    except ConfigError as e:  # settings this model cannot run with (a KV cache too small): a usage error
+        logger.error("cannot start the worker: %s", e)
+        return USAGE_ERROR
 
     on_stop_signals(lambda: setattr(service, "running", False))
     try:
