@@ -121,9 +121,11 @@ class SettingsParser(argparse.ArgumentParser):
         return parsed, extras
 
     def error(self, message: str) -> NoReturn:
-        message += self._env_origin(message)
+        origin = self._env_origin(message)
         if self.raise_errors:
-            raise ConfigError(message)
+            raise ConfigError(message + origin)
+        if origin:  # one line: the usage of the command line says nothing about the environment
+            self.exit(2, f"{self.prog}: error: {message}{origin}\n")
         super().error(message)
 
     def _env_origin(self, message: str) -> str:

@@ -67,6 +67,7 @@ def test_out_of_range_flags_are_usage_errors(args, fragment):
 
 
 @pytest.mark.parametrize("command, variable, flag", [
+    ("serve", "PAGEDSERVE_PORT", "--port"),
     ("frontend", "PAGEDSERVE_PORT", "--port"),
     ("frontend", "PAGEDSERVE_REQUEST_TIMEOUT", "--request-timeout"),
     ("scheduler", "PAGEDSERVE_MAX_NUM_SEQS", "--max-num-seqs"),
@@ -76,7 +77,8 @@ def test_out_of_range_flags_are_usage_errors(args, fragment):
 def test_bad_environment_values_are_usage_errors(command, variable, flag):
     code, output = run([command], env={variable: "lots"})
     assert code == 2
-    assert_clear_error(code, output, flag, "lots")
+    assert_clear_error(code, output, flag, "lots", f"(from {variable} in the environment)")
+    assert len(output.strip().splitlines()) == 1, output  # no usage: the command line was fine
 
 
 def test_frontend_http_port_in_use():
