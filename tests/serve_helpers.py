@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]  # the repository: tests/ is its child
 MODEL = "smollm2-135m-instruct"
 
 
