@@ -23,7 +23,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from common.errors import InvalidRequestError
-from common.sampling_params import MAX_LOGPROBS, SamplingParams
+from common.sampling_params import MAX_LOGPROBS, MAX_SAMPLES, SamplingParams, logprobs_bound
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,10 +34,13 @@ class BeamSearchParams:
     length_penalty: float = 1.0
     include_stop_str_in_output: bool = False  # keep the final EOS in the output tokens
 
-    def validate(self) -> None:
-        if not 1 <= self.beam_width <= MAX_LOGPROBS // 2:
-            raise InvalidRequestError(f"beam search takes 1 to {MAX_LOGPROBS // 2} beams (n), not "
-                                      f"{self.beam_width}: each step ranks 2 * n tokens per beam", param="n")
+    def validate(self, max_logprobs: int = MAX_LOGPROBS) -> None:
+        """`max_logprobs`: the engine's --max-logprobs, which each step's 2 * beam_width logprobs must fit."""
+        bound = logprobs_bound(None, max_logprobs)
+        most = MAX_SAMPLES if bound is None else min(bound // 2, MAX_SAMPLES)
+        if not 1 <= self.beam_width <= most:
+            raise InvalidRequestError(f"beam search takes 1 to {most} beams (n), not {self.beam_width}: each "
+                                      f"step ranks 2 * n tokens per beam (--max-logprobs {max_logprobs})", param="n")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise InvalidRequestError(f"max_tokens must be at least 1, got {self.max_tokens}", param="max_tokens")
 

@@ -167,6 +167,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--max-logprobs", type=int, default=env_default("MAX_LOGPROBS", d["max_logprobs"].default),
+                   help="the most logprobs / prompt_logprobs a request may ask for per token; -1: the whole "
+                        "vocabulary (default 20; env PAGEDSERVE_MAX_LOGPROBS)")
     g.add_argument("--enforce-eager", action="store_true", help="never compile the model step")
     g.add_argument("--model-cache-dir", default=env_default("CACHE_DIR", None),
                    help="where converted GGUF models are kept (default ~/.cache/pagedserve/models)")
@@ -183,7 +186,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         num_gpu_blocks_override=args.num_gpu_blocks_override, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
-        enforce_eager=args.enforce_eager, model_cache_dir=args.model_cache_dir)
+        enforce_eager=args.enforce_eager, model_cache_dir=args.model_cache_dir, max_logprobs=args.max_logprobs)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -208,7 +211,7 @@ def engine_argv(config: EngineConfig) -> list[str]:
     argv = ["--model", config.model, "--dtype", config.dtype, "--device", config.device,
             "--attention-backend", config.attention_backend, "--block-size", str(config.block_size),
             "--kv-cache-memory", str(config.kv_cache_memory), "--max-num-seqs", str(config.max_num_seqs),
-            "--seed", str(config.seed),
+            "--seed", str(config.seed), "--max-logprobs", str(config.max_logprobs),
             "--enable-prefix-caching" if config.enable_prefix_caching else "--no-enable-prefix-caching"]
     optional = {"--max-model-len": config.max_model_len, "--max-num-batched-tokens": config.max_num_batched_tokens,
                 "--num-gpu-blocks-override": config.num_gpu_blocks_override,

@@ -45,6 +45,7 @@ class EngineConfig:
     seed: int = 0
     enforce_eager: bool = False  # compile the model step unless set (where supported)
     model_cache_dir: str | None = None  # where converted GGUF models are kept
+    max_logprobs: int = 20  # the most (prompt) logprobs a request may ask for per token; -1: the vocabulary
 
     def __post_init__(self) -> None:
         if self.block_size is None:
@@ -68,6 +69,8 @@ class EngineConfig:
             raise ConfigError(f"num_gpu_blocks_override must be >= 2, got {self.num_gpu_blocks_override}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.max_logprobs < -1:
+            raise ConfigError(f"max_logprobs must be -1 (no bound) or at least 0, got {self.max_logprobs}")
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:

@@ -13,7 +13,7 @@ from common.structured_outputs import StructuredOutputs
 _GREEDY_EPS = 1e-5
 _UINT64 = 1 << 64
 MAX_SAMPLES = 128  # n and best_of
-MAX_LOGPROBS = 20  # logprobs, top_logprobs and prompt_logprobs (OpenAI's top_logprobs limit)
+MAX_LOGPROBS = 20  # logprobs, top_logprobs and prompt_logprobs by default (OpenAI's top_logprobs limit)
 MAX_LOGIT_BIAS = 100.0  # |bias|, as OpenAI
 MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty|, as OpenAI
 MAX_STOP_STRINGS = 256  # each is looked for after every token: the frontend's cost grows with their number
@@ -90,11 +90,12 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             changes["logprobs"] = 0
         return msgspec.structs.replace(self, **changes)
 
-    def validate(self, vocab_size: int | None = None) -> "SamplingParams":
+    def validate(self, vocab_size: int | None = None, max_logprobs: int = MAX_LOGPROBS) -> "SamplingParams":
         """Raise InvalidRequestError naming the offending parameter; return self.
 
         With `vocab_size`, token ids (stop_token_ids, logit_bias keys) must
-        also lie in the vocabulary.
+        also lie in the vocabulary. `max_logprobs` (the server's --max-logprobs;
+        -1: no bound but the vocabulary) bounds logprobs and prompt_logprobs.
         """
         _check_int("n", self.n, 1, MAX_SAMPLES)
         if self.best_of is not None:
@@ -130,10 +131,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             raise _bad("stop", "stop must be a string or a list of strings")
         if len(self.stop) > MAX_STOP_STRINGS:
             raise _bad("stop", f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(self.stop)}")
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
-        if self.prompt_logprobs is not None:
-            _check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
+        bound = logprobs_bound(vocab_size, max_logprobs)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), 0, bound)
         self._validate_vllm_extras(vocab_size)
         return self
 
@@ -163,6 +164,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
 
 def _bad(param: str, message: str) -> InvalidRequestError:
     return InvalidRequestError(message, param=param)
+
+
+def logprobs_bound(vocab_size: int | None, max_logprobs: int) -> int | None:
+    """The most logprobs a request may ask for per token (None: no bound)."""
+    return vocab_size if max_logprobs == -1 else max_logprobs
 
 
 def _check_int(param: str, value, low: int, high: int | None) -> None:

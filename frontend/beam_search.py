@@ -30,7 +30,7 @@ _NOT_WITH_BEAM_SEARCH = {
 }
 
 
-def beam_search_params(body: Any, max_tokens: int | None) -> BeamSearchParams | None:
+def beam_search_params(body: Any, max_tokens: int | None, max_logprobs: int) -> BeamSearchParams | None:
     """The beam search a request asks for (None: it samples as usual); a 400 naming
     the field when it also asks for something beam search cannot do."""
     if not body.use_beam_search:
@@ -45,7 +45,7 @@ def beam_search_params(body: Any, max_tokens: int | None) -> BeamSearchParams | 
     params = BeamSearchParams(beam_width=body.n, max_tokens=max_tokens, ignore_eos=body.ignore_eos,
                               length_penalty=body.length_penalty,
                               include_stop_str_in_output=body.include_stop_str_in_output)
-    params.validate()
+    params.validate(max_logprobs)
     return params
 
 

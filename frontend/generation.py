@@ -18,7 +18,7 @@ from typing import AsyncIterator
 
 from common.errors import InvalidRequestError
 from common.protocol import RequestOutput, TokenLogprobs, sample_request_id
-from common.sampling_params import SamplingParams
+from common.sampling_params import MAX_LOGPROBS, SamplingParams
 from common.structured_outputs import StructuredOutputs, check_grammar
 from frontend.control_client import ControlClient
 from frontend.engine_client import EngineClient
@@ -71,6 +71,11 @@ class Generator:
     async def vocab_size(self) -> int:
         info = await self.control.model_info()
         return info.vocab_size if info is not None and info.vocab_size else len(self.tokenizer)
+
+    async def max_logprobs(self) -> int:
+        """The engine's --max-logprobs (its default until the scheduler has said)."""
+        info = await self.control.model_info()
+        return info.max_logprobs if info is not None and info.HasField("max_logprobs") else MAX_LOGPROBS
 
     async def validate(self, prompt_token_ids: list[int], max_tokens: int | None, *, min_tokens: int = 0,
                        prompt_param: str = "prompt", max_tokens_param: str = "max_tokens",

@@ -20,7 +20,7 @@ from common.errors import InvalidRequestError, PagedServeError
 from common.grpc_gen import pagedserve_pb2 as pb
 from common.grpc_gen import pagedserve_pb2_grpc
 from common.protocol import TokenLogprobs
-from common.sampling_params import SamplingParams
+from common.sampling_params import MAX_LOGPROBS, SamplingParams
 from common.structured_outputs import StructuredOutputs
 from frontend.choices import SampleResult, best_samples
 from frontend.errors import AuthenticationError, grpc_code
@@ -36,7 +36,8 @@ _FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LEN
 
 
 def sampling_params_from_proto(message: pb.SamplingParams, vocab_size: int | None = None,
-                               model_defaults: dict[str, float | int] | None = None) -> SamplingParams:
+                               model_defaults: dict[str, float | int] | None = None,
+                               max_logprobs: int = MAX_LOGPROBS) -> SamplingParams:
     """Unset optional fields keep the HTTP API's defaults (or the model's,
     `model_defaults`); max_tokens unset means "as many as fit in the context"."""
     defaults = SamplingParams.with_defaults(model_defaults)
@@ -58,7 +59,7 @@ def sampling_params_from_proto(message: pb.SamplingParams, vocab_size: int | Non
         spaces_between_special_tokens=get("spaces_between_special_tokens", True),
         structured_outputs=structured_outputs_from_proto(message),
         allowed_token_ids=list(message.allowed_token_ids) or None, bad_words=list(message.bad_words),
-        truncate_prompt_tokens=get("truncate_prompt_tokens", None)).validate(vocab_size)
+        truncate_prompt_tokens=get("truncate_prompt_tokens", None)).validate(vocab_size, max_logprobs)
 
 
 STRUCTURED_OUTPUTS_PARAM = "sampling_params.structured_outputs"
@@ -144,7 +145,8 @@ class PagedServeServicer(pagedserve_pb2_grpc.PagedServeServicer):
         state = self.state
         state.check_model(request.model or None)
         params = await with_bad_words_tokenized(state, sampling_params_from_proto(
-            request.sampling_params, await state.generator.vocab_size(), state.sampling_defaults))
+            request.sampling_params, await state.generator.vocab_size(), state.sampling_defaults,
+            await state.generator.max_logprobs()))
         field = request.WhichOneof("prompt")
         echo = ""
         if field in ("text", "token_ids"):

@@ -20,7 +20,7 @@ import msgspec
 from pydantic import Field, PrivateAttr
 
 from common.errors import InvalidRequestError
-from common.sampling_params import SamplingParams
+from common.sampling_params import MAX_LOGPROBS, SamplingParams
 from common.structured_outputs import StructuredOutputs
 from common.tokenizer import _RESERVED_TEMPLATE_KWARGS as RESERVED_TEMPLATE_KWARGS
 from frontend.errors import NotSupportedError
@@ -99,10 +99,12 @@ class SamplingRequest(TextRequest):
 
     def to_sampling_params(self, max_tokens: int | None, logprobs: int | None, vocab_size: int | None = None,
                            param_names: dict[str, str] | None = None,
-                           model_defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+                           model_defaults: Mapping[str, Any] | None = None,
+                           max_logprobs: int = MAX_LOGPROBS) -> SamplingParams:
         """Validated engine parameters. `param_names` maps a SamplingParams
         field to the name the client used (e.g. logprobs -> top_logprobs);
-        `model_defaults` replace the API's defaults (the model's generation config)."""
+        `model_defaults` replace the API's defaults (the model's generation config);
+        `max_logprobs` is the engine's --max-logprobs."""
         defaults = SamplingParams.with_defaults(model_defaults)
 
         def pick(value, default):
@@ -126,7 +128,7 @@ class SamplingRequest(TextRequest):
                 structured_outputs=asked[0] if asked else None,
                 allowed_token_ids=self.allowed_token_ids, bad_words=list(self.bad_words or []),
                 truncate_prompt_tokens=self.truncate_prompt_tokens)
-            return params.validate(vocab_size)
+            return params.validate(vocab_size, max_logprobs)
         except InvalidRequestError as e:  # name the field the client actually sent
             e.param = (param_names or {}).get(e.param, e.param)
             raise
@@ -175,10 +177,10 @@ class CompletionRequest(SamplingRequest):
         come back, nothing generated (the engine still runs one step for them)."""
         return self.echo and self.max_tokens == 0
 
-    def sampling_params(self, vocab_size: int | None = None,
-                        model_defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+    def sampling_params(self, vocab_size: int | None = None, model_defaults: Mapping[str, Any] | None = None,
+                        max_logprobs: int = MAX_LOGPROBS) -> SamplingParams:
         params = self.to_sampling_params(1 if self.echo_only else self.max_tokens, self.logprobs, vocab_size,
-                                         model_defaults=model_defaults)
+                                         model_defaults=model_defaults, max_logprobs=max_logprobs)
         if self.echo and self.logprobs is not None and self.prompt_logprobs is None:
             # The legacy logprobs of an echoed prompt cover its tokens too.
             params = msgspec.structs.replace(params, prompt_logprobs=self.logprobs)
@@ -314,12 +316,13 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateRequest):
             return self.max_completion_tokens, "max_completion_tokens"
         return self.max_tokens, "max_tokens"
 
-    def sampling_params(self, vocab_size: int | None = None,
-                        model_defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+    def sampling_params(self, vocab_size: int | None = None, model_defaults: Mapping[str, Any] | None = None,
+                        max_logprobs: int = MAX_LOGPROBS) -> SamplingParams:
         max_tokens, max_tokens_param = self.requested_max_tokens()
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         params = self.to_sampling_params(max_tokens, logprobs, vocab_size,
-                                         {"max_tokens": max_tokens_param, "logprobs": "top_logprobs"}, model_defaults)
+                                         {"max_tokens": max_tokens_param, "logprobs": "top_logprobs"}, model_defaults,
+                                         max_logprobs)
         parser = self.resolved_tool_choice().parser
         if parser is not None and parser.keeps_special_tokens:
             # Its markers are special tokens: skipped, the parser would never see a call (as vLLM).

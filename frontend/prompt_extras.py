@@ -25,7 +25,7 @@ async def with_bad_words_tokenized(state: FrontendState, params: SamplingParams)
         for word in params.bad_words))
     ids = bad_words_token_ids(params.bad_words, [(plain, spaced) for plain, spaced in encoded])
     params = msgspec.structs.replace(params, bad_words_token_ids=ids)
-    return params.validate(await state.generator.vocab_size())
+    return params.validate(await state.generator.vocab_size(), await state.generator.max_logprobs())
 
 
 async def truncated_prompt(state: FrontendState, token_ids: list[int], params: SamplingParams) -> list[int]:

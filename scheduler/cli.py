@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
                                    max_waiting_requests=args.max_waiting_requests or None,
                                    worker_step_timeout_s=args.worker_step_timeout or None)
         server = start_control_server(args.scheduler_control_address, SchedulerControlServicer(
-            control, config.model, service.request_reset_prefix_cache))
+            control, config.model, service.request_reset_prefix_cache, config.max_logprobs))
     except (OSError, zmq.ZMQError) as e:  # an address in use or malformed
         logger.error("cannot start the scheduler: %s", e)
         if service is not None:

@@ -51,10 +51,11 @@ class ControlState:
 
 class SchedulerControlServicer(control_pb2_grpc.SchedulerControlServicer):
     def __init__(self, state: ControlState, model_name: str,
-                 request_reset: Callable[[], "futures.Future[bool]"]):
+                 request_reset: Callable[[], "futures.Future[bool]"], max_logprobs: int = 20):
         self._state = state
         self._model_name = model_name
         self._request_reset = request_reset
+        self._max_logprobs = max_logprobs  # --max-logprobs: frontends check requests against it
 
     def Health(self, request, context):
         """ok: the engine loop runs (requests in its hands are safe, even while
@@ -72,7 +73,7 @@ class SchedulerControlServicer(control_pb2_grpc.SchedulerControlServicer):
         return control_pb2.ModelInfo(model=self._model_name, max_model_len=worker.max_model_len,
                                      block_size=worker.block_size, num_blocks=worker.num_blocks,
                                      vocab_size=worker.vocab_size, dtype=worker.dtype,
-                                     eos_token_ids=worker.eos_token_ids)
+                                     eos_token_ids=worker.eos_token_ids, max_logprobs=self._max_logprobs)
 
     def GetStats(self, request, context):
         stats = self._state.read().stats

@@ -81,7 +81,7 @@ class Scheduler:
     def add_request(self, engine_request: EngineRequest) -> None:
         """Queue a request; raises InvalidRequestError instead of truncating."""
         request_id = engine_request.request_id
-        engine_request.sampling_params.validate(self.vocab_size)
+        engine_request.sampling_params.validate(self.vocab_size, self.config.max_logprobs)
         num_prompt = len(engine_request.prompt_token_ids)
         if num_prompt == 0:
             raise InvalidRequestError("The prompt is empty; at least one token is required", param="prompt")

@@ -181,8 +181,7 @@ class SchedulerService:
                 f"request id {req.request_id!r} is already in flight")), to=peer)
             return
         try:
-            req.sampling_params.validate()
-            self.scheduler.add_request(req)
+            self.scheduler.add_request(req)  # which validates the sampling params
         except InvalidRequestError as e:
             send(self.frontends, EngineError(request_id=req.request_id, message=e.message), to=peer)
             return

@@ -33,3 +33,17 @@ def test_the_cli_default_follows_the_device_and_the_environment(monkeypatch):
     assert parse("--device", "cpu", "--block-size", "32").block_size == 32
     monkeypatch.setenv("PAGEDSERVE_BLOCK_SIZE", "64")
     assert parse("--device", "cpu").block_size == 64
+
+
+def test_max_logprobs_from_the_flag_or_the_environment_and_handed_on(monkeypatch):
+    from common.cli_args import engine_argv
+
+    def parse(*argv: str) -> EngineConfig:
+        return engine_config_from_args(add_engine_args(argparse.ArgumentParser()).parse_args(list(argv)))
+
+    assert parse().max_logprobs == 20 and parse("--max-logprobs", "-1").max_logprobs == -1
+    monkeypatch.setenv("PAGEDSERVE_MAX_LOGPROBS", "64")
+    config = parse()
+    assert config.max_logprobs == 64 and parse(*engine_argv(config)).max_logprobs == 64
+    with pytest.raises(ConfigError, match="max_logprobs must be -1"):
+        EngineConfig(device="cpu", max_logprobs=-2)

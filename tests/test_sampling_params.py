@@ -107,3 +107,13 @@ def test_bad_words_keep_the_spaced_spelling_only_when_it_is_another_word_of_the_
     params = with_bad_words_tokenized(SamplingParams(bad_words=[" bad"]), vocab.__getitem__)
     assert params.bad_words_token_ids == [[40], [41]]
     assert with_bad_words_tokenized(SamplingParams(), vocab.__getitem__).bad_words_token_ids == []
+
+
+def test_max_logprobs_bounds_logprobs_and_minus_one_means_the_vocabulary():
+    SamplingParams(logprobs=50, prompt_logprobs=50).validate(max_logprobs=50)
+    with pytest.raises(InvalidRequestError, match="between 0 and 50"):
+        SamplingParams(logprobs=51).validate(max_logprobs=50)
+    SamplingParams(logprobs=100).validate(vocab_size=100, max_logprobs=-1)
+    with pytest.raises(InvalidRequestError, match="between 0 and 100"):
+        SamplingParams(prompt_logprobs=101).validate(vocab_size=100, max_logprobs=-1)
+    SamplingParams(logprobs=10**6).validate(max_logprobs=-1)  # the vocabulary not known: the worker's check

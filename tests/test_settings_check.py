@@ -43,6 +43,7 @@ BAD_VALUES: dict[str, tuple[str, ...]] = {
     "PAGEDSERVE_LOG_LEVEL": ("loud", "--log-level"),
     # read by serve too, checked after parsing: the message names the setting, not the variable
     "PAGEDSERVE_BLOCK_SIZE": ("12", "block_size must be a positive power of two"),
+    "PAGEDSERVE_MAX_LOGPROBS": ("-5", "max_logprobs must be -1"),
     "PAGEDSERVE_CHAT_TEMPLATE": ("no/such/template.jinja", "the tokenizer would not start", "no such file"),
     "PAGEDSERVE_SSL_KEYFILE": ("/no/such/key.pem", "the frontend would not start", "--ssl-keyfile and"),
     "PAGEDSERVE_SSL_CERTFILE": ("/no/such/cert.pem", "the frontend would not start", "--ssl-keyfile and"),

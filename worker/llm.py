@@ -86,7 +86,7 @@ class LLM:
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        params_list = [self._tokenize_bad_words(p.validate(self.vocab_size))
+        params_list = [self._tokenize_bad_words(p.validate(self.vocab_size, self.config.max_logprobs))
                        for p in _broadcast_params(sampling_params, len(prompt_list))]
         encoded = [self._encode(p) for p in prompt_list]
         encoded = [(text, truncate_prompt(ids, params.truncate_prompt_tokens, self.max_model_len))
@@ -136,7 +136,7 @@ class LLM:
     def _run(self, encoded: list[tuple[str | None, list[int]]], params_list: list[SamplingParams],
              use_tqdm: bool) -> list[GenerationOutput]:
         for params in params_list:
-            params.validate(self.vocab_size)
+            params.validate(self.vocab_size, self.config.max_logprobs)
             check_grammar(params.structured_outputs)
         requests: dict[str, OfflineRequest] = {}
         try:

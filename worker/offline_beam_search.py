@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 def run_beam_search(llm: "LLM", encoded: Sequence[tuple[str | None, list[int]]],
                     params: BeamSearchParams) -> list[GenerationOutput]:
-    params.validate()
+    params.validate(llm.config.max_logprobs)
     searches = [BeamSearch(params, len(ids), set(llm.eos_token_ids), llm.max_model_len) for _, ids in encoded]
     for search, (_, prompt) in zip(searches, encoded):
         if len(prompt) + search.max_tokens > llm.max_model_len:

@@ -69,3 +69,15 @@ def test_a_search_past_the_context_is_refused_before_any_step(tiny):
     with pytest.raises(InvalidRequestError) as refused:
         llm.beam_search({"prompt_token_ids": list(range(3, 63))}, BeamSearchParams(beam_width=2, max_tokens=8))
     assert refused.value.param == "max_tokens"
+
+
+def test_max_logprobs_widens_what_the_engine_takes(tmp_path):
+    from common.sampling_params import SamplingParams
+
+    _, llm = tiny_llama_engine(tmp_path, num_gpu_blocks_override=100, enforce_eager=True, max_logprobs=40)
+    prompt = {"prompt_token_ids": [5, 17, 99]}
+    [out] = llm.generate(prompt, SamplingParams(max_tokens=2, logprobs=40, prompt_logprobs=40), use_tqdm=False)
+    assert all(len(entry.top_token_ids) == 40 for entry in out.outputs[0].logprobs)
+    assert len(llm.beam_search(prompt, BeamSearchParams(beam_width=20, max_tokens=2))[0].outputs) == 20
+    with pytest.raises(InvalidRequestError):
+        llm.generate(prompt, SamplingParams(max_tokens=2, logprobs=41), use_tqdm=False)

@@ -188,9 +188,10 @@ STATS = control_pb2.SchedulerStats(num_running=3, num_waiting=2, kv_cache_usage=
 
 
 class FakeControl(control_pb2_grpc.SchedulerControlServicer):
-    def __init__(self, max_model_len: int, vocab_size: int):
+    def __init__(self, max_model_len: int, vocab_size: int, max_logprobs: int | None = None):
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        self.max_logprobs = max_logprobs  # None: an older scheduler, which does not say
         self.healthy = True
         self._server: grpc.Server | None = None
 
@@ -200,7 +201,8 @@ class FakeControl(control_pb2_grpc.SchedulerControlServicer):
 
     def GetModelInfo(self, request, context):
         return control_pb2.ModelInfo(model="fake", max_model_len=self.max_model_len, block_size=16,
-                                     num_blocks=40, vocab_size=self.vocab_size, dtype="float32")
+                                     num_blocks=40, vocab_size=self.vocab_size, dtype="float32",
+                                     max_logprobs=self.max_logprobs)
 
     def GetStats(self, request, context):
         return STATS

@@ -188,3 +188,14 @@ def test_step_result_must_match_the_plan():
         scheduler.update(plan, result)
     scheduler.abort_requests(["a"])
     assert_no_leaked_blocks(scheduler)
+
+
+@pytest.mark.parametrize("max_logprobs, allowed, refused", [(20, 20, 21), (50, 50, 51), (-1, 10_000, None)])
+def test_max_logprobs_bounds_what_a_request_may_ask(max_logprobs, allowed, refused):
+    scheduler, _ = make_scheduler(max_logprobs=max_logprobs)
+    scheduler.add_request(make_request("ok", [5, 6], logprobs=allowed, prompt_logprobs=allowed))
+    if refused is not None:
+        for field in ("logprobs", "prompt_logprobs"):
+            with pytest.raises(InvalidRequestError) as error:
+                scheduler.add_request(make_request(f"too-many-{field}", [5, 6], **{field: refused}))
+            assert error.value.param == field
