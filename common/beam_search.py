@@ -19,6 +19,7 @@ only falls). Pure Python: the HTTP frontend and the offline `LLM` both drive it.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
@@ -43,6 +44,9 @@ class BeamSearchParams:
                                       f"step ranks 2 * n tokens per beam (--max-logprobs {max_logprobs})", param="n")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise InvalidRequestError(f"max_tokens must be at least 1, got {self.max_tokens}", param="max_tokens")
+        if not math.isfinite(self.length_penalty):  # NaN would make the ranking arbitrary
+            raise InvalidRequestError(f"length_penalty must be a finite number, got {self.length_penalty}",
+                                      param="length_penalty")
 
     def step_params(self) -> SamplingParams:
         """What the engine runs for one beam's next token: only its top logprobs are used."""
@@ -106,7 +110,7 @@ class BeamSearch:
 
     def score(self, beam: Beam) -> float:
         length = self.num_prompt_tokens + len(beam.token_ids) - (1 if beam.finished_by_eos else 0)
-        return beam.cumulative_logprob / (length ** self.params.length_penalty)
+        return self._length_scaled(beam.cumulative_logprob, length)
 
     def _cannot_improve(self) -> bool:
         width = self.params.beam_width
@@ -122,4 +126,15 @@ class BeamSearch:
         length = self.num_prompt_tokens + len(beam.token_ids)
         if self.params.length_penalty > 0:
             length = self.num_prompt_tokens + self.max_tokens
-        return beam.cumulative_logprob / (length ** self.params.length_penalty)
+        return self._length_scaled(beam.cumulative_logprob, length)
+
+    def _length_scaled(self, cumulative_logprob: float, length: int) -> float:
+        """cumulative_logprob / length ** length_penalty, saturating where a large
+        penalty would overflow the power (an OverflowError) or underflow it to 0."""
+        try:
+            divisor = length ** self.params.length_penalty
+        except OverflowError:
+            return -0.0
+        if divisor == 0.0:
+            return -math.inf if cumulative_logprob < 0 else 0.0
+        return cumulative_logprob / divisor

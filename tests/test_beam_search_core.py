@@ -95,8 +95,18 @@ def test_max_tokens_none_fills_the_context():
 
 @pytest.mark.parametrize("params, param", [(BeamSearchParams(beam_width=11), "n"),
                                            (BeamSearchParams(beam_width=0), "n"),
-                                           (BeamSearchParams(beam_width=2, max_tokens=0), "max_tokens")])
+                                           (BeamSearchParams(beam_width=2, max_tokens=0), "max_tokens"),
+                                           (BeamSearchParams(beam_width=2, length_penalty=math.nan), "length_penalty"),
+                                           (BeamSearchParams(beam_width=2, length_penalty=math.inf), "length_penalty")])
 def test_bad_settings_name_the_field(params, param):
     with pytest.raises(InvalidRequestError) as refused:
         params.validate()
     assert refused.value.param == param
+
+
+@pytest.mark.parametrize("length_penalty", [1e308, -1e308])
+def test_an_extreme_length_penalty_ranks_without_overflowing(length_penalty):
+    # length ** 1e308 overflows (a float OverflowError), length ** -1e308 is 0.0: neither may crash the search.
+    search = run(toy_model(5, eos_weight=3.0), [2, 3], BeamSearchParams(beam_width=3, max_tokens=4,
+                                                                       length_penalty=length_penalty))
+    assert len(search.results()) == 3
