@@ -71,8 +71,8 @@ class ResponseDraft:
         choice = chat_response.choices[0]
         content, chat_calls = choice.message.content, getattr(choice.message, "tool_calls", None) or []
         status = "incomplete" if choice.finish_reason == "length" else "completed"
-        # Logprobs belong to the text: a reply with calls reports none (as the stream, which cannot
-        # tell until the end which of its tokens are the message's).
+        # Logprobs belong to the text: a reply with calls reports none (streamed, the text before
+        # the calls has already gone out with its tokens' logprobs, as vLLM streams them).
         logprobs = [] if chat_calls or choice.logprobs is None else \
             choice.logprobs.model_dump()["content"] or []
         output = [message_item(content or "", status, logprobs=logprobs)] if content or not chat_calls else []

@@ -9,7 +9,8 @@ the calls streams as the message, then each call is a function_call item
 whose arguments' JSON text follows in response.function_call_arguments.delta
 events, piece by piece as the model writes it, as OpenAI streams them. What
 went out is the final response (what `ToolCallStream` sends adds up to the
-non-stream reply, or stands once a call went out).
+non-stream reply, or stands once a call went out). Asked for, logprobs go out
+with the message's text deltas, tools or not.
 """
 from __future__ import annotations
 
@@ -35,14 +36,14 @@ async def response_events(draft: ResponseDraft, reply: Any, deltas: AsyncIterato
         async for delta in deltas:
             reply.last = delta
             logprobs = None
+            held += delta.logprobs or []
             if calls is None:
                 step = StreamStep(content=delta.text, finish_reason=delta.finish_reason)
-                held += delta.logprobs or []
-                if step.content:
-                    logprobs, held = _logprob_dicts(reply, held), []
-            else:  # logprobs belong to the text, and a reply with calls has none (as the whole reply)
+            else:
                 step = calls.feed(delta.text) if delta.finish_reason is None else \
                     calls.finish(delta.text, delta.finish_reason)
+            if step.content:  # the message's text carries the logprobs of the tokens up to it, as vLLM's
+                logprobs, held = _logprob_dicts(reply, held), []
             finish_reason = step.finish_reason or finish_reason
             for line in output.add(step, logprobs):
                 yield line

@@ -58,3 +58,20 @@ def test_what_cannot_be_served_is_a_400(client, request_fields, param):
     with pytest.raises(openai.BadRequestError) as refused:
         client.responses.create(model="tiny-model", input="Hi", max_output_tokens=2, **request_fields)
     assert refused.value.body["param"] == param
+
+
+def test_a_plain_reply_with_tools_streams_its_logprobs(tool_stack):
+    # With "auto" tools the stream cannot tell early whether text is the message; text that
+    # goes out as the message still carries its logprobs, as vLLM streams them.
+    tools = [{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}]
+    request = dict(model="tiny-model", input="Say hello", tools=tools, include=INCLUDE, top_logprobs=1)
+    with tool_stack.replying("Just some words, no call at all."):
+        whole = tool_stack.client.responses.create(**request)
+        events = list(tool_stack.client.responses.create(**request, stream=True))
+    expected = as_dicts(whole.output[0].content[0].logprobs)
+    deltas = [d for e in events if e.type == "response.output_text.delta" for d in as_dicts(e.logprobs)]
+    [done] = [e for e in events if e.type == "response.output_text.done"]
+    # The final EOS shows no text: its logprob is on the done event, not on a delta.
+    assert len(deltas) == len(expected) - 1 > 0 and deltas == expected[:-1]
+    assert as_dicts(done.logprobs) == expected
+    assert as_dicts(events[-1].response.output[0].content[0].logprobs) == expected
