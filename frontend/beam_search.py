@@ -12,6 +12,7 @@ penalties, structured outputs, ...) are a 400 with beam search.
 from __future__ import annotations
 
 import asyncio
+import time
 from contextlib import aclosing
 from typing import Any, AsyncIterator
 
@@ -20,6 +21,7 @@ from common.errors import InvalidRequestError
 from common.sampling_params import SamplingParams
 from frontend.errors import ServiceUnavailableError
 from frontend.generation import GenerationDelta, GenerationRequest, Generator
+from frontend.metrics import RequestTimer
 
 # Request fields beam search cannot honour, and their defaults.
 _NOT_WITH_BEAM_SEARCH = {
@@ -58,15 +60,31 @@ async def beam_search_deltas(generator: Generator, request: GenerationRequest,
     prompt = request.prompt_token_ids
     search = BeamSearch(params, len(prompt), set(info.eos_token_ids), info.max_model_len)
     step_params = params.step_params()
-    while not search.done:
-        inputs = search.next_inputs(prompt)
-        search.advance(await asyncio.gather(*(
-            _top_tokens(generator, request, f"{request.request_id}-beam{search.steps}-{i}", ids, step_params)
-            for i, ids in enumerate(inputs))))
+    # The client's request is measured and logged as one, not as its many one-token steps.
+    timer = RequestTimer(generator.metrics, request.arrival_time)
+    if generator.request_logger is not None:
+        generator.request_logger.received(request)
+    try:
+        while not search.done:
+            inputs = search.next_inputs(prompt)
+            search.advance(await asyncio.gather(*(
+                _top_tokens(generator, request, f"{request.request_id}-beam{search.steps}-{i}", ids, step_params)
+                for i, ids in enumerate(inputs))))
+    except (asyncio.CancelledError, GeneratorExit):
+        timer.finished("abort", time.monotonic())
+        generator.log_finished(request, "abort (the client went away)", 0)
+        raise
+    except Exception as e:
+        generator.log_finished(request, f"failed ({e})", 0)
+        raise
     beams = search.results()
+    outputs = [search.output_token_ids(beam) for beam in beams]
+    now, reason = time.monotonic(), "stop" if beams[0].finished_by_eos else "length"
+    timer.tokens_arrived(sum(map(len, outputs)), now)
+    timer.finished(reason, now)
+    generator.log_finished(request, reason, sum(map(len, outputs)))
     num_output_tokens = 0
-    for index, beam in enumerate(beams):
-        token_ids = search.output_token_ids(beam)
+    for index, (beam, token_ids) in enumerate(zip(beams, outputs)):
         num_output_tokens += len(token_ids)
         yield _choice(generator, request, index, beam, token_ids, num_output_tokens, last=index == len(beams) - 1)
 

@@ -135,7 +135,7 @@ class Generator:
                         if delta.request_finished:
                             finished = True
                             timer.finished(delta.finish_reason or "abort", now)
-                            self._log_finished(request, delta.finish_reason or "abort", delta.num_output_tokens)
+                            self.log_finished(request, delta.finish_reason or "abort", delta.num_output_tokens)
                         yield delta
                     if finished:
                         # Leaving the loop closes `outputs`, which aborts the
@@ -147,13 +147,13 @@ class Generator:
         except (asyncio.CancelledError, GeneratorExit):
             if not finished:
                 timer.finished("abort", time.monotonic())  # the client went away
-                self._log_finished(request, "abort (the client went away)", stream.num_output_tokens)
+                self.log_finished(request, "abort (the client went away)", stream.num_output_tokens)
             raise
         except Exception as e:
-            self._log_finished(request, f"failed ({e})", stream.num_output_tokens)
+            self.log_finished(request, f"failed ({e})", stream.num_output_tokens)
             raise
 
-    def _log_finished(self, request: GenerationRequest, reason: str, num_output_tokens: int) -> None:
+    def log_finished(self, request: GenerationRequest, reason: str, num_output_tokens: int) -> None:
         if self.request_logger is not None:
             self.request_logger.finished(request.request_id, reason, num_output_tokens)
 

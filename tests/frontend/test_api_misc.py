@@ -89,6 +89,19 @@ def test_metrics_parse_and_count(server):
     assert after[itl][model] >= before[itl][model] + 2  # 3 tokens, 2 gaps
 
 
+def test_a_beam_search_counts_as_one_request(server):
+    # Its steps are engine requests of their own; the client's request is the one measured.
+    model, length = (("model_name", "tiny-model"),), (("finished_reason", "length"), ("model_name", "tiny-model"))
+    before = scrape(server)
+    client = openai.OpenAI(base_url=server.api_url, api_key="x", max_retries=0)
+    client.completions.create(model="tiny-model", prompt="Hello", max_tokens=3, n=2, extra_body={
+        "use_beam_search": True, "ignore_eos": True})
+    after = scrape(server)
+    assert after["pagedserve:request_success_total"][length] == before["pagedserve:request_success_total"][length] + 1
+    name = "pagedserve:e2e_request_latency_seconds_count"
+    assert after[name][model] == before[name][model] + 1
+
+
 def test_metrics_without_the_scheduler_omit_its_numbers(server):
     server.control.stop()
     try:
