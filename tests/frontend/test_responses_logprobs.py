@@ -75,3 +75,15 @@ def test_a_plain_reply_with_tools_streams_its_logprobs(tool_stack):
     assert len(deltas) == len(expected) - 1 > 0 and deltas == expected[:-1]
     assert as_dicts(done.logprobs) == expected
     assert as_dicts(events[-1].response.output[0].content[0].logprobs) == expected
+
+
+def test_a_reply_with_calls_streams_the_logprobs_of_its_text_only(tool_stack):
+    tools = [{"type": "function", "name": name, "parameters": {"type": "object"}}
+             for name in ("get_weather", "get_time")]
+    events = list(tool_stack.client.responses.create(model="tiny-model", input="Weather and time?", tools=tools,
+                                                     include=INCLUDE, stream=True))
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    final = events[-1].response
+    assert [item.type for item in final.output] == ["message", "function_call", "function_call"]
+    assert "".join(e.delta for e in deltas) == final.output[0].content[0].text == "Let me check both. "
+    assert [d for e in deltas for d in as_dicts(e.logprobs)] == as_dicts(final.output[0].content[0].logprobs) != []
