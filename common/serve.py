@@ -169,6 +169,9 @@ def checked_settings(parser: argparse.ArgumentParser, argv: list[str] | None) ->
 
 
 def main(argv: list[str] | None = None) -> int:
+    # First: the settings check below sets environment variables, after which
+    # setproctitle can no longer rewrite the command line.
+    set_process_title("pagedserve: serve")
     parser = build_parser()
     try:
         args = checked_settings(parser, argv)
@@ -176,7 +179,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
         return USAGE_ERROR
     setup_logging("serve", args.log_level)
-    set_process_title("pagedserve: serve")
     try:
         check_ports_free(args.host, {"HTTP": args.port, "gRPC": args.grpc_port})
     except OSError as e:

@@ -37,6 +37,8 @@ def test_every_component_is_its_own_process(server):
     assert len(pids.get("worker", [])) == 1
     tokenizer_workers = [p for p in pids.get("tokenizer", []) if cmdline(p) != "pagedserve: tokenizer"]
     assert len(tokenizer_workers) >= 2, pids
+    # ps names serve too, as ops find it (pgrep -f "pagedserve: serve").
+    assert cmdline(server.proc.pid) == "pagedserve: serve"
 
 
 def test_chat_and_completion_answer_paris(client):
