@@ -83,10 +83,11 @@ async def start_chat_generation(state: FrontendState, body: ChatCompletionReques
     body.use_response_role(state.response_role)
     body.check_supported()
     generator = state.generator
+    max_logprobs = await generator.max_logprobs()
     params = await with_bad_words_tokenized(state, body.sampling_params(
-        await generator.vocab_size(), state.sampling_defaults, max_logprobs=await generator.max_logprobs()))
+        await generator.vocab_size(), state.sampling_defaults, max_logprobs=max_logprobs))
     max_tokens, max_tokens_param = body.requested_max_tokens()
-    beams = beam_search_params(body, max_tokens, await generator.max_logprobs())
+    beams = beam_search_params(body, max_tokens, max_logprobs)
     prompt_ids = await truncated_prompt(state, await render_chat_prompt(state, body), params)
     await generator.validate(prompt_ids, max_tokens, min_tokens=params.min_tokens, prompt_param="messages",
                              max_tokens_param=max_tokens_param, structured_output=body.structured_output())

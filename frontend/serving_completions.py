@@ -89,9 +89,10 @@ async def create_completion(state: FrontendState, body: CompletionRequest, raw_r
     state.check_model(body.model)
     body.check_supported()
     generator = state.generator
+    max_logprobs = await generator.max_logprobs()
     params = await with_bad_words_tokenized(state, body.sampling_params(
-        await generator.vocab_size(), state.sampling_defaults, max_logprobs=await generator.max_logprobs()))
-    beams = beam_search_params(body, body.max_tokens, await generator.max_logprobs())
+        await generator.vocab_size(), state.sampling_defaults, max_logprobs=max_logprobs))
+    beams = beam_search_params(body, body.max_tokens, max_logprobs)
     prompts = body.prompts()
     encoded = await asyncio.gather(*(encoded_prompt(state, p, body.add_special_tokens, params) for p in prompts))
     prompt_ids = [ids for ids, _ in encoded]
