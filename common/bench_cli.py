@@ -23,6 +23,7 @@ from typing import Any
 
 from common.benchmarks.workloads import DEFAULT_SEED, NAMED_WORKLOADS, resolve_workload, save_workload
 from common.cli_args import add_engine_args, engine_argv, engine_config_from_args
+from common.errors import InvalidRequestError
 from common.logging_setup import setup_logging
 
 SMOLLM2_VOCAB = 49152
@@ -46,15 +47,21 @@ def _emit(result: dict[str, Any], as_json: bool, formatter) -> None:
 
 # --- throughput -------------------------------------------------------------------------
 def cmd_throughput(args: argparse.Namespace) -> int:
-    from worker.benchmarks.throughput import format_throughput, run_throughput
+    from worker.benchmarks.throughput import SamplingChoice, format_throughput, run_throughput
 
     config = engine_config_from_args(args)
     requests = resolve_workload(args.workload, _model_vocab_size(config.model, config.model_cache_dir),
                                 args.workload_seed)
     if args.save_workload:
         save_workload(requests, args.save_workload)
+    sampling = SamplingChoice(args.temperature, args.top_p, args.top_k, args.sampling_seed)
+    try:
+        sampling.params(1)  # a bad choice fails here, before the engine starts
+    except InvalidRequestError as exc:
+        print(f"pagedserve bench throughput: error: {exc}", file=sys.stderr)
+        return 2
     result = run_throughput(config, requests, detokenize=not args.no_detokenize, use_tqdm=args.progress,
-                            workload_name=os.path.basename(args.workload))
+                            workload_name=os.path.basename(args.workload), sampling=sampling)
     _emit(result, args.json, format_throughput)
     return 0
 
@@ -207,6 +214,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-detokenize", action="store_true", help="skip loading the tokenizer / detokenizing")
     p.add_argument("--progress", action="store_true", help="show a progress bar")
     p.add_argument("--json", action="store_true", help="print one JSON line")
+    sampling = p.add_argument_group("sampling (default: greedy, as W1 and W2 are defined)")
+    sampling.add_argument("--temperature", type=float, default=0.0)
+    sampling.add_argument("--top-p", type=float, default=1.0)
+    sampling.add_argument("--top-k", type=int, default=0, help="0: off")
+    sampling.add_argument("--sampling-seed", type=int, default=None, help="give every request this seed")
     add_engine_args(p)
     p.set_defaults(handler=cmd_throughput)
 

@@ -33,7 +33,7 @@ class ModelRunner:
         self.backend = backend
         self.block_size = block_size
         self.device = torch.device(device)
-        self.sampler = Sampler(seed, self.device)
+        self.sampler = Sampler(seed)
         self.forward = forward or ModelForward(model, kv_caches, backend, max_model_len=0, compile=False)
         # The C++ scan only on CPU: a CUDA worker need not build the CPU extension.
         self.near_top_scan = NearTopScan(compile=self.forward.compiled, use_kernel=self.device.type == "cpu")
@@ -58,7 +58,8 @@ class ModelRunner:
                 if batch.logits_indices.numel() != hidden.shape[0]:  # else every token samples (all decodes)
                     hidden = hidden.index_select(0, batch.logits_indices)
                 meta = batch.sampling_metadata
-                logits = self.model.compute_logits(hidden, upcast=not meta.plain_argmax)
+                # Only the adjustments (penalties, biases, masks) need float32 logits to add to.
+                logits = self.model.compute_logits(hidden, upcast=meta.adjustments is not None)
                 output = self.sampler.sample(logits, meta, self._greedy_refiner(hidden))
                 sampled = output.token_ids.tolist()
                 if output.logprobs is not None:

@@ -1,15 +1,11 @@
 """Batched token sampling: greedy, temperature, top-k, top-p, min-p, seeds.
 
 Everything is done on [N, vocab] tensors; no Python loop ever touches the
-vocabulary. Random rows are sampled with the exponential race: for
-probabilities p and independent E_i ~ Exp(1), argmax(p_i / E_i) is distributed
-exactly as p. That turns sampling into one elementwise op and an argmax, and
-lets each seeded request own its noise, so its output does not depend on
-which other requests share the batch.
+vocabulary. Random rows are sampled with a race over counter-based noise (see
+`worker.random_race`), which lets each seeded request own its noise, so its
+output does not depend on which other requests share the batch.
 
-Filter order follows vLLM: temperature, then min-p, top-k, and last top-p on
-the distribution the earlier filters left (renormalized). Before all of them
-the logits adjustments (min_tokens, logit_bias, penalties; see
+Before temperature and the filters the logits adjustments (min_tokens, logit_bias, penalties; see
 `worker.logits_processors`) apply to greedy and random rows alike, and
 requested logprobs are taken from the raw logits, before any adjustment.
 """
@@ -24,6 +20,7 @@ from common.protocol import TokenLogprobs
 from common.sampling_params import SamplingParams
 from worker.logits_processors import LogitsAdjustments
 from worker.logprobs import select_logprobs
+from worker.random_race import as_int64, sample_random_rows
 from worker.structured_output import GrammarMatcher
 
 _MASK_64 = (1 << 64) - 1
@@ -142,12 +139,11 @@ class SamplerOutput:
 class Sampler:
     """Picks one token per row of float32 logits [N, vocab]."""
 
-    def __init__(self, seed: int = 0, device: torch.device | str = "cpu"):
-        # Noise for unseeded rows: reproducible per engine seed, shared batch draw.
-        self.generator = torch.Generator(device=device)
+    def __init__(self, seed: int = 0):
+        # Noise keys for unseeded rows: reproducible per engine seed (drawn on the CPU:
+        # a few numbers a step; the noise itself is computed where the logits are).
+        self.generator = torch.Generator()
         self.generator.manual_seed(seed & _MASK_64)
-        # Re-seeded for every seeded row, so one object serves all requests.
-        self.seeded_generator = torch.Generator(device=device)
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """Sampled token ids [N] int64 (the logits may be adjusted in place)."""
@@ -198,134 +194,13 @@ class Sampler:
 
     def _sample_random(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         assert meta.temperature is not None
-        logits = logits.float() / meta.temperature.unsqueeze(1)
-        if meta.min_p is not None:
-            logits = apply_min_p(logits, meta.min_p)
-        if meta.top_k is not None or meta.top_p is not None:
-            logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
-        # The race only compares within a row, so unnormalized probabilities
-        # exp(l - max) do (no softmax sum/divide). With E = -log(U), U in [0, 1):
-        # argmax(p / E) = argmin(p / log U), which saves negating the noise.
-        # U = 0 gives p / -inf = -0.0, the largest possible value: never picked.
-        scores = logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_()
-        return scores.div_(self._uniform_noise(scores, meta.seeds).log_()).argmin(dim=-1)
+        keys = self._noise_keys(logits.shape[0], meta.seeds).to(logits.device)
+        return sample_random_rows(logits, meta.temperature, meta.top_k, meta.top_p, meta.min_p, keys)
 
-    def _uniform_noise(self, like: torch.Tensor, seeds: dict[int, int]) -> torch.Tensor:
-        """U ~ Uniform[0, 1) shaped like `like` (cheaper on CPU than exponential_)."""
-        noise = torch.empty_like(like)
-        if not seeds:
-            return noise.uniform_(generator=self.generator)
-        # Seeded rows draw their own noise (independent of the batch); all
-        # other rows share one draw from the engine generator.
+    def _noise_keys(self, rows: int, seeds: dict[int, int]) -> torch.Tensor:
+        """One noise key per random row: a seeded row's is its step seed (independent of
+        the batch), the others' come from the engine generator."""
+        keys = torch.empty(rows, dtype=torch.int64).random_(generator=self.generator)
         for row, seed in seeds.items():
-            self.seeded_generator.manual_seed(seed)
-            noise[row].uniform_(generator=self.seeded_generator)
-        unseeded = [row for row in range(like.shape[0]) if row not in seeds]
-        if unseeded:
-            shared = torch.empty((len(unseeded), like.shape[1]), dtype=like.dtype, device=like.device)
-            shared.uniform_(generator=self.generator)
-            noise[torch.tensor(unseeded, device=like.device)] = shared
-        return noise
-
-
-def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Mask tokens whose probability is below min_p times the top probability.
-
-    p_i < m * p_max  <=>  logit_i < logit_max + log(m), so no softmax is needed;
-    rows with min_p = 0 get a threshold of -inf and keep everything.
-    """
-    threshold = logits.amax(dim=-1, keepdim=True) + min_p.log().unsqueeze(1)
-    return logits.masked_fill(logits < threshold, float("-inf"))
-
-
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
-                      top_p: torch.Tensor | None) -> torch.Tensor:
-    """Keep each row's k most likely tokens (top_k 0 = all), then the smallest
-    prefix of those, by descending probability, whose mass reaches top_p.
-
-    Only the rows that use a filter are touched. Full-vocabulary sorts are
-    slow on CPU, so the work happens on each row's TOP_P_CANDIDATES largest
-    logits whenever the answer provably lies among them (see
-    `_top_k_top_p_candidates`); only the remaining rows are sorted.
-    """
-    rows = _active_rows(top_k, top_p)
-    if rows.numel() == 0:
-        return logits
-    every_row = rows.numel() == logits.shape[0]
-    sub = logits if every_row else logits.index_select(0, rows)
-    vocab = sub.shape[1]
-    k = torch.full((rows.numel(),), vocab, dtype=torch.int64, device=logits.device)
-    if top_k is not None:
-        row_k = top_k.index_select(0, rows)
-        k = torch.where(row_k > 0, row_k.clamp(max=vocab), k)
-    if top_p is None:
-        kth_largest = sub.topk(int(k.max()), dim=-1).values.gather(1, (k - 1).unsqueeze(1))
-        sub = sub.masked_fill(sub < kth_largest, float("-inf"))
-    else:
-        sub = _top_k_top_p(sub, k, top_p.index_select(0, rows))
-    if every_row:
-        return sub
-    out = logits.clone()
-    out[rows] = sub
-    return out
-
-
-TOP_P_CANDIDATES = 256
-
-
-def _active_rows(top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
-    active = None
-    if top_k is not None:
-        active = top_k > 0
-    if top_p is not None:
-        active = (top_p < 1.0) if active is None else active | (top_p < 1.0)
-    assert active is not None
-    return active.nonzero().squeeze(1)
-
-
-def _top_k_top_p(logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """k: [R] in [1, vocab] (vocab = no top-k); p: [R]."""
-    solved, out = _top_k_top_p_candidates(logits, k, p)
-    unsolved = (~solved).nonzero().squeeze(1)
-    if unsolved.numel():
-        out[unsolved] = _top_k_top_p_sorted(logits.index_select(0, unsolved), k[unsolved], p[unsolved])
-    return out
-
-
-def _top_k_top_p_candidates(logits: torch.Tensor, k: torch.Tensor,
-                            p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k/top-p over the C largest logits of each row (already sorted by topk).
-
-    Exact for a row when (a) k <= C: all of top-k is among the candidates, or
-    (b) top-k is off and the candidates' mass reaches p: every later token
-    then has mass_before >= p and is dropped anyway. Returns (solved rows,
-    filtered logits valid on those rows).
-    """
-    vocab = logits.shape[1]
-    num_candidates = min(TOP_P_CANDIDATES, vocab)
-    values, indices = logits.topk(num_candidates, dim=-1)
-    ranks = torch.arange(num_candidates, device=logits.device)
-    values = values.masked_fill(ranks.unsqueeze(0) >= k.unsqueeze(1), float("-inf"))
-    top_k_within = k <= num_candidates
-    # Probabilities under the top-k-renormalized distribution: its normalizer
-    # is over the candidates when top-k fits there, else over the whole row.
-    normalizer = torch.where(top_k_within, values.logsumexp(dim=-1), logits.logsumexp(dim=-1))
-    probs = (values - normalizer.unsqueeze(1)).exp()
-    cumulative = probs.cumsum(dim=-1)
-    solved = top_k_within | ((k == vocab) & (cumulative[:, -1] >= p))
-    values = values.masked_fill((cumulative - probs >= p.unsqueeze(1)) & (ranks > 0), float("-inf"))
-    out = torch.full_like(logits, float("-inf")).scatter_(1, indices, values)
-    return solved, out
-
-
-def _top_k_top_p_sorted(logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(logits.shape[1], device=logits.device)
-    sorted_logits = sorted_logits.masked_fill(ranks.unsqueeze(0) >= k.unsqueeze(1), float("-inf"))
-    sorted_probs = sorted_logits.softmax(dim=-1)
-    # Mass strictly before each token: a token is kept while that is < p, so
-    # the kept set is the smallest prefix reaching p. The most likely token
-    # always stays, even for a p that float32 rounds to 0.
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    sorted_logits = sorted_logits.masked_fill((mass_before >= p.unsqueeze(1)) & (ranks > 0), float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+            keys[row] = as_int64(seed)
+        return keys

@@ -56,9 +56,20 @@ def test_throughput_reports_tokens_and_scheduler_time(tiny):
     assert result["peak_kv_blocks"] >= 6 and result["max_num_seqs"] == 256
     assert load_workload_file(str(saved)) == requests
 
+    assert result["sampling"] == {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None}
+
     human = bench("throughput", "--workload", str(root / "tiny.jsonl"), "--model", str(root / "model"),
-                  "--no-detokenize", "--enforce-eager", *SMALL_ENGINE)
+                  "--no-detokenize", "--enforce-eager", "--temperature", "0.8", "--top-p", "0.9", *SMALL_ENGINE)
     assert "output tokens/s" in human and "scheduler ms/step" in human and "eager" in human
+    assert "temperature 0.8, top_p 0.9, top_k 0" in human  # every request still yields its max_tokens
+
+
+def test_throughput_refuses_a_bad_sampling_choice(tiny):
+    root, _ = tiny
+    proc = subprocess.run([sys.executable, "-m", "common.cli", "bench", "throughput", "--workload",
+                           str(root / "tiny.jsonl"), "--model", str(root / "model"), "--top-p", "1.5"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "top_p" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_transformers_baseline(tiny):

@@ -1,6 +1,7 @@
 """The CPU kernels (paged attention, the K/V cache write, the greedy near-tie scan,
-the rotary embedding, the bfloat16 matmul and its SiLU-gated version): one C++
-extension built from `cpu_attention_source`, `worker.cpu_scan_source`,
+random sampling, the rotary embedding, the bfloat16 matmul and its SiLU-gated
+version): one C++ extension built from `cpu_attention_source`,
+`worker.cpu_scan_source`, `worker.cpu_sampling_source`,
 `worker.cpu_activation_source`, `worker.cpu_rotary_source` and
 `worker.cpu_linear_source` with the local C++ compiler at first use, cached on
 disk, and optional.
@@ -31,10 +32,11 @@ from worker.attention.cpu_attention_source import SOURCE as ATTENTION_SOURCE
 from worker.cpu_activation_source import ACTIVATION_SOURCE
 from worker.cpu_linear_source import LINEAR_SOURCE
 from worker.cpu_rotary_source import ROTARY_SOURCE
+from worker.cpu_sampling_source import SAMPLING_SOURCE
 from worker.cpu_scan_source import SCAN_SOURCE
 
-SOURCE = ATTENTION_SOURCE + SCAN_SOURCE + ACTIVATION_SOURCE + ROTARY_SOURCE + LINEAR_SOURCE
-FUNCTIONS = [*ATTENTION_FUNCTIONS, "near_top_scan", "bf16_linear_available"]
+SOURCE = ATTENTION_SOURCE + SCAN_SOURCE + SAMPLING_SOURCE + ACTIVATION_SOURCE + ROTARY_SOURCE + LINEAR_SOURCE
+FUNCTIONS = [*ATTENTION_FUNCTIONS, "near_top_scan", "sample_random_rows", "bf16_linear_available"]
 
 logger = logging.getLogger(__name__)
 
@@ -164,6 +166,14 @@ def near_top_scan(logits: torch.Tensor, model_dtype: torch.dtype) -> tuple[torch
     info = torch.finfo(model_dtype)
     argmax, counts = _module.near_top_scan(logits, float(info.eps), float(info.tiny))
     return argmax, counts
+
+
+def sample_random_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                       min_p: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """`worker.random_race.sample_random_rows_reference` for contiguous float32/bfloat16 CPU
+    logits [R, vocab]; every parameter a contiguous [R] column (top_k int64, 0: off; top_p
+    float32, 1: off; min_p float32, 0: off; keys int64). Requires `load()` to have succeeded."""
+    return _module.sample_random_rows(logits, temperature, top_k, top_p, min_p, keys)
 
 
 def rotary_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,

@@ -1,6 +1,7 @@
 """Offline throughput of pagedserve: the one-process engine (`worker.llm.LLM`) on a workload.
 
-Every request runs greedy with ignore_eos, so it yields exactly its max_tokens.
+Every request runs with ignore_eos, so it yields exactly its max_tokens; greedy unless
+a `SamplingChoice` says otherwise.
 A short untimed warm-up runs first (the model step is compiled at start-up,
 so this only touches the caches); the timed run covers everything from the
 first request added to the last output, like `../shared/peers/vllm_offline.py`.
@@ -10,6 +11,7 @@ from __future__ import annotations
 import gc
 import resource
 import time
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from common.benchmarks.workloads import BenchRequest, workload_summary
@@ -21,8 +23,24 @@ def greedy_params(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True)
 
 
+@dataclass(frozen=True, slots=True)
+class SamplingChoice:
+    """How every request of the timed run samples (greedy by default)."""
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+    def params(self, max_tokens: int) -> SamplingParams:
+        params = SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
+                                max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True)
+        params.validate()
+        return params
+
+
 def run_throughput(config: EngineConfig, requests: list[BenchRequest], *, detokenize: bool = True,
-                   use_tqdm: bool = False, workload_name: str = "") -> dict[str, Any]:
+                   use_tqdm: bool = False, workload_name: str = "",
+                   sampling: SamplingChoice = SamplingChoice()) -> dict[str, Any]:
     """Run `requests` through a fresh engine; returns the result record (see `docs/benchmarks.md`)."""
     import torch
 
@@ -40,7 +58,7 @@ def run_throughput(config: EngineConfig, requests: list[BenchRequest], *, detoke
     gc.freeze()
 
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
-    params = [greedy_params(r.max_tokens) for r in requests]
+    params = [sampling.params(r.max_tokens) for r in requests]
     started = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
     elapsed = time.perf_counter() - started
@@ -61,6 +79,7 @@ def run_throughput(config: EngineConfig, requests: list[BenchRequest], *, detoke
         "output_tokens_per_s": round(output_tokens / elapsed, 2),
         "total_tokens_per_s": round((output_tokens + summary["prompt_tokens"]) / elapsed, 2),
         "requests_per_s": round(len(requests) / elapsed, 3),
+        "sampling": asdict(sampling),
         "steps": stats.steps,
         "scheduler_ms_per_step": round(stats.scheduler_ms_per_step, 3),
         "execute_ms_per_step": round(stats.execute_ns / 1e6 / steps, 3),
@@ -94,6 +113,7 @@ def format_throughput(result: dict[str, Any]) -> str:
         f"  output tokens/s      {result['output_tokens_per_s']:.1f}",
         f"  total tokens/s       {result['total_tokens_per_s']:.1f}",
         f"  requests/s           {result['requests_per_s']:.2f}",
+        f"  sampling             {_sampling_text(result['sampling'])}",
         f"  steps                {result['steps']}",
         f"  scheduler ms/step    {result['scheduler_ms_per_step']:.3f}  "
         f"({100 * result['scheduler_share']:.1f}% of the run)",
@@ -105,3 +125,10 @@ def format_throughput(result: dict[str, Any]) -> str:
         f"peak RSS {result['peak_rss_gib']:.2f} GiB",
     ]
     return "\n".join(lines)
+
+
+def _sampling_text(sampling: dict[str, Any]) -> str:
+    if sampling["temperature"] == 0:
+        return "greedy"
+    text = f"temperature {sampling['temperature']:g}, top_p {sampling['top_p']:g}, top_k {sampling['top_k']}"
+    return text + (f", seed {sampling['seed']}" if sampling["seed"] is not None else "")

@@ -178,8 +178,8 @@ class LlamaForCausalLM(nn.Module):
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
         """hidden [N, hidden] -> float32 logits [N, vocab] (matmul in the model dtype, like transformers).
-        upcast=False keeps the model dtype: enough for a plain argmax, which the exact
-        float32 widening cannot change, and it saves a copy of [N, vocab]."""
+        upcast=False keeps the model dtype: enough for greedy argmax and for sampling and
+        logprobs, which widen it exactly themselves, and it saves a copy of [N, vocab]."""
         logits = linear(hidden, self.lm_head, None, self.lm_head_packed)
         return logits.float() if upcast else logits
 
