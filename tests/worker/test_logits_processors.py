@@ -113,3 +113,41 @@ def test_raw_logprobs_come_before_the_adjustments():
     assert entry.rank == int((reference > reference[5]).sum()) + 1
     assert entry.top_token_ids == reference.topk(3).indices.tolist()
     assert entry.top_logprobs == pytest.approx(reference.topk(3).values.tolist(), abs=1e-6)
+
+
+def dense_penalties(logits: torch.Tensor, params: list[SamplingParams], token_ids: list[list[int]],
+                    num_prompt_tokens: list[int]) -> torch.Tensor:
+    """The penalties over whole rows, as masks and counts (the formulas of the module docstrings)."""
+    out = logits.clone()
+    vocab = logits.shape[1]
+    for row, (p, ids, n) in enumerate(zip(params, token_ids, num_prompt_tokens)):
+        in_vocab = [t for t in ids if 0 <= t < vocab]
+        seen = torch.zeros(vocab, dtype=torch.bool)
+        seen[in_vocab] = True
+        counts = torch.bincount(torch.tensor([t for t in ids[n:] if 0 <= t < vocab], dtype=torch.int64),
+                                minlength=vocab).float()
+        penalty = torch.tensor(p.repetition_penalty, dtype=torch.float32)
+        values = torch.where(seen, torch.where(out[row] < 0, out[row] * penalty, out[row] / penalty), out[row])
+        values = (values - torch.tensor(p.frequency_penalty, dtype=torch.float32) * counts
+                  - torch.tensor(p.presence_penalty, dtype=torch.float32) * (counts > 0).float())
+        out[row] = values
+    return out
+
+
+def test_penalties_on_distinct_tokens_equal_whole_row_penalties_bit_for_bit():
+    torch.manual_seed(7)
+    rows, vocab = 40, 500
+    logits = torch.randn(rows, vocab) * 5
+    params, token_ids, prompt_lens = [], [], []
+    for row in range(rows):
+        kind = row % 4  # repetition alone, frequency/presence alone, both, none
+        params.append(SamplingParams(repetition_penalty=1.0 if kind in (1, 3) else 1.0 + row / 20,
+                                     frequency_penalty=0.0 if kind in (0, 3) else -1.0 + row / 13,
+                                     presence_penalty=0.0 if kind in (0, 3) else 0.3))
+        ids = torch.randint(0, vocab // 3, (int(torch.randint(0, 60, ())),)).tolist()
+        if row % 5 == 0:
+            ids += [vocab + 3, 2 ** 40]  # not in the vocabulary: ignored
+        token_ids.append(ids)
+        prompt_lens.append(min(len(ids), int(torch.randint(0, 30, ()))))
+    assert torch.equal(adjusted(logits, params, token_ids, prompt_lens),
+                       dense_penalties(logits, params, token_ids, prompt_lens))
