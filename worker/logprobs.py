@@ -15,14 +15,25 @@ from typing import Any
 import torch
 
 from common.protocol import PromptLogprobs, TokenLogprobs
+from worker.attention import cpu_kernels
 
 # Prompt positions scored per lm_head call: bounds the [positions, vocab] buffers.
 PROMPT_LOGITS_CHUNK = 256
+# The kernel keeps its top list by insertion: fine for the usual few, not for --max-logprobs -1's whole vocabulary.
+KERNEL_MAX_TOP = 64
 
 
 def token_logprobs(logits: torch.Tensor, chosen: torch.Tensor, num_top: Sequence[int]) -> list[TokenLogprobs]:
-    """For each row of float32 logits [N, vocab]: the chosen token's logprob
-    and rank, and the row's `num_top[row]` most likely tokens."""
+    """For each row of raw logits [N, vocab] (any float dtype): the chosen token's
+    logprob and rank, and the row's `num_top[row]` most likely tokens. On CPU the
+    kernel extension does it without materializing log_softmax."""
+    max_top = min(max(num_top, default=0), logits.shape[1])
+    if (max_top <= KERNEL_MAX_TOP and logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16)
+            and cpu_kernels.load() is not None):
+        chosen_logprobs, ranks, top_logprobs, top_ids = cpu_kernels.token_logprobs_rows(
+            logits.contiguous(), chosen.to(torch.int64).contiguous(), max_top)
+        return _entries(chosen.tolist(), chosen_logprobs.tolist(), ranks.tolist(), top_ids.tolist(),
+                        top_logprobs.tolist(), num_top)
     return select_logprobs(logits.float().log_softmax(dim=-1), chosen, num_top)
 
 
@@ -32,17 +43,21 @@ def select_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, num_top: Seque
     chosen_logprobs = logprobs.gather(1, chosen.unsqueeze(1))
     # Rank 1 is the most likely token; ties share the better rank (as vLLM).
     ranks = (logprobs > chosen_logprobs).sum(dim=-1) + 1
-    max_top = max(num_top, default=0)
-    top_ids: list[list[int]] = [[] for _ in num_top]
-    top_values: list[list[float]] = [[] for _ in num_top]
+    max_top = min(max(num_top, default=0), logprobs.shape[1])
+    all_ids: list[list[int]] = [[] for _ in num_top]
+    all_values: list[list[float]] = [[] for _ in num_top]
     if max_top > 0:
-        values, indices = logprobs.topk(min(max_top, logprobs.shape[1]), dim=-1)
+        values, indices = logprobs.topk(max_top, dim=-1)
         all_values, all_ids = values.tolist(), indices.tolist()
-        top_ids = [ids[:k] for ids, k in zip(all_ids, num_top)]
-        top_values = [vals[:k] for vals, k in zip(all_values, num_top)]
-    return [TokenLogprobs(token_id=token, logprob=value, rank=rank, top_token_ids=ids, top_logprobs=vals)
-            for token, value, rank, ids, vals in zip(chosen.tolist(), chosen_logprobs.squeeze(1).tolist(),
-                                                     ranks.tolist(), top_ids, top_values)]
+    return _entries(chosen.tolist(), chosen_logprobs.squeeze(1).tolist(), ranks.tolist(), all_ids, all_values,
+                    num_top)
+
+
+def _entries(chosen: list[int], chosen_logprobs: list[float], ranks: list[int], top_ids: list[list[int]],
+             top_logprobs: list[list[float]], num_top: Sequence[int]) -> list[TokenLogprobs]:
+    return [TokenLogprobs(token_id=token, logprob=value, rank=rank, top_token_ids=ids[:k], top_logprobs=vals[:k])
+            for token, value, rank, ids, vals, k in zip(chosen, chosen_logprobs, ranks, top_ids, top_logprobs,
+                                                        num_top)]
 
 
 @dataclass(slots=True)

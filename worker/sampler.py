@@ -19,7 +19,7 @@ import torch
 from common.protocol import TokenLogprobs
 from common.sampling_params import SamplingParams
 from worker.logits_processors import LogitsAdjustments
-from worker.logprobs import select_logprobs
+from worker.logprobs import token_logprobs
 from worker.random_race import as_int64, sample_random_rows
 from worker.structured_output import GrammarMatcher
 
@@ -157,11 +157,11 @@ class Sampler:
         if logits.shape[0] != meta.num_rows:
             raise ValueError(f"logits have {logits.shape[0]} rows, sampling metadata {meta.num_rows}")
         wanted = meta.num_logprobs
-        raw_logprobs = rows = None
-        if wanted is not None:  # from the raw logits, before the adjustments change them
+        raw = rows = None
+        if wanted is not None:  # from the raw logits: a copy when the adjustments will change them
             rows = [row for row, k in enumerate(wanted) if k is not None]
-            raw_logprobs = logits.index_select(0, torch.tensor(rows, device=logits.device)).float()
-            raw_logprobs = raw_logprobs.log_softmax(dim=-1)
+            every_row = len(rows) == meta.num_rows and meta.adjustments is None
+            raw = logits if every_row else logits.index_select(0, torch.tensor(rows, device=logits.device))
         if meta.adjustments is not None:
             logits = meta.adjustments.apply(logits)
         rows_to_refine = meta.unadjusted_greedy_rows() if refine_greedy is not None else []
@@ -173,10 +173,10 @@ class Sampler:
             if rows_to_refine:
                 index = torch.tensor(rows_to_refine, device=token_ids.device)
                 token_ids[index] = refine_greedy(logits, index)
-        if raw_logprobs is None:
+        if raw is None:
             return SamplerOutput(token_ids, None)
         chosen = token_ids.index_select(0, torch.tensor(rows, device=token_ids.device))
-        selected = select_logprobs(raw_logprobs, chosen, [wanted[row] for row in rows])
+        selected = token_logprobs(raw, chosen, [wanted[row] for row in rows])
         per_row: list[TokenLogprobs | None] = [None] * meta.num_rows
         for row, entry in zip(rows, selected):
             per_row[row] = entry

@@ -1,7 +1,7 @@
 """The CPU kernels (paged attention, the K/V cache write, the greedy near-tie scan,
-random sampling, the rotary embedding, the bfloat16 matmul and its SiLU-gated
+random sampling, sampled tokens' logprobs, the rotary embedding, the bfloat16 matmul and its SiLU-gated
 version): one C++ extension built from `cpu_attention_source`,
-`worker.cpu_scan_source`, `worker.cpu_sampling_source`,
+`worker.cpu_scan_source`, `worker.cpu_sampling_source`, `worker.cpu_logprobs_source`,
 `worker.cpu_activation_source`, `worker.cpu_rotary_source` and
 `worker.cpu_linear_source` with the local C++ compiler at first use, cached on
 disk, and optional.
@@ -31,12 +31,15 @@ from worker.attention.cpu_attention_source import FUNCTIONS as ATTENTION_FUNCTIO
 from worker.attention.cpu_attention_source import SOURCE as ATTENTION_SOURCE
 from worker.cpu_activation_source import ACTIVATION_SOURCE
 from worker.cpu_linear_source import LINEAR_SOURCE
+from worker.cpu_logprobs_source import LOGPROBS_SOURCE
 from worker.cpu_rotary_source import ROTARY_SOURCE
 from worker.cpu_sampling_source import SAMPLING_SOURCE
 from worker.cpu_scan_source import SCAN_SOURCE
 
-SOURCE = ATTENTION_SOURCE + SCAN_SOURCE + SAMPLING_SOURCE + ACTIVATION_SOURCE + ROTARY_SOURCE + LINEAR_SOURCE
-FUNCTIONS = [*ATTENTION_FUNCTIONS, "near_top_scan", "sample_random_rows", "bf16_linear_available"]
+SOURCE = (ATTENTION_SOURCE + SCAN_SOURCE + SAMPLING_SOURCE + LOGPROBS_SOURCE + ACTIVATION_SOURCE + ROTARY_SOURCE
+          + LINEAR_SOURCE)
+FUNCTIONS = [*ATTENTION_FUNCTIONS, "near_top_scan", "sample_random_rows", "token_logprobs_rows",
+             "bf16_linear_available"]
 
 logger = logging.getLogger(__name__)
 
@@ -174,6 +177,15 @@ def sample_random_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: t
     logits [R, vocab]; every parameter a contiguous [R] column (top_k int64, 0: off; top_p
     float32, 1: off; min_p float32, 0: off; keys int64). Requires `load()` to have succeeded."""
     return _module.sample_random_rows(logits, temperature, top_k, top_p, min_p, keys)
+
+
+def token_logprobs_rows(logits: torch.Tensor, chosen: torch.Tensor,
+                       num_top: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For contiguous float32/bfloat16 CPU logits [R, vocab] and chosen ids [R] (int64):
+    the chosen logprobs [R], their ranks [R], and the `num_top` largest logprobs [R, num_top]
+    with their ids (see worker.cpu_logprobs_source). Requires `load()` to have succeeded."""
+    chosen_logprobs, ranks, top_logprobs, top_ids = _module.token_logprobs_rows(logits, chosen, int(num_top))
+    return chosen_logprobs, ranks, top_logprobs, top_ids
 
 
 def rotary_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
