@@ -1,60 +1,148 @@
-"""C++ source of the bfloat16 matmuls of the CPU kernel extension (built by
-`worker.attention.cpu_kernels`), registered as `pagedserve::bf16_linear` and
-`pagedserve::bf16_linear_silu` so that compiled graphs call them without going
-through Python.
+"""C++ source of the packed matmuls of the CPU kernel extension (built by
+`worker.attention.cpu_kernels`), registered as `pagedserve::packed_linear` and
+`pagedserve::packed_linear_silu` so that compiled graphs call them without going
+through Python. Two element types share one driver:
 
-`y = x @ W.T + b` with W packed once at load time (`worker.models.packed_linear`)
-into panels of 16 output columns, each [K/2, 16, 2]: one 64-byte load gives the
-16 columns of one pair of K, the operand layout of `vdpbf16ps`. A micro-kernel
-keeps 8 rows x 48 columns (24 registers) of float32 accumulators over the
-whole K, broadcasting a pair of x per row; threads split the output columns,
-walk them once per 256 rows (whose x stays in L2), and prefetch the weights of
-their next 48 columns while computing the current ones, because at decode
-sizes every weight is read from DRAM once per step. Accumulation is float32
-(bias included) and the result is rounded once to bfloat16 (round to nearest
-even), as oneDNN and eager PyTorch do; only the summation order differs.
+- bfloat16 (CPUs with AVX512-BF16): W packed once at load time
+  (`worker.models.packed_linear`) into panels of 16 output columns, each
+  [K/2, 16, 2]: one 64-byte load gives the 16 columns of one pair of K, the
+  operand layout of `vdpbf16ps`. Accumulation is float32 (bias included) and
+  the result is rounded once to bfloat16 (round to nearest even), as oneDNN and
+  eager PyTorch do; only the summation order differs.
+- float32 (any AVX-512 CPU): panels [K, 16, 1], one FMA per K step. Each
+  output is bias + the products summed in K order, whatever the batch: a row's
+  result does not depend on which rows share its step (MKL's blocking and
+  threading change with the row count).
+
+`y = x @ W.T + b`: a micro-kernel keeps 8 rows x 48 columns (24 registers) of
+float32 accumulators over the whole K, broadcasting one step of x per row;
+threads split the output columns, walk them once per block of rows (whose x
+stays in L2), and prefetch the weights of their next 48 columns while computing
+the current ones, because at decode sizes every weight is read from DRAM once
+per step.
 
 The gated version computes the MLP's `silu(gate) * up` from a fused gate/up
 weight packed with each block's gate panels next to the up panels of the same
 columns: a tile of 6 rows x (2 + 2) panels holds both factors of 32 outputs, and
-its epilogue applies the activation in registers (`silu_mul_bf16`, rounding as
-eager does) instead of writing [T, 2 x intermediate] and reading it back. For
-a 4,096-token step that took 37 instead of 41 ms a layer.
+its epilogue applies the activation in registers (bf16: `silu_mul_bf16`,
+rounding as eager does) instead of writing [T, 2 x intermediate] and reading it
+back. For a 4,096-token bf16 step that took 37 instead of 41 ms a layer.
 
-Measured on this machine (2 cores, AVX512-BF16, vdpbf16ps peak ~466 GFLOP/s)
+Measured (bf16) on a 2-core AVX512-BF16 machine (vdpbf16ps peak ~466 GFLOP/s)
 over the layers of SmolLM2-135M against oneDNN with pre-packed weights, side by
 side: 64 rows ~400 vs ~350 GFLOP/s, 256 rows ~415 vs ~410, 4096 rows ~400 vs
 ~405 (within noise); tiles of 4 x 96 were 10 % slower, and K split into
-L1-sized chunks slower still.
+L1-sized chunks slower still. float32 figures: docs/benchmarks.md.
 """
 
 LINEAR_SOURCE = r"""
+#include <deque>
+#include <mutex>
+
 bool bf16_linear_available();
+bool f32_linear_available();
 
 namespace {
 
-#if defined(__AVX512BF16__)
-constexpr int64_t LINEAR_LANES = 16;       // output columns per register
-constexpr int64_t LINEAR_ROW_BLOCK = 256;  // rows whose x stays in L2 while a thread walks its blocks
+#if defined(__AVX512F__)
+constexpr int64_t LINEAR_LANES = 16;  // output columns per register
 // Plain: 8 rows x 3 panels (48 columns) of accumulators. Gated: 6 rows x 2 gate + 2 up panels
 // (32 output columns), the gate and up panels of the same columns side by side in the packing.
 constexpr int PLAIN_ROWS = 8, PLAIN_PANELS = 3, GATED_ROWS = 6, GATED_PANELS = 4;
 
+// float32: a step is one K value; x and the panels hold floats.
+struct F32Math {
+  using Unit = float;
+  using Vec = __m512;
+  using Out = float;
+  static constexpr int64_t ROW_BLOCK = 128;  // rows whose x stays in L2 next to a block's weights
+  static inline Vec load(const float* p) { return _mm512_loadu_ps(p); }
+  static inline Vec broadcast(float x) { return _mm512_set1_ps(x); }
+  static inline __m512 madd(__m512 acc, Vec a, Vec b) { return _mm512_fmadd_ps(a, b, acc); }
+  static inline void store(float* out, __mmask16 valid, __m512 acc) { _mm512_mask_storeu_ps(out, valid, acc); }
+  // eager float32 F.silu(gate) * up: gate / (1 + exp(-gate)), times up.
+  static inline void store_gated(float* out, __mmask16 valid, __m512 gate, __m512 up) {
+    const __m512 denominator = _mm512_add_ps(_mm512_set1_ps(1.0f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gate)));
+    store(out, valid, _mm512_mul_ps(_mm512_div_ps(gate, denominator), up));
+  }
+};
+
+#if defined(__AVX512BF16__)
 inline __m512 widen_bf16(__m256bh v) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)v), 16));
 }
 
-// Plain: out[r][0 .. 16 NV) = bias + sum over pairs p of x[r][p] . w[v][p], rounded to bf16.
+// bfloat16: a step is one pair of K values (one uint32); vdpbf16ps.
+struct Bf16Math {
+  using Unit = uint32_t;
+  using Vec = __m512bh;
+  using Out = c10::BFloat16;
+  static constexpr int64_t ROW_BLOCK = 256;
+  static inline Vec load(const uint32_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
+  static inline Vec broadcast(uint32_t x) { return (__m512bh)_mm512_set1_epi32(static_cast<int>(x)); }
+  static inline __m512 madd(__m512 acc, Vec a, Vec b) { return _mm512_dpbf16_ps(acc, a, b); }
+  static inline void store(c10::BFloat16* out, __mmask16 valid, __m512 acc) {
+    _mm256_mask_storeu_epi16(out, valid, (__m256i)_mm512_cvtneps_pbh(acc));
+  }
+  // The product is a bf16 value already (a tiny one may be subnormal, which vcvtneps2bf16
+  // would flush): its top half is the result.
+  static inline void store_gated(c10::BFloat16* out, __mmask16 valid, __m512 gate, __m512 up) {
+    const __m512 product = silu_mul_bf16(widen_bf16(_mm512_cvtneps_pbh(gate)), widen_bf16(_mm512_cvtneps_pbh(up)));
+    _mm256_mask_storeu_epi16(out, valid, bf16_bits(product));
+  }
+};
+#endif
+
+// Where a tile's results go. `at(row, col)` is the sink of the tile whose first result is that row
+// and column (relative to this sink); `put` takes output register v of tile row r.
+template <typename M>
+struct StoreSink {  // the rows of y [m, ldo]
+  typename M::Out* out;
+  int64_t ldo;
+  StoreSink at(int64_t row, int64_t col) const { return {out + row * ldo + col, ldo}; }
+  void put(int r, int v, __mmask16 valid, __m512 acc) const { M::store(out + r * ldo + v * LINEAR_LANES, valid, acc); }
+  void put_gated(int r, int v, __mmask16 valid, __m512 gate, __m512 up) const {
+    M::store_gated(out + r * ldo + v * LINEAR_LANES, valid, gate, up);
+  }
+};
+
+// Each row's largest result and its column (the first of equal ones; a NaN is larger than
+// anything, the first NaN wins, as torch.max), over the columns this sink sees.
+struct ArgmaxSink {
+  float* best;
+  int64_t* index;
+  int64_t col;  // of the tile's first output
+  ArgmaxSink at(int64_t row, int64_t column) const { return {best + row, index + row, col + column}; }
+  void put(int r, int v, __mmask16 valid, __m512 acc) const {
+    float& top = best[r];
+    if (top != top) return;  // a NaN came first
+    const int64_t first = col + v * LINEAR_LANES;
+    const __mmask16 nan = _mm512_mask_cmp_ps_mask(valid, acc, acc, _CMP_UNORD_Q);
+    if (nan) {
+      top = std::numeric_limits<float>::quiet_NaN();
+      index[r] = first + __builtin_ctz(nan);
+      return;
+    }
+    const float peak = _mm512_mask_reduce_max_ps(valid, acc);
+    if (peak > top) {
+      top = peak;
+      index[r] = first + __builtin_ctz(_mm512_mask_cmp_ps_mask(valid, acc, _mm512_set1_ps(peak), _CMP_EQ_OQ));
+    }
+  }
+  void put_gated(int, int, __mmask16, __m512, __m512) const {}  // never instantiated with a gate
+};
+
+// Plain: out[r][0 .. 16 NV) = bias + sum over steps p of x[r][p] . w[v][p].
 // Gated (NV even, the first NV / 2 panels gates, the rest the ups of the same columns):
-// out[r][0 .. 8 NV) = silu(gate) * up, each of gate, up, silu(gate) and the product rounded to
-// bf16 as the plain matmul followed by eager F.silu(gate) * up rounds them. `cols` output columns are valid
-// (the last panel may be partial). Issues one prefetch per pair for the first `prefetch_lines`
-// lines at `prefetch` (at most `pairs` of them: a tile of few rows prefetches part of the next
-// block; more per pair slowed the loop).
-template <int R, int NV, bool GATED>
-inline void linear_tile(const uint32_t* x, int64_t ldx, const uint32_t* w, int64_t panel, int64_t pairs,
-                        const float* bias, const float* bias_up, c10::BFloat16* out, int64_t ldo, int64_t cols,
-                        const char* prefetch, int64_t prefetch_lines) {
+// out[r][0 .. 8 NV) = silu(gate) * up (bf16: each of gate, up, silu(gate) and the product
+// rounded as the plain matmul followed by eager F.silu(gate) * up rounds them). `cols` output
+// columns are valid (the last panel may be partial). Issues one prefetch per step for the
+// first `prefetch_lines` lines at `prefetch` (at most `steps` of them: a tile of few rows
+// prefetches part of the next block; more per step slowed the bf16 loop).
+template <typename M, int R, int NV, bool GATED, typename Sink>
+inline void linear_tile(const typename M::Unit* x, int64_t ldx, const typename M::Unit* w, int64_t panel,
+                        int64_t steps, const float* bias, const float* bias_up, const Sink& sink,
+                        int64_t cols, const char* prefetch, int64_t prefetch_lines) {
   constexpr int OUT = GATED ? NV / 2 : NV;  // output registers per row
   __mmask16 valid[OUT];
   for (int v = 0; v < OUT; ++v) {
@@ -68,41 +156,35 @@ inline void linear_tile(const uint32_t* x, int64_t ldx, const uint32_t* w, int64
     const __m512 b = bv ? _mm512_maskz_loadu_ps(valid[o], bv + o * LINEAR_LANES) : _mm512_setzero_ps();
     for (int r = 0; r < R; ++r) acc[r][v] = b;
   }
-  for (int64_t p = 0; p < pairs; ++p) {
-    __m512bh b[NV];
-    for (int v = 0; v < NV; ++v) b[v] = (__m512bh)_mm512_loadu_si512(w + v * panel + p * LINEAR_LANES);
+  for (int64_t p = 0; p < steps; ++p) {
+    typename M::Vec b[NV];
+    for (int v = 0; v < NV; ++v) b[v] = M::load(w + v * panel + p * LINEAR_LANES);
     if (p < prefetch_lines) _mm_prefetch(prefetch + p * 64, _MM_HINT_T1);
     for (int r = 0; r < R; ++r) {
-      const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * ldx + p]));
-      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], a, b[v]);
+      const typename M::Vec a = M::broadcast(x[r * ldx + p]);
+      for (int v = 0; v < NV; ++v) acc[r][v] = M::madd(acc[r][v], a, b[v]);
     }
   }
   for (int v = 0; v < OUT; ++v)
     for (int r = 0; r < R; ++r) {
-      __m256i result = (__m256i)_mm512_cvtneps_pbh(acc[r][v]);
-      if constexpr (GATED) {  // the product is a bf16 value already (a tiny one may be subnormal,
-                              // which vcvtneps2bf16 would flush): its top half is the result
-        const __m512 product = silu_mul_bf16(widen_bf16((__m256bh)result),
-                                             widen_bf16(_mm512_cvtneps_pbh(acc[r][v + OUT])));
-        result = bf16_bits(product);
-      }
-      _mm256_mask_storeu_epi16(out + r * ldo + v * LINEAR_LANES, valid[v], result);
+      if constexpr (GATED) sink.put_gated(r, v, valid[v], acc[r][v], acc[r][v + OUT]);
+      else sink.put(r, v, valid[v], acc[r][v]);
     }
 }
 
 // All m rows of one block of NV panels; the prefetch of the next block is spread over the row groups.
-template <int ROWS, int NV, bool GATED>
-void linear_block(const uint32_t* x, int64_t m, const uint32_t* w, int64_t panel, int64_t pairs, const float* bias,
-                  const float* bias_up, c10::BFloat16* out, int64_t ldo, int64_t cols, const char* prefetch,
-                  int64_t prefetch_lines) {
+template <typename M, int ROWS, int NV, bool GATED, typename Sink>
+void linear_block(const typename M::Unit* x, int64_t m, const typename M::Unit* w, int64_t panel, int64_t steps,
+                  const float* bias, const float* bias_up, const Sink& sink, int64_t cols,
+                  const char* prefetch, int64_t prefetch_lines) {
   const int64_t groups = (m + ROWS - 1) / ROWS;
   const int64_t per_group = (prefetch_lines + groups - 1) / groups;
   for (int64_t r = 0, g = 0; r < m; r += ROWS, ++g) {
     const int64_t lines = std::max<int64_t>(0, std::min(per_group, prefetch_lines - g * per_group));
     const char* ahead = prefetch + g * per_group * 64;
-    const uint32_t* xr = x + r * pairs;
-    c10::BFloat16* o = out + r * ldo;
-#define PAGEDSERVE_TILE(R) linear_tile<R, NV, GATED>(xr, pairs, w, panel, pairs, bias, bias_up, o, ldo, cols, ahead, lines)
+    const typename M::Unit* xr = x + r * steps;
+    const Sink o = sink.at(r, 0);
+#define PAGEDSERVE_TILE(R) linear_tile<M, R, NV, GATED>(xr, steps, w, panel, steps, bias, bias_up, o, cols, ahead, lines)
     switch (std::min<int64_t>(ROWS, m - r)) {
       case 8: if constexpr (ROWS >= 8) { PAGEDSERVE_TILE(8); } break;
       case 7: if constexpr (ROWS >= 7) { PAGEDSERVE_TILE(7); } break;
@@ -117,19 +199,21 @@ void linear_block(const uint32_t* x, int64_t m, const uint32_t* w, int64_t panel
   }
 }
 
-// y [m, out_features] from x [m, pairs] (bf16 pairs) and `panels` packed panels: threads split
-// the blocks of PANELS panels, walking them once per LINEAR_ROW_BLOCK rows and prefetching the
-// weights of their next block while computing the current one. Gated, a block's panels are its
-// gates then its ups, and its output columns are half its panel columns.
-template <int ROWS, int PANELS, bool GATED>
-void linear_run(const uint32_t* xp, int64_t m, const uint32_t* wp, int64_t panels, int64_t pairs, const float* b,
-                c10::BFloat16* op, int64_t out_features) {
+// y [m, out_features] from x [m, steps] and `panels` packed panels: threads split the blocks of
+// PANELS panels, walking them once per M::ROW_BLOCK rows and prefetching the weights of their
+// next block while computing the current one. Gated, a block's panels are its gates then its
+// ups, and its output columns are half its panel columns.
+template <typename M, bool GATED, typename SinkFor>
+void linear_run(const typename M::Unit* xp, int64_t m, const typename M::Unit* wp, int64_t panels, int64_t steps,
+                const float* b, int64_t out_features, const SinkFor& sink_for) {
+  constexpr int ROWS = GATED ? GATED_ROWS : PLAIN_ROWS, PANELS = GATED ? GATED_PANELS : PLAIN_PANELS;
   constexpr int64_t OUT_PANELS = GATED ? PANELS / 2 : PANELS;
-  const int64_t panel = pairs * LINEAR_LANES;  // uint32 per panel
+  const int64_t panel = steps * LINEAR_LANES;  // units per panel
   const int64_t blocks = (panels + PANELS - 1) / PANELS;
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r0 = 0; r0 < m; r0 += LINEAR_ROW_BLOCK) {
-      const int64_t rows_here = std::min<int64_t>(LINEAR_ROW_BLOCK, m - r0);
+    const auto sink = sink_for(begin * OUT_PANELS * LINEAR_LANES);
+    for (int64_t r0 = 0; r0 < m; r0 += M::ROW_BLOCK) {
+      const int64_t rows_here = std::min<int64_t>(M::ROW_BLOCK, m - r0);
       for (int64_t blk = begin; blk < end; ++blk) {
         const int64_t first = blk * PANELS, nv = std::min<int64_t>(PANELS, panels - first);
         const int64_t col = blk * OUT_PANELS * LINEAR_LANES;
@@ -137,13 +221,13 @@ void linear_run(const uint32_t* xp, int64_t m, const uint32_t* wp, int64_t panel
         // This thread's next block: its weights are contiguous after this block's.
         const int64_t ahead = blk + 1 < end ? std::min<int64_t>(PANELS, panels - first - nv) : 0;
         const char* prefetch = reinterpret_cast<const char*>(wp + (first + nv) * panel);
-        const int64_t lines = ahead * panel * 4 / 64;
-        const uint32_t* xr = xp + r0 * pairs;
-        const uint32_t* w = wp + first * panel;
+        const int64_t lines = ahead * panel * static_cast<int64_t>(sizeof(typename M::Unit)) / 64;
+        const typename M::Unit* xr = xp + r0 * steps;
+        const typename M::Unit* w = wp + first * panel;
         const float* bb = b ? b + col : nullptr;
         const float* bu = b && GATED ? b + out_features + col : nullptr;
-        c10::BFloat16* o = op + r0 * out_features + col;
-#define PAGEDSERVE_BLOCK(NV) linear_block<ROWS, NV, GATED>(xr, rows_here, w, panel, pairs, bb, bu, o, out_features, cols, prefetch, lines)
+        const auto o = sink.at(r0, col);
+#define PAGEDSERVE_BLOCK(NV) linear_block<M, ROWS, NV, GATED>(xr, rows_here, w, panel, steps, bb, bu, o, cols, prefetch, lines)
         if constexpr (GATED) {
           if (nv == 4) PAGEDSERVE_BLOCK(4); else PAGEDSERVE_BLOCK(2);
         } else {
@@ -156,41 +240,104 @@ void linear_run(const uint32_t* xp, int64_t m, const uint32_t* wp, int64_t panel
 }
 #endif
 
-// x [..., K] bf16 through a packed weight of `panels` panels -> [..., out_features]; GATED: the
-// weight is a gated packing of twice out_features columns and the MLP's activation is applied.
-template <bool GATED>
-torch::Tensor packed_matmul(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
-                            const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(bf16_linear_available(), "bf16_linear needs a CPU with AVX512-BF16");
-  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "bf16_linear runs on CPU tensors");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16, "bf16_linear takes bfloat16");
-  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == 2 && packed.is_contiguous(),
-              "packed weight must be a contiguous [N / 16, K / 2, 16, 2] tensor");
-  TORCH_CHECK(x.dim() >= 1 && (x.size(-1) + 1) / 2 == packed.size(1), "x's last dimension does not match the weight");
+// x's rows [rows, K padded to the packing's steps], after checking x, the packing (`gated`: a
+// gated packing of twice out_features columns) and the bias against each other.
+torch::Tensor checked_rows(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
+                           const c10::optional<torch::Tensor>& bias, bool gated) {
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "packed_linear runs on CPU tensors");
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(bf16 || x.scalar_type() == at::kFloat, "packed_linear takes bfloat16 or float32");
+  TORCH_CHECK(packed.scalar_type() == x.scalar_type(), "packed_linear: x and the packed weight differ in dtype");
+  TORCH_CHECK(bf16 ? bf16_linear_available() : f32_linear_available(),
+              bf16 ? "packed_linear in bfloat16 needs a CPU with AVX512-BF16"
+                   : "packed_linear in float32 needs a CPU with AVX-512");
+  const int64_t unit = bf16 ? 2 : 1;  // K values per step
+  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == unit && packed.is_contiguous(),
+              "packed weight must be a contiguous [N / 16, K / ", unit, ", 16, ", unit, "] tensor");
+  TORCH_CHECK(x.dim() >= 1 && (x.size(-1) + unit - 1) / unit == packed.size(1),
+              "x's last dimension does not match the weight");
   TORCH_CHECK(out_features > 0, "out_features must be positive");
-  const int64_t columns = (GATED ? 2 : 1) * out_features;  // of the weight, and of the bias
-  TORCH_CHECK((GATED ? 2 : 1) * ((out_features + 15) / 16) == packed.size(0), "out_features does not match the weight");
+  const int64_t copies = gated ? 2 : 1, columns = copies * out_features;  // of the weight, and of the bias
+  TORCH_CHECK(copies * ((out_features + 15) / 16) == packed.size(0), "out_features does not match the weight");
   TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == columns), "bias must be [", columns, "]");
   const int64_t k = x.size(-1);
   torch::Tensor rows = x.reshape({-1, k});
-  if (k % 2) rows = at::constant_pad_nd(rows, {0, 1});  // the packed weight's padded K is zero
-  rows = rows.contiguous();
+  if (k % unit) rows = at::constant_pad_nd(rows, {0, unit - k % unit});  // the packed weight's padded K is zero
+  return rows.contiguous();
+}
+
+// x [..., K] through a packed weight of `panels` panels -> [..., out_features], in x's dtype
+// (bfloat16 or float32, the packing's); GATED: the weight is a gated packing of twice
+// out_features columns and the MLP's activation is applied.
+template <bool GATED>
+torch::Tensor packed_matmul(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
+                            const c10::optional<torch::Tensor>& bias) {
+  const torch::Tensor rows = checked_rows(x, packed, out_features, bias, GATED);
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = out_features;
   torch::Tensor out = torch::empty(shape, x.options());
-#if defined(__AVX512BF16__)
   if (rows.size(0) == 0) return out;
   const torch::Tensor bias_f = bias ? bias->to(at::kFloat).contiguous() : torch::Tensor();
-  constexpr int ROWS = GATED ? GATED_ROWS : PLAIN_ROWS, PANELS = GATED ? GATED_PANELS : PLAIN_PANELS;
-  linear_run<ROWS, PANELS, GATED>(
-      reinterpret_cast<const uint32_t*>(rows.data_ptr()), rows.size(0), reinterpret_cast<const uint32_t*>(packed.data_ptr()),
-      packed.size(0), packed.size(1), bias ? bias_f.data_ptr<float>() : nullptr,
-      reinterpret_cast<c10::BFloat16*>(out.data_ptr()), out_features);
+  const float* bias_ptr = bias ? bias_f.data_ptr<float>() : nullptr;
+#if defined(__AVX512F__)
+  if (x.scalar_type() == at::kFloat) {
+    const StoreSink<F32Math> sink{out.data_ptr<float>(), out_features};
+    linear_run<F32Math, GATED>(rows.data_ptr<float>(), rows.size(0), packed.data_ptr<float>(), packed.size(0),
+                               packed.size(1), bias_ptr, out_features, [&](int64_t) { return sink; });
+  }
+#endif
+#if defined(__AVX512BF16__)
+  if (x.scalar_type() == at::kBFloat16) {
+    const StoreSink<Bf16Math> sink{reinterpret_cast<c10::BFloat16*>(out.data_ptr()), out_features};
+    linear_run<Bf16Math, GATED>(
+        reinterpret_cast<const uint32_t*>(rows.data_ptr()), rows.size(0),
+        reinterpret_cast<const uint32_t*>(packed.data_ptr()), packed.size(0), packed.size(1), bias_ptr,
+        out_features, [&](int64_t) { return sink; });
+  }
 #endif
   return out;
 }
 
+// One parallel chunk's running argmax: the chunk's first column, and per row its best value and column.
+struct ArgmaxPart {
+  int64_t first;
+  std::vector<float> best;
+  std::vector<int64_t> index;
+};
+
 }  // namespace
+
+// argmax over the columns of x @ W.T for float32 x [..., K] and a plain float32 packing of W
+// [N, K] -> int64 [...]: torch.max(x @ W.T, dim=-1).indices (the first of equal values, the
+// first NaN if any) without writing the [..., N] product (the lm_head of greedy rows).
+torch::Tensor packed_linear_argmax(torch::Tensor x, torch::Tensor packed, int64_t out_features) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "packed_linear_argmax takes float32");
+  const torch::Tensor rows = checked_rows(x, packed, out_features, c10::nullopt, false);
+  const int64_t m = rows.size(0);
+  torch::Tensor indices = torch::zeros(std::vector<int64_t>(x.sizes().begin(), x.sizes().end() - 1), at::kLong);
+#if defined(__AVX512F__)
+  if (m == 0) return indices;
+  std::mutex lock;
+  std::deque<ArgmaxPart> parts;  // a deque: a chunk's arrays never move while others are added
+  linear_run<F32Math, false>(rows.data_ptr<float>(), m, packed.data_ptr<float>(), packed.size(0), packed.size(1),
+                             nullptr, out_features, [&](int64_t first) {
+    std::lock_guard<std::mutex> guard(lock);
+    parts.push_back({first, std::vector<float>(m, -std::numeric_limits<float>::infinity()), std::vector<int64_t>(m, 0)});
+    return ArgmaxSink{parts.back().best.data(), parts.back().index.data(), 0};
+  });
+  std::sort(parts.begin(), parts.end(), [](const ArgmaxPart& a, const ArgmaxPart& b) { return a.first < b.first; });
+  int64_t* out = indices.data_ptr<int64_t>();
+  for (int64_t r = 0; r < m; ++r) {
+    float top = -std::numeric_limits<float>::infinity();
+    for (const ArgmaxPart& part : parts) {
+      const float v = part.best[r];
+      if (top != top) break;
+      if (v > top || v != v) { top = v; out[r] = part.index[r]; }
+    }
+  }
+#endif
+  return indices;
+}
 
 bool bf16_linear_available() {
 #if defined(__AVX512BF16__)
@@ -200,26 +347,38 @@ bool bf16_linear_available() {
 #endif
 }
 
-// x [..., K] bf16, packed [ceil(N / 16), K / 2, 16, 2] bf16 (see packed_linear), bias [N] or none -> [..., N].
-torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features,
-                          c10::optional<torch::Tensor> bias) {
+bool f32_linear_available() {
+#if defined(__AVX512F__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// x [..., K], packed [ceil(N / 16), K / unit, 16, unit] of x's dtype (unit 2 for bfloat16, 1 for
+// float32; see packed_linear), bias [N] or none -> [..., N].
+torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features,
+                            c10::optional<torch::Tensor> bias) {
   return packed_matmul<false>(x, packed, out_features, bias);
 }
 
 // silu(x @ gate.T + gate_bias) * (x @ up.T + up_bias) of a fused gate/up projection packed gated
-// (see packed_linear.pack_gated): x [..., K], packed [2 ceil(N / 16), K / 2, 16, 2], bias [2N] or
-// none -> [..., N]. Bit for bit bf16_linear followed by eager F.silu(gate) * up, without the [..., 2N] pass.
-torch::Tensor bf16_linear_silu(torch::Tensor x, torch::Tensor packed, int64_t out_features,
-                               c10::optional<torch::Tensor> bias) {
+// (see packed_linear.pack_gated): x [..., K], packed [2 ceil(N / 16), K / unit, 16, unit], bias
+// [2N] or none -> [..., N]. packed_linear followed by eager F.silu(gate) * up (bf16: bit for
+// bit), without the [..., 2N] pass.
+torch::Tensor packed_linear_silu(torch::Tensor x, torch::Tensor packed, int64_t out_features,
+                                 c10::optional<torch::Tensor> bias) {
   return packed_matmul<true>(x, packed, out_features, bias);
 }
 
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
-  m.def("bf16_linear(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
-  m.def("bf16_linear_silu(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
+  m.def("packed_linear(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
+  m.def("packed_linear_silu(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
+  m.def("packed_linear_argmax(Tensor x, Tensor packed, int out_features) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
-  m.impl("bf16_linear", &bf16_linear);
-  m.impl("bf16_linear_silu", &bf16_linear_silu);
+  m.impl("packed_linear", &packed_linear);
+  m.impl("packed_linear_silu", &packed_linear_silu);
+  m.impl("packed_linear_argmax", &packed_linear_argmax);
 }
 """

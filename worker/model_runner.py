@@ -58,13 +58,17 @@ class ModelRunner:
                 if batch.logits_indices.numel() != hidden.shape[0]:  # else every token samples (all decodes)
                     hidden = hidden.index_select(0, batch.logits_indices)
                 meta = batch.sampling_metadata
-                # Only the adjustments (penalties, biases, masks) need float32 logits to add to.
-                logits = self.model.compute_logits(hidden, upcast=meta.adjustments is not None)
-                output = self.sampler.sample(logits, meta, self._greedy_refiner(hidden))
-                sampled = output.token_ids.tolist()
-                if output.logprobs is not None:
-                    sampled_logprobs = {state.request_id: entry for state, entry
-                                        in zip(batch.sampling_states, output.logprobs) if entry is not None}
+                greedy = self.model.greedy_tokens(hidden) if meta.plain_argmax else None
+                if greedy is not None:  # every row a plain argmax: no logits needed
+                    sampled = greedy.tolist()
+                else:
+                    # Only the adjustments (penalties, biases, masks) need float32 logits to add to.
+                    logits = self.model.compute_logits(hidden, upcast=meta.adjustments is not None)
+                    output = self.sampler.sample(logits, meta, self._greedy_refiner(hidden))
+                    sampled = output.token_ids.tolist()
+                    if output.logprobs is not None:
+                        sampled_logprobs = {state.request_id: entry for state, entry
+                                            in zip(batch.sampling_states, output.logprobs) if entry is not None}
         batch.commit(sampled)
         return RunnerOutput(batch.sampling_request_ids, sampled, sampled_logprobs, prompt_logprobs)
 

@@ -42,7 +42,7 @@ class Worker:
         self.dtype: torch.dtype = getattr(torch, self.dtype_name)
 
         self.model, self.hf_config, self.model_dir = load_model(config, self.device, self.dtype)
-        self.model.pack_weights()  # bfloat16 on CPU: matmul weights packed for the CPU kernel
+        self.model.pack_weights()  # on AVX-512 CPUs: matmul weights packed for the CPU kernel
         spec = kv_cache_spec(self.hf_config, config.block_size, self.dtype)
         self.num_blocks = num_blocks_for(config, spec, self.device)
         model_limit = _model_max_len(self.hf_config)

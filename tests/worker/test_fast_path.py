@@ -124,71 +124,129 @@ def test_kernel_switch_off_falls_back(monkeypatch):
         TorchAttentionBackend(use_cpu_kernel=True)
 
 
-# --- packed bf16 matmuls --------------------------------------------------------------
+# --- packed matmuls (bfloat16 with AVX512-BF16, float32 with AVX-512) -----------------------
+PACKED_DTYPES = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float32, id="f32")]
+
+
+def needs_packed(dtype: torch.dtype) -> None:
+    if not cpu_kernels.packed_linear_available(dtype):
+        pytest.skip(f"the CPU kernel's {dtype} matmul needs {'AVX512-BF16' if dtype == torch.bfloat16 else 'AVX-512'}"
+                    " and a compiler")
+
+
+@pytest.mark.parametrize("dtype", PACKED_DTYPES)
 @pytest.mark.parametrize("out_features,in_features", [(96, 64), (200, 576), (37, 33), (16, 2)])
-def test_packed_linear_matches_f_linear(out_features, in_features):
-    """The packed bf16 matmul against float32 F.linear, at every row-tile remainder, with a
-    partial last panel (N % 16) and an odd K (zero-padded in the packed copy)."""
-    if not cpu_kernels.bf16_linear_available():
-        pytest.skip("the CPU kernel's bf16 matmul needs AVX512-BF16 and a compiler")
+def test_packed_linear_matches_f_linear(dtype, out_features, in_features):
+    """The packed matmul against float64 F.linear, at every row-tile remainder, with a
+    partial last panel (N % 16) and an odd K (zero-padded in the bf16 packed copy)."""
+    needs_packed(dtype)
     g = torch.Generator().manual_seed(out_features)
-    weight = torch.randn(out_features, in_features, generator=g).to(torch.bfloat16)
-    bias = torch.randn(out_features, generator=g).to(torch.bfloat16)
+    weight = torch.randn(out_features, in_features, generator=g).to(dtype)
+    bias = torch.randn(out_features, generator=g).to(dtype)
     packed = packed_linear.pack_weight(weight)
-    assert packed is not None and packed.shape == ((out_features + 15) // 16, (in_features + 1) // 2, 16, 2)
+    unit = packed_linear.step_unit(dtype)
+    assert packed is not None and packed.shape == ((out_features + 15) // 16, -(-in_features // unit), 16, unit)
     for rows in (1, 2, 3, 4, 5, 7, 300):
-        x = torch.randn(rows, in_features, generator=g).to(torch.bfloat16)
+        x = torch.randn(rows, in_features, generator=g).to(dtype)
         for b in (bias, None):
-            expected = F.linear(x.float(), weight.float(), None if b is None else b.float())
+            expected = F.linear(x.double(), weight.double(), None if b is None else b.double())
             got = packed_linear.linear(x, weight, b, packed)
-            assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
-            # float32 sums rounded once to bf16: within half a bf16 ulp of the exact result
-            assert torch.all((got.float() - expected).abs() <= expected.abs() * 2 ** -8 + 1e-3)
-    batched = torch.randn(2, 3, in_features, generator=g).to(torch.bfloat16)
+            assert got.dtype == dtype and got.shape == (rows, out_features)
+            if dtype == torch.bfloat16:  # float32 sums rounded once to bf16: within half a bf16 ulp
+                assert torch.all((got.double() - expected).abs() <= expected.abs() * 2 ** -8 + 1e-3)
+            else:  # float32 sums in K order: rounding errors of K terms of up to |x| |w|
+                bound = (x.double().abs() @ weight.double().abs().T) * in_features * 2 ** -24 + 1e-6
+                assert torch.all((got.double() - expected).abs() <= bound)
+    batched = torch.randn(2, 3, in_features, generator=g).to(dtype)
     assert torch.equal(packed_linear.linear(batched, weight, bias, packed),
                        packed_linear.linear(batched.reshape(6, -1), weight, bias, packed).reshape(2, 3, -1))
     assert packed_linear.linear(batched[:0], weight, bias, packed).shape == (0, 3, out_features)
-    assert packed_linear.pack_weight(weight.float()) is None  # float32 keeps F.linear
+    assert packed_linear.pack_weight(weight.half()) is None  # float16 keeps F.linear
 
 
+@needs_kernel
+def test_float32_packed_rows_do_not_depend_on_their_batch():
+    """A float32 row's result is the same bit for bit whatever rows share its call (the sum runs
+    in K order in every tile shape), so greedy outputs do not move with the batch."""
+    needs_packed(torch.float32)
+    g = torch.Generator().manual_seed(7)
+    weight, x = torch.randn(200, 576, generator=g), torch.randn(301, 576, generator=g)
+    packed = packed_linear.pack_weight(weight)
+    alone = torch.cat([packed_linear.linear(x[i:i + 1], weight, None, packed) for i in range(x.shape[0])])
+    assert torch.equal(packed_linear.linear(x, weight, None, packed), alone)
+    assert torch.equal(packed_linear.linear(x[5:18], weight, None, packed), alone[5:18])
+
+
+@pytest.mark.parametrize("dtype", PACKED_DTYPES)
 @pytest.mark.parametrize("intermediate,in_features", [(1536, 64), (37, 33), (16, 8)])
-def test_gated_linear_rounds_like_linear_then_eager_silu(intermediate, in_features):
-    """The SiLU-gated packed matmul bit for bit the packed matmul followed by eager bf16
-    F.silu(gate) * up: row-tile remainders, one thread or many, a last block with one
-    gate/up pair and a partial panel (37), biases that drive gates to +-inf, NaN, huge."""
-    if not cpu_kernels.bf16_linear_available():
-        pytest.skip("the CPU kernel's bf16 matmul needs AVX512-BF16 and a compiler")
+def test_gated_linear_matches_linear_then_eager_silu(dtype, intermediate, in_features):
+    """The SiLU-gated packed matmul against the packed matmul followed by eager F.silu(gate) *
+    up (bf16: bit for bit; float32: to the last bits of exp): row-tile remainders, one thread
+    or many, a last block with one gate/up pair and a partial panel (37), biases that drive
+    gates to +-inf, NaN, huge."""
+    needs_packed(dtype)
     g = torch.Generator().manual_seed(intermediate)
-    weight = torch.randn(2 * intermediate, in_features, generator=g).to(torch.bfloat16)
-    bias = (torch.randn(2 * intermediate, generator=g) * 4).to(torch.bfloat16)
+    weight = torch.randn(2 * intermediate, in_features, generator=g).to(dtype)
+    bias = (torch.randn(2 * intermediate, generator=g) * 4).to(dtype)
     bias[:5] = torch.tensor([100.0, -100.0, float("inf"), float("-inf"), float("nan")])
     gated, plain = packed_linear.pack_gated(weight), packed_linear.pack_weight(weight)
-    assert gated is not None and gated.shape == (2 * -(-intermediate // 16), (in_features + 1) // 2, 16, 2)
+    unit = packed_linear.step_unit(dtype)
+    assert gated is not None and gated.shape == (2 * -(-intermediate // 16), -(-in_features // unit), 16, unit)
     for rows in (1, 5, 6, 7, 13, 300):
-        x = torch.randn(rows, in_features, generator=g).to(torch.bfloat16)
+        x = torch.randn(rows, in_features, generator=g).to(dtype)
         for b in (bias, None):
             gate, up = packed_linear.linear(x, weight, b, plain).chunk(2, dim=-1)
             expected = F.silu(gate).mul_(up)
             got = packed_linear.linear_silu(x, weight, b, gated)
             assert got.shape == expected.shape == (rows, intermediate)
-            same = (got.view(torch.int16) == expected.view(torch.int16)) | (got.isnan() & expected.isnan())
-            assert bool(same.all())
+            if dtype == torch.bfloat16:
+                same = (got.view(torch.int16) == expected.view(torch.int16)) | (got.isnan() & expected.isnan())
+                assert bool(same.all())
+            else:
+                torch.testing.assert_close(got, expected, rtol=4e-7, atol=1e-30, equal_nan=True)
     assert packed_linear.linear_silu(x[:0], weight, bias, gated).shape == (0, intermediate)
     with pytest.raises(RuntimeError, match="out_features"):  # the packing holds another width
-        torch.ops.pagedserve.bf16_linear_silu(x, gated, intermediate + 16, None)
+        torch.ops.pagedserve.packed_linear_silu(x, gated, intermediate + 16, None)
     assert packed_linear.pack_gated(weight[:-1]) is None  # no gate/up halves
 
 
-def test_packed_linear_rejects_mismatched_shapes():
-    if not cpu_kernels.bf16_linear_available():
-        pytest.skip("the CPU kernel's bf16 matmul needs AVX512-BF16 and a compiler")
-    weight = torch.randn(32, 64).to(torch.bfloat16)
+@pytest.mark.parametrize("dtype", PACKED_DTYPES)
+def test_packed_linear_rejects_mismatched_shapes(dtype):
+    needs_packed(dtype)
+    weight = torch.randn(32, 64).to(dtype)
     packed = packed_linear.pack_weight(weight)
     with pytest.raises(RuntimeError, match="last dimension"):
-        packed_linear.linear(torch.randn(4, 62).to(torch.bfloat16), weight, None, packed)
+        packed_linear.linear(torch.randn(4, 62).to(dtype), weight, None, packed)
     with pytest.raises(RuntimeError, match="bias"):
-        packed_linear.linear(torch.randn(4, 64).to(torch.bfloat16), weight, torch.zeros(31, dtype=torch.bfloat16),
-                             packed)
+        packed_linear.linear(torch.randn(4, 64).to(dtype), weight, torch.zeros(31, dtype=dtype), packed)
+    other = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
+    with pytest.raises(RuntimeError, match="differ in dtype"):
+        torch.ops.pagedserve.packed_linear(torch.randn(4, 64).to(other), packed, 32, None)
+    with pytest.raises(RuntimeError, match="takes bfloat16 or float32"):
+        torch.ops.pagedserve.packed_linear(torch.randn(4, 64).half(), packed, 32, None)
+
+
+@needs_kernel
+def test_packed_argmax_is_torch_max_of_the_product():
+    """The greedy lm_head: the index torch.max picks from the packed product, at model and odd
+    sizes, on exact ties (the first wins), with a NaN (the first NaN wins) and all -inf (0)."""
+    needs_packed(torch.float32)
+    g = torch.Generator().manual_seed(3)
+    for out_features, in_features, rows in [(49152, 576, 70), (37, 33, 5), (100, 64, 1), (16, 2, 300)]:
+        weight = torch.randn(out_features, in_features, generator=g)
+        x = torch.randn(rows, in_features, generator=g)
+        packed = packed_linear.pack_weight(weight)
+        expected = packed_linear.linear(x, weight, None, packed).max(dim=-1).indices
+        assert torch.equal(torch.ops.pagedserve.packed_linear_argmax(x, packed, out_features), expected)
+    weight, x = torch.zeros(200, 4), torch.ones(3, 4)
+    weight[[10, 40, 190]] = 1.0  # equal products in different panels and thread chunks
+    argmax = torch.ops.pagedserve.packed_linear_argmax
+    assert argmax(x, packed_linear.pack_weight(weight), 200).tolist() == [10, 10, 10]
+    weight[[50, 150]] = float("nan")
+    assert argmax(x, packed_linear.pack_weight(weight), 200).tolist() == [50, 50, 50]
+    weight.fill_(float("-inf"))
+    assert argmax(x, packed_linear.pack_weight(weight), 200).tolist() == [0, 0, 0]
+    assert argmax(x[:0], packed_linear.pack_weight(weight), 200).shape == (0,)
 
 
 # --- the compiled model step ----------------------------------------------------------

@@ -1,6 +1,6 @@
 """The CPU kernels (paged attention, the K/V cache write, the greedy near-tie scan,
-random sampling, sampled tokens' logprobs, the rotary embedding, the bfloat16 matmul and its SiLU-gated
-version): one C++ extension built from `cpu_attention_source`,
+random sampling, sampled tokens' logprobs, the rotary embedding, the packed bfloat16 and
+float32 matmuls and their SiLU-gated versions): one C++ extension built from `cpu_attention_source`,
 `worker.cpu_scan_source`, `worker.cpu_sampling_source`, `worker.cpu_logprobs_source`,
 `worker.cpu_activation_source`, `worker.cpu_rotary_source` and
 `worker.cpu_linear_source` with the local C++ compiler at first use, cached on
@@ -39,7 +39,7 @@ from worker.cpu_scan_source import SCAN_SOURCE
 SOURCE = (ATTENTION_SOURCE + SCAN_SOURCE + SAMPLING_SOURCE + LOGPROBS_SOURCE + ACTIVATION_SOURCE + ROTARY_SOURCE
           + LINEAR_SOURCE)
 FUNCTIONS = [*ATTENTION_FUNCTIONS, "near_top_scan", "sample_random_rows", "token_logprobs_rows",
-             "bf16_linear_available"]
+             "bf16_linear_available", "f32_linear_available"]
 
 logger = logging.getLogger(__name__)
 
@@ -121,8 +121,8 @@ def load() -> Any | None:
                 _module = load_inline(name=name, cpp_sources=[SOURCE], functions=FUNCTIONS,
                                       extra_cflags=CFLAGS, extra_ldflags=LDFLAGS, verbose=False)
             # Loading the library defined these operators; compiled graphs trace them with their fakes.
-            torch.library.register_fake("pagedserve::bf16_linear")(_bf16_linear_shape)
-            torch.library.register_fake("pagedserve::bf16_linear_silu")(_bf16_linear_shape)
+            torch.library.register_fake("pagedserve::packed_linear")(_packed_linear_shape)
+            torch.library.register_fake("pagedserve::packed_linear_silu")(_packed_linear_shape)
             torch.library.register_fake("pagedserve::rotary_qk")(_rotary_qk_shapes)
         except Exception as exc:  # no compiler, headers or a build error: plain PyTorch still works
             _failed = True
@@ -137,14 +137,19 @@ def _rotary_qk_shapes(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, h
     return qkv.new_empty((tokens, heads, dim)), qkv.new_empty((tokens, kv_heads, dim))
 
 
-def _bf16_linear_shape(x: torch.Tensor, packed: torch.Tensor, out_features: int,
+def _packed_linear_shape(x: torch.Tensor, packed: torch.Tensor, out_features: int,
                        bias: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], out_features))
 
 
-def bf16_linear_available() -> bool:
-    """Whether the extension is built and this CPU runs its bfloat16 matmul (AVX512-BF16)."""
-    return load() is not None and bool(_module.bf16_linear_available())
+def packed_linear_available(dtype: torch.dtype) -> bool:
+    """Whether the extension is built and this CPU runs its packed matmul in `dtype`:
+    bfloat16 needs AVX512-BF16, float32 AVX-512."""
+    if load() is None:
+        return False
+    if dtype == torch.bfloat16:
+        return bool(_module.bf16_linear_available())
+    return dtype == torch.float32 and bool(_module.f32_linear_available())
 
 
 def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

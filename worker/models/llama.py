@@ -50,7 +50,7 @@ class DecoderLayer(nn.Module):
         # Packed copies of the four matmul weights (see packed_linear); None: plain F.linear.
         for name in PACKED_WEIGHTS:
             self.register_buffer(name + "_packed", None, persistent=False)
-        self.fused_rotary = False  # q/k rotary embedding through the CPU kernel (bf16 on CPU, see pack_weights)
+        self.fused_rotary = False  # q/k rotary embedding through the CPU kernel (bf16, see pack_weights)
         qkv_rows = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
         self.input_norm = _param(s.hidden, dtype=dtype, device=device)
         self.qkv_weight = _param(qkv_rows, s.hidden, dtype=dtype, device=device)
@@ -183,12 +183,23 @@ class LlamaForCausalLM(nn.Module):
         logits = linear(hidden, self.lm_head, None, self.lm_head_packed)
         return logits.float() if upcast else logits
 
+    @torch.no_grad()
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden [N, hidden] -> each row's argmax token [N] (int64, the first on ties), straight
+        from the float32 packed lm_head without writing [N, vocab] logits (for a 256-row
+        decode step that was 50 MB written, faulted in and read back); None where there is
+        no float32 packing (greedy then takes the argmax of `compute_logits`)."""
+        packed = self.lm_head_packed
+        if packed is None or packed.dtype != torch.float32:
+            return None
+        return torch.ops.pagedserve.packed_linear_argmax(hidden, packed, self.lm_head.shape[0])
+
     def pack_weights(self) -> bool:
-        """Pre-pack the matmul weights for the CPU kernel's bfloat16 matmul (bfloat16 on
-        CPU with AVX512-BF16 only; see packed_linear), and with them take the MLP
-        activation and the rotary embedding through the CPU kernel (the same rounding
-        as eager, faster than the inductor-compiled versions). Call after load_weights;
-        returns whether anything was packed."""
+        """Pre-pack the matmul weights for the CPU kernel's matmul (bfloat16 on CPUs with
+        AVX512-BF16, float32 on AVX-512 CPUs; see packed_linear), and with them take the
+        MLP activation through the CPU kernel; in bfloat16 the rotary embedding too (the
+        same rounding as eager, faster than the inductor-compiled versions). Call after
+        load_weights; returns whether anything was packed."""
         self.lm_head_packed = pack_weight(self.lm_head)
         if self.lm_head_packed is None:
             return False
@@ -196,7 +207,7 @@ class LlamaForCausalLM(nn.Module):
             for name in PACKED_WEIGHTS:
                 pack = pack_gated if name == "gate_up" else pack_weight
                 setattr(layer, name + "_packed", pack(getattr(layer, name + "_weight")))
-            layer.fused_rotary = True
+            layer.fused_rotary = self.lm_head.dtype == torch.bfloat16
         return True
 
     # --- weights ---------------------------------------------------------------------

@@ -1,13 +1,14 @@
-"""bfloat16 linear layers on CPU with their weights pre-packed for the kernel
-extension's matmul, `pagedserve::bf16_linear` (see worker.cpu_linear_source).
+"""Linear layers on CPU with their weights pre-packed for the kernel extension's
+matmul, `pagedserve::packed_linear` (see worker.cpu_linear_source): bfloat16 on
+CPUs with AVX512-BF16, float32 on any AVX-512 CPU.
 
 A weight [N, K] is packed once at load time into panels of 16 output columns,
-[ceil(N / 16), ceil(K / 2), 16, 2] (zero-padded), so that one 64-byte load
-feeds `vdpbf16ps` with 16 columns of a pair of K. The packed copy is an
-ordinary tensor: compiled graphs take it as an input like any weight. Where
-the kernel is not available (no compiler, no AVX512-BF16, float32, other
-devices) layers keep F.linear, so float32 outputs stay bitwise the ones
-transformers computes.
+[ceil(N / 16), ceil(K / unit), 16, unit] (zero-padded), where a unit is the K
+values one step of the kernel consumes: a pair in bfloat16 (one 64-byte load
+feeds `vdpbf16ps` with 16 columns of a pair of K), one value in float32. The
+packed copy is an ordinary tensor: compiled graphs take it as an input like any
+weight. Where the kernel is not available (no compiler, no AVX-512, float16,
+other devices) layers keep F.linear.
 """
 from __future__ import annotations
 
@@ -21,8 +22,13 @@ GATED_BLOCK = 2  # gate panels per block of a gated packing (GATED_PANELS / 2 in
 
 
 def packing_supported(weight: torch.Tensor) -> bool:
-    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
-            and cpu_kernels.bf16_linear_available())
+    return (weight.device.type == "cpu" and weight.dim() == 2
+            and cpu_kernels.packed_linear_available(weight.dtype))
+
+
+def step_unit(dtype: torch.dtype) -> int:
+    """K values per step of the packed kernel: bf16 pairs, single floats."""
+    return 2 if dtype == torch.bfloat16 else 1
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
@@ -30,13 +36,15 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     if not packing_supported(weight):
         return None
     n, k = weight.shape
-    padded = F.pad(weight.detach(), (0, k % 2, 0, -n % PANEL))
-    return padded.view(padded.shape[0] // PANEL, PANEL, padded.shape[1] // 2, 2).permute(0, 2, 1, 3).contiguous()
+    unit = step_unit(weight.dtype)
+    padded = F.pad(weight.detach(), (0, -k % unit, 0, -n % PANEL))
+    return (padded.view(padded.shape[0] // PANEL, PANEL, padded.shape[1] // unit, unit)
+            .permute(0, 2, 1, 3).contiguous())
 
 
 def pack_gated(weight: torch.Tensor) -> torch.Tensor | None:
     """The packed copy of a fused gate/up weight [2N, K] (gate rows, then up rows) for
-    `pagedserve::bf16_linear_silu`: panels in blocks of two gate panels followed by the
+    `pagedserve::packed_linear_silu`: panels in blocks of two gate panels followed by the
     up panels of the same columns (the last block may hold one of each), so that one
     register tile holds both factors of its outputs. None when the kernel cannot run it."""
     if not packing_supported(weight) or weight.shape[0] % 2:
@@ -54,7 +62,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     """F.linear(x, weight, bias), through the packed copy of weight when there is one."""
     if packed is None:
         return F.linear(x, weight, bias)
-    return torch.ops.pagedserve.bf16_linear(x, packed, weight.shape[0], bias)
+    return torch.ops.pagedserve.packed_linear(x, packed, weight.shape[0], bias)
 
 
 def linear_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -64,4 +72,4 @@ def linear_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if packed is None:
         gate, up = F.linear(x, weight, bias).chunk(2, dim=-1)
         return F.silu(gate).mul_(up)
-    return torch.ops.pagedserve.bf16_linear_silu(x, packed, weight.shape[0] // 2, bias)
+    return torch.ops.pagedserve.packed_linear_silu(x, packed, weight.shape[0] // 2, bias)
