@@ -126,22 +126,26 @@ def cmd_compare(args: argparse.Namespace) -> int:
     model_dir = resolve_model_dir(config.model, config.model_cache_dir)
     vocab = _model_vocab_size(config.model, config.model_cache_dir)
     ours_argv = engine_argv(config.replace(dtype=dtype))
-    systems = ["pagedserve"] + (["vllm"] if args.vllm_python else []) + ([] if args.skip_transformers
-                                                                          else ["transformers"])
+    # (name, kind, dtype): a baseline in another dtype than ours is named after it, e.g. vllm_bfloat16.
+    systems = [("pagedserve", "pagedserve", dtype)]
+    if args.vllm_python:
+        systems += [_baseline("vllm", d, dtype) for d in dict.fromkeys(args.vllm_dtype or [dtype])]
+    if not args.skip_transformers:
+        systems += [_baseline("transformers", d, dtype) for d in dict.fromkeys(args.transformers_dtype or [dtype])]
     records, all_results = [], {}
     for workload in args.workload or ["W1"]:
         name = os.path.basename(workload)
         path = compare.temp_workload_path(args.workload_dir, name.removesuffix(".jsonl"))
         save_workload(resolve_workload(workload, vocab, args.workload_seed), path)
-        runs: dict[str, list[dict[str, Any]]] = {system: [] for system in systems}
+        runs: dict[str, list[dict[str, Any]]] = {system: [] for system, _, _ in systems}
         for _ in range(args.repeat):
-            for system in systems:
-                if system == "pagedserve":
+            for system, kind, system_dtype in systems:
+                if kind == "pagedserve":
                     argv = compare.pagedserve_command(path, ours_argv, ["--no-detokenize"] * args.no_detokenize)
-                elif system == "vllm":
-                    argv = compare.vllm_command(args.vllm_python, args.vllm_script, model_dir, path, dtype)
+                elif kind == "vllm":
+                    argv = compare.vllm_command(args.vllm_python, args.vllm_script, model_dir, path, system_dtype)
                 else:
-                    argv = compare.transformers_command(path, config.model, dtype, args.hf_batch_size,
+                    argv = compare.transformers_command(path, config.model, system_dtype, args.hf_batch_size,
                                                         config.model_cache_dir)
                 print(f"[bench compare] {name}: running {system}...", file=sys.stderr, flush=True)
                 runs[system].append(compare.run_json_command(argv, system))
@@ -154,7 +158,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if args.chart:
         groups = list(all_results)
         series = {_label(s, all_results[groups[0]][s]): [all_results[g][s]["output_tokens_per_s"] for g in groups]
-                  for s in systems}
+                  for s, _, _ in systems}
         bar_chart(args.chart, f"Output tokens/s, {dtype}, {os.cpu_count()} cores", groups, series,
                   "output tokens/s")
         print(f"[bench compare] chart written to {args.chart}", file=sys.stderr)
@@ -164,9 +168,13 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _baseline(kind: str, dtype: str, ours: str) -> tuple[str, str, str]:
+    return (kind if dtype == ours else f"{kind}_{dtype}", kind, dtype)
+
+
 def _label(system: str, result: dict[str, Any]) -> str:
     version = result.get("version")
-    return f"{system} {version}" if version and system == "vllm" else system
+    return f"{system} {version}" if version and system.startswith("vllm") else system
 
 
 # --- sweep -----------------------------------------------------------------------------
@@ -265,6 +273,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-detokenize", action="store_true",
                    help="pagedserve skips detokenizing (vLLM's offline script detokenizes)")
     p.add_argument("--hf-batch-size", type=int, default=None)
+    p.add_argument("--vllm-dtype", action="append", choices=("float32", "bfloat16", "float16"),
+                   help="run vLLM in this dtype (repeat for several; default: pagedserve's)")
+    p.add_argument("--transformers-dtype", action="append", choices=("float32", "bfloat16", "float16"),
+                   help="run transformers in this dtype (repeat for several; default: pagedserve's)")
     p.add_argument("--repeat", type=int, default=1, help="runs per system; the best counts")
     p.add_argument("--chart", default="bench_compare.png", help="bar chart PNG path ('' for none)")
     p.add_argument("--json-output", default=None, help="write every result as JSON here")

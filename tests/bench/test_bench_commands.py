@@ -89,8 +89,9 @@ FAKE_VLLM = textwrap.dedent("""
     reqs = [json.loads(l) for l in open(args.workload) if l.strip()]
     out = sum(r["max_tokens"] for r in reqs)
     print("some log line")
+    elapsed = 2.0 if args.dtype == "float32" else 4.0
     print(json.dumps({"system": "vllm", "version": "fake-" + args.dtype, "requests": len(reqs),
-                      "output_tokens": out, "elapsed_s": 2.0, "output_tokens_per_s": out / 2.0,
+                      "output_tokens": out, "elapsed_s": elapsed, "output_tokens_per_s": out / elapsed,
                       "total_tokens_per_s": out, "model_seen": args.model}))
 """)
 
@@ -114,6 +115,29 @@ def test_compare_runs_every_system_and_draws_the_chart(tiny):
     assert record["ratio_vs_transformers"] > 0
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert load_workload_file(str(root / "tiny.jsonl")) == requests  # the same prompts went to every system
+
+
+def test_compare_runs_baselines_in_other_dtypes(tiny):
+    """On a CPU without native bf16 the fair baselines run float32, the issue's run bf16: both
+    at once, each named after its dtype where it differs from pagedserve's."""
+    root, requests = tiny
+    fake = root / "fake_vllm.py"
+    fake.write_text(FAKE_VLLM)
+    out = bench("compare", "--workload", str(root / "tiny.jsonl"), "--model", str(root / "model"),
+                "--no-detokenize", "--enforce-eager", "--vllm-python", sys.executable, "--vllm-script", str(fake),
+                "--vllm-dtype", "float32", "--vllm-dtype", "bfloat16", "--transformers-dtype", "bfloat16",
+                "--chart", "", "--json-output", str(root / "compare.json"), "--workload-dir", str(root),
+                *SMALL_ENGINE)
+    [record] = json_lines(out)
+    outputs = sum(r.max_tokens for r in requests)
+    assert record["vllm_output_tokens_per_s"] == outputs / 2.0  # float32, as pagedserve
+    assert record["vllm_bfloat16_output_tokens_per_s"] == outputs / 4.0
+    assert record["ratio_vs_vllm_bfloat16"] == pytest.approx(2 * record["ratio_vs_vllm"], rel=1e-3)
+    assert "transformers" not in {k.removesuffix("_output_tokens_per_s") for k in record}
+    assert record["ratio_vs_transformers_bfloat16"] > 0
+    results = json.loads((root / "compare.json").read_text())["results"]["tiny.jsonl"]
+    assert results["transformers_bfloat16"]["dtype"] == "bfloat16"
+    assert results["vllm_bfloat16"]["version"] == "fake-bfloat16"
 
 
 def test_sweep_over_max_num_seqs(tiny):
