@@ -36,6 +36,7 @@ L1-sized chunks slower still. float32 figures: docs/benchmarks.md.
 """
 
 LINEAR_SOURCE = r"""
+#include <atomic>
 #include <deque>
 #include <mutex>
 
@@ -106,27 +107,34 @@ struct StoreSink {  // the rows of y [m, ldo]
   }
 };
 
-// Each row's largest result and its column (the first of equal ones; a NaN is larger than
-// anything, the first NaN wins, as torch.max), over the columns this sink sees.
+// Each row's largest result and its column over the columns this sink sees, in any order: the
+// lowest column of equal values, and a NaN above anything (the lowest NaN column), as torch.max.
+inline bool argmax_takes(float value, int64_t column, float top, int64_t top_column) {
+  if (top != top) return value != value && column < top_column;
+  return value != value || value > top || (value == top && column < top_column);
+}
+
 struct ArgmaxSink {
   float* best;
   int64_t* index;
   int64_t col;  // of the tile's first output
   ArgmaxSink at(int64_t row, int64_t column) const { return {best + row, index + row, col + column}; }
   void put(int r, int v, __mmask16 valid, __m512 acc) const {
-    float& top = best[r];
-    if (top != top) return;  // a NaN came first
     const int64_t first = col + v * LINEAR_LANES;
     const __mmask16 nan = _mm512_mask_cmp_ps_mask(valid, acc, acc, _CMP_UNORD_Q);
     if (nan) {
-      top = std::numeric_limits<float>::quiet_NaN();
-      index[r] = first + __builtin_ctz(nan);
+      const int64_t column = first + __builtin_ctz(nan);
+      if (argmax_takes(std::numeric_limits<float>::quiet_NaN(), column, best[r], index[r])) {
+        best[r] = std::numeric_limits<float>::quiet_NaN();
+        index[r] = column;
+      }
       return;
     }
     const float peak = _mm512_mask_reduce_max_ps(valid, acc);
-    if (peak > top) {
-      top = peak;
-      index[r] = first + __builtin_ctz(_mm512_mask_cmp_ps_mask(valid, acc, _mm512_set1_ps(peak), _CMP_EQ_OQ));
+    const int64_t column = first + __builtin_ctz(_mm512_mask_cmp_ps_mask(valid, acc, _mm512_set1_ps(peak), _CMP_EQ_OQ));
+    if (valid && argmax_takes(peak, column, best[r], index[r])) {
+      best[r] = peak;
+      index[r] = column;
     }
   }
   void put_gated(int, int, __mmask16, __m512, __m512) const {}  // never instantiated with a gate
@@ -199,10 +207,15 @@ void linear_block(const typename M::Unit* x, int64_t m, const typename M::Unit* 
   }
 }
 
-// y [m, out_features] from x [m, steps] and `panels` packed panels: threads split the blocks of
-// PANELS panels, walking them once per M::ROW_BLOCK rows and prefetching the weights of their
-// next block while computing the current one. Gated, a block's panels are its gates then its
-// ups, and its output columns are half its panel columns.
+// y [m, out_features] from x [m, steps] and `panels` packed panels. The work is cut into units of
+// M::ROW_BLOCK rows (whose x stays in L2) by one block of PANELS panels, row blocks first; each
+// thread claims the next unit from a shared counter one unit ahead, so that it can prefetch that
+// unit's weights while computing the current one (at decode sizes every weight is read from DRAM
+// once per step). Claimed this way rather than split evenly up front, a core that runs slower
+// (a busier neighbour on a shared host, a slower memory stream) does fewer units instead of
+// keeping the other waiting: an even split left both cores waiting 6 % of the matmul time.
+// Gated, a block's panels are its gates then its ups, and its output columns are half its
+// panel columns.
 template <typename M, bool GATED, typename SinkFor>
 void linear_run(const typename M::Unit* xp, int64_t m, const typename M::Unit* wp, int64_t panels, int64_t steps,
                 const float* b, int64_t out_features, const SinkFor& sink_for) {
@@ -210,31 +223,35 @@ void linear_run(const typename M::Unit* xp, int64_t m, const typename M::Unit* w
   constexpr int64_t OUT_PANELS = GATED ? PANELS / 2 : PANELS;
   const int64_t panel = steps * LINEAR_LANES;  // units per panel
   const int64_t blocks = (panels + PANELS - 1) / PANELS;
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    const auto sink = sink_for(begin * OUT_PANELS * LINEAR_LANES);
-    for (int64_t r0 = 0; r0 < m; r0 += M::ROW_BLOCK) {
+  const int64_t units = (m + M::ROW_BLOCK - 1) / M::ROW_BLOCK * blocks;
+  std::atomic<int64_t> next_unit{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), units), 1, [&](int64_t slot, int64_t) {
+    const auto sink = sink_for(slot);
+    for (int64_t unit = next_unit++; unit < units;) {
+      const int64_t ahead = next_unit++;
+      const int64_t r0 = unit / blocks * M::ROW_BLOCK, blk = unit % blocks;
       const int64_t rows_here = std::min<int64_t>(M::ROW_BLOCK, m - r0);
-      for (int64_t blk = begin; blk < end; ++blk) {
-        const int64_t first = blk * PANELS, nv = std::min<int64_t>(PANELS, panels - first);
-        const int64_t col = blk * OUT_PANELS * LINEAR_LANES;
-        const int64_t cols = std::min<int64_t>((GATED ? nv / 2 : nv) * LINEAR_LANES, out_features - col);
-        // This thread's next block: its weights are contiguous after this block's.
-        const int64_t ahead = blk + 1 < end ? std::min<int64_t>(PANELS, panels - first - nv) : 0;
-        const char* prefetch = reinterpret_cast<const char*>(wp + (first + nv) * panel);
-        const int64_t lines = ahead * panel * static_cast<int64_t>(sizeof(typename M::Unit)) / 64;
-        const typename M::Unit* xr = xp + r0 * steps;
-        const typename M::Unit* w = wp + first * panel;
-        const float* bb = b ? b + col : nullptr;
-        const float* bu = b && GATED ? b + out_features + col : nullptr;
-        const auto o = sink.at(r0, col);
+      const int64_t first = blk * PANELS, nv = std::min<int64_t>(PANELS, panels - first);
+      const int64_t col = blk * OUT_PANELS * LINEAR_LANES;
+      const int64_t cols = std::min<int64_t>((GATED ? nv / 2 : nv) * LINEAR_LANES, out_features - col);
+      // The next unit's weights, unless it uses this block's again or there is none.
+      const int64_t ahead_first = ahead < units ? ahead % blocks * PANELS : first;
+      const int64_t ahead_panels = ahead_first == first ? 0 : std::min<int64_t>(PANELS, panels - ahead_first);
+      const char* prefetch = reinterpret_cast<const char*>(wp + ahead_first * panel);
+      const int64_t lines = ahead_panels * panel * static_cast<int64_t>(sizeof(typename M::Unit)) / 64;
+      const typename M::Unit* xr = xp + r0 * steps;
+      const typename M::Unit* w = wp + first * panel;
+      const float* bb = b ? b + col : nullptr;
+      const float* bu = b && GATED ? b + out_features + col : nullptr;
+      const auto o = sink.at(r0, col);
 #define PAGEDSERVE_BLOCK(NV) linear_block<M, ROWS, NV, GATED>(xr, rows_here, w, panel, steps, bb, bu, o, cols, prefetch, lines)
-        if constexpr (GATED) {
-          if (nv == 4) PAGEDSERVE_BLOCK(4); else PAGEDSERVE_BLOCK(2);
-        } else {
-          if (nv == 3) PAGEDSERVE_BLOCK(3); else if (nv == 2) PAGEDSERVE_BLOCK(2); else PAGEDSERVE_BLOCK(1);
-        }
-#undef PAGEDSERVE_BLOCK
+      if constexpr (GATED) {
+        if (nv == 4) PAGEDSERVE_BLOCK(4); else PAGEDSERVE_BLOCK(2);
+      } else {
+        if (nv == 3) PAGEDSERVE_BLOCK(3); else if (nv == 2) PAGEDSERVE_BLOCK(2); else PAGEDSERVE_BLOCK(1);
       }
+#undef PAGEDSERVE_BLOCK
+      unit = ahead;
     }
   });
 }
@@ -298,9 +315,8 @@ torch::Tensor packed_matmul(const torch::Tensor& x, const torch::Tensor& packed,
   return out;
 }
 
-// One parallel chunk's running argmax: the chunk's first column, and per row its best value and column.
+// One thread's running argmax: per row its best value and column.
 struct ArgmaxPart {
-  int64_t first;
   std::vector<float> best;
   std::vector<int64_t> index;
 };
@@ -318,22 +334,21 @@ torch::Tensor packed_linear_argmax(torch::Tensor x, torch::Tensor packed, int64_
 #if defined(__AVX512F__)
   if (m == 0) return indices;
   std::mutex lock;
-  std::deque<ArgmaxPart> parts;  // a deque: a chunk's arrays never move while others are added
+  std::deque<ArgmaxPart> parts;  // a deque: a thread's arrays never move while others are added
   linear_run<F32Math, false>(rows.data_ptr<float>(), m, packed.data_ptr<float>(), packed.size(0), packed.size(1),
-                             nullptr, out_features, [&](int64_t first) {
+                             nullptr, out_features, [&](int64_t) {
     std::lock_guard<std::mutex> guard(lock);
-    parts.push_back({first, std::vector<float>(m, -std::numeric_limits<float>::infinity()), std::vector<int64_t>(m, 0)});
+    parts.push_back({std::vector<float>(m, -std::numeric_limits<float>::infinity()),
+                     std::vector<int64_t>(m, out_features)});
     return ArgmaxSink{parts.back().best.data(), parts.back().index.data(), 0};
   });
-  std::sort(parts.begin(), parts.end(), [](const ArgmaxPart& a, const ArgmaxPart& b) { return a.first < b.first; });
   int64_t* out = indices.data_ptr<int64_t>();
   for (int64_t r = 0; r < m; ++r) {
     float top = -std::numeric_limits<float>::infinity();
-    for (const ArgmaxPart& part : parts) {
-      const float v = part.best[r];
-      if (top != top) break;
-      if (v > top || v != v) { top = v; out[r] = part.index[r]; }
-    }
+    int64_t column = out_features;  // none yet: a row of -inf ends at column 0 below
+    for (const ArgmaxPart& part : parts)
+      if (argmax_takes(part.best[r], part.index[r], top, column)) { top = part.best[r]; column = part.index[r]; }
+    out[r] = column == out_features ? 0 : column;
   }
 #endif
   return indices;
