@@ -48,26 +48,28 @@ def test_kernel_and_fallback_match_reference_at_model_shapes(dtype, window, make
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [32, 80, 96, 128])
 @pytest.mark.parametrize("window", [None, 29])
-def test_kernel_bf16_prefill_matches_reference_at_other_head_dims(head_dim, window, make_metadata,
-                                                                  make_block_tables):
-    """bfloat16 prefill items score on vdpbf16ps against keys transposed 32 dims at a time:
-    head dims other than SmolLM2's (80 takes the float32-FMA scoring), chunks cut short,
-    windows, next to a decode item."""
+def test_kernel_prefill_matches_reference_at_other_head_dims(dtype, head_dim, window, make_metadata,
+                                                             make_block_tables):
+    """Prefill items score against keys transposed per chunk (float32: 16 dims at a time; bf16
+    on vdpbf16ps, 32 at a time, 80 taking the float32-FMA scoring): head dims other than
+    SmolLM2's, chunks cut short, windows, next to a decode item."""
     g = torch.Generator().manual_seed(2)
     contexts, query_lens = [3, 0, 45, 0], [1, 70, 19, 9]
     seq_lens = [c + q for c, q in zip(contexts, query_lens)]
     num_blocks = sum(-(-n // 16) for n in seq_lens) + 3
     meta = make_metadata(contexts, query_lens, make_block_tables(seq_lens, 16, num_blocks, g), 16, num_decodes=1)
-    caches = [torch.randn(num_blocks, 16, 2, head_dim, generator=g).bfloat16() for _ in range(2)]
-    query, key, value = (torch.randn(sum(query_lens), h, head_dim, generator=g).bfloat16() for h in (6, 2, 2))
+    caches = [torch.randn(num_blocks, 16, 2, head_dim, generator=g).to(dtype) for _ in range(2)]
+    query, key, value = (torch.randn(sum(query_lens), h, head_dim, generator=g).to(dtype) for h in (6, 2, 2))
     scale = head_dim ** -0.5
     expected = reference_attention(query, key, value, *[c.clone() for c in caches], meta, scale=scale,
                                    sliding_window=window)
     out = TorchAttentionBackend(use_cpu_kernel=True).forward(query, key, value, *caches, meta, scale=scale,
                                                              sliding_window=window)
-    torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
+    tolerance = dict(atol=2e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out.float(), expected.float(), **tolerance)
 
 
 @needs_kernel

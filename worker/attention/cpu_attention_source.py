@@ -21,6 +21,7 @@ result is cast to the query dtype. A query at position p sees positions
 
 from worker.attention.cpu_attention_avx512 import AVX512_PATH
 from worker.attention.cpu_attention_bf16 import BF16_PATH
+from worker.attention.cpu_attention_transposed import TRANSPOSED_PATH
 
 COMMON = r"""
 #include <torch/extension.h>
@@ -235,9 +236,16 @@ void run(const Problem<T>& p, int64_t num_seqs) {
       for (const WorkItem& item : bins[t]) {
         const WorkItem* next = &item + 1 < bins[t].data() + bins[t].size() ? &item + 1 : nullptr;
         const bool prefetched = std::exchange(read_ahead, false);
+        const bool transposed = item.num_queries * (p.heads / p.kv_heads) >= TRANSPOSED_MIN_ROWS;
         if constexpr (std::is_same_v<T, c10::BFloat16>) {
-          if (bf16_path && item.num_queries * (p.heads / p.kv_heads) >= BF16_MIN_ROWS) {
+          if (bf16_path && transposed) {
             run_item_bf16(p, item, scratch);
+            continue;
+          }
+        }
+        if constexpr (std::is_same_v<T, float>) {
+          if (kHaveTransposedPath && vector_path && transposed) {
+            run_item_f32(p, item, scratch);
             continue;
           }
         }
@@ -319,6 +327,6 @@ void write_kv_cache(torch::Tensor key, torch::Tensor value, torch::Tensor k_cach
 }
 """
 
-SOURCE = COMMON + AVX512_PATH + BF16_PATH + DRIVER + KV_WRITE
+SOURCE = COMMON + AVX512_PATH + TRANSPOSED_PATH + BF16_PATH + DRIVER + KV_WRITE
 
 FUNCTIONS = ["paged_attention", "write_kv_cache"]
