@@ -10,9 +10,12 @@ from common.config import EngineConfig
 from common.errors import ConfigError
 
 
-def test_block_size_defaults_to_128_on_cpu_and_16_on_cuda():
-    assert EngineConfig(device="cpu").block_size == 128
+def test_block_size_defaults_to_the_same_bytes_per_block_on_cpu_and_16_on_cuda():
+    assert EngineConfig(device="cpu", dtype="bfloat16").block_size == 128
+    assert EngineConfig(device="cpu", dtype="float16").block_size == 128
+    assert EngineConfig(device="cpu", dtype="float32").block_size == 64
     assert EngineConfig(device="cuda").block_size == 16
+    assert EngineConfig(device="cuda", dtype="float32").block_size == 16
 
 
 def test_an_explicit_block_size_is_kept():
@@ -29,10 +32,11 @@ def test_the_cli_default_follows_the_device_and_the_environment(monkeypatch):
     def parse(*argv: str) -> EngineConfig:
         return engine_config_from_args(add_engine_args(argparse.ArgumentParser()).parse_args(list(argv)))
 
-    assert parse("--device", "cpu").block_size == 128
+    assert parse("--device", "cpu", "--dtype", "bfloat16").block_size == 128
+    assert parse("--device", "cpu", "--dtype", "float32").block_size == 64
     assert parse("--device", "cpu", "--block-size", "32").block_size == 32
-    monkeypatch.setenv("PAGEDSERVE_BLOCK_SIZE", "64")
-    assert parse("--device", "cpu").block_size == 64
+    monkeypatch.setenv("PAGEDSERVE_BLOCK_SIZE", "16")
+    assert parse("--device", "cpu").block_size == 16
 
 
 def test_max_logprobs_from_the_flag_or_the_environment_and_handed_on(monkeypatch):
