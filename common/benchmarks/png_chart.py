@@ -107,6 +107,11 @@ class Plot:
         return self.bottom - (self.bottom - self.top) * value / self.y_max
 
 
+def legend_width(names: list[str]) -> int:
+    """Room for `legend` right of a plot: swatch, the longest name, a margin."""
+    return 22 + max((text_width(name, 2) for name in names), default=0) + 20
+
+
 def legend(canvas: Canvas, x: int, y: int, names: list[str]) -> None:
     for i, name in enumerate(names):
         canvas.rect(x, y + i * 22, x + 14, y + i * 22 + 14, PALETTE[i % len(PALETTE)])
@@ -115,9 +120,11 @@ def legend(canvas: Canvas, x: int, y: int, names: list[str]) -> None:
 
 def bar_chart(path: str, title: str, groups: list[str], series: dict[str, list[float]], y_label: str) -> None:
     """Grouped bars: one group per entry of `groups`, one bar per series in each."""
-    canvas = Canvas(200 + 90 * len(groups) * max(len(series), 1) + 40 * len(groups), 520)
+    names = list(series)
+    side = legend_width(names) + 20  # the legend right of the plot, never cut off
+    canvas = Canvas(110 + 90 * len(groups) * max(len(series), 1) + 40 * len(groups) + side, 520)
     values = [v for vs in series.values() for v in vs]
-    plot = Plot(canvas, 110, 80, canvas.width - 200, 440, max(values, default=1.0) * 1.1, y_label)
+    plot = Plot(canvas, 110, 80, canvas.width - side, 440, max(values, default=1.0) * 1.1, y_label)
     canvas.text(canvas.width / 2, 16, title, anchor="center", scale=3)
     group_width = (plot.right - plot.left) / max(len(groups), 1)
     bar_width = group_width * 0.8 / max(len(series), 1)
@@ -129,15 +136,15 @@ def bar_chart(path: str, title: str, groups: list[str], series: dict[str, list[f
             canvas.rect(bx + 2, plot.y(value), bx + bar_width - 2, plot.bottom - 1, PALETTE[s % len(PALETTE)])
             canvas.text(bx + bar_width / 2, plot.y(value) - 18, _label(value), anchor="center")
         canvas.text(plot.left + (g + 0.5) * group_width, plot.bottom + 12, group, anchor="center")
-    legend(canvas, plot.right + 20, plot.top, list(series))
+    legend(canvas, plot.right + 20, plot.top, names)
     canvas.save_png(path)
 
 
 def line_panels(path: str, title: str, x_values: list[float], x_label: str,
                 panels: list[tuple[str, dict[str, list[float]]]], log2_x: bool = True) -> None:
     """Stacked panels sharing an x axis; each panel is (y label, {series name: values})."""
-    legend_width = 22 + max((text_width(name, 2) for _, series in panels for name in series), default=0) + 20
-    panel_height, width = 300, 710 + legend_width  # the legend right of the plots, never cut off
+    legend_room = legend_width([name for _, series in panels for name in series])
+    panel_height, width = 300, 710 + legend_room  # the legend right of the plots, never cut off
     canvas = Canvas(width, 90 + len(panels) * (panel_height + 100) + 40)
     canvas.text(width / 2, 16, title, anchor="center", scale=3)
     xs = [math.log2(x) if log2_x else x for x in x_values]
@@ -145,7 +152,7 @@ def line_panels(path: str, title: str, x_values: list[float], x_label: str,
     for p, (y_label, series) in enumerate(panels):
         top = 90 + p * (panel_height + 100)
         values = [v for vs in series.values() for v in vs]
-        plot = Plot(canvas, 110, top, width - legend_width - 20, top + panel_height, max(values, default=1.0) * 1.1,
+        plot = Plot(canvas, 110, top, width - legend_room - 20, top + panel_height, max(values, default=1.0) * 1.1,
                     y_label)
 
         def px(x: float) -> float:

@@ -89,6 +89,15 @@ def test_bar_chart_draws_bars_in_proportion(tmp_path):
     assert short > 20 and abs(tall / short - 2.0) < 0.1
 
 
+def test_a_bar_charts_long_legend_names_stay_on_the_image(tmp_path):
+    path = tmp_path / "bars.png"
+    bar_chart(str(path), "Output tokens/s", ["W1", "W2"],
+              {"pagedserve": [400.0, 900.0], "transformers_bfloat16": [40.0, 130.0]}, "tok/s")
+    image = read_png(path)
+    inked = np.where(np.any(image != 255, axis=(0, 2)))[0]
+    assert inked.max() < image.shape[1] - 5, "the longest legend name runs off the image"
+
+
 def test_line_panels_write_a_png(tmp_path):
     path = tmp_path / "lines.png"
     line_panels(str(path), "Scaling", [1, 2, 4], "max_num_seqs",
