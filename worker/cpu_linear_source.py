@@ -221,16 +221,18 @@ void linear_run(const typename M::Unit* xp, int64_t m, const typename M::Unit* w
                 const float* b, int64_t out_features, const SinkFor& sink_for) {
   constexpr int ROWS = GATED ? GATED_ROWS : PLAIN_ROWS, PANELS = GATED ? GATED_PANELS : PLAIN_PANELS;
   constexpr int64_t OUT_PANELS = GATED ? PANELS / 2 : PANELS;
+  // Whole tiles per row block: a 6-row gated tile leaves 2 rows of 128 to a tile that runs at half speed.
+  constexpr int64_t ROW_BLOCK = M::ROW_BLOCK / ROWS * ROWS;
   const int64_t panel = steps * LINEAR_LANES;  // units per panel
   const int64_t blocks = (panels + PANELS - 1) / PANELS;
-  const int64_t units = (m + M::ROW_BLOCK - 1) / M::ROW_BLOCK * blocks;
+  const int64_t units = (m + ROW_BLOCK - 1) / ROW_BLOCK * blocks;
   std::atomic<int64_t> next_unit{0};
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), units), 1, [&](int64_t slot, int64_t) {
     const auto sink = sink_for(slot);
     for (int64_t unit = next_unit++; unit < units;) {
       const int64_t ahead = next_unit++;
-      const int64_t r0 = unit / blocks * M::ROW_BLOCK, blk = unit % blocks;
-      const int64_t rows_here = std::min<int64_t>(M::ROW_BLOCK, m - r0);
+      const int64_t r0 = unit / blocks * ROW_BLOCK, blk = unit % blocks;
+      const int64_t rows_here = std::min<int64_t>(ROW_BLOCK, m - r0);
       const int64_t first = blk * PANELS, nv = std::min<int64_t>(PANELS, panels - first);
       const int64_t col = blk * OUT_PANELS * LINEAR_LANES;
       const int64_t cols = std::min<int64_t>((GATED ? nv / 2 : nv) * LINEAR_LANES, out_features - col);

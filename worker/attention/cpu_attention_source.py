@@ -6,9 +6,9 @@ per-sequence Python loop. A work item is one sequence and a tile of its query
 tokens, with every head: the K/V of a cache slot (all KV heads) is one
 contiguous run of memory, so an item streams whole blocks (prefetching the
 next chunk), converts each chunk of 16 positions to float once and reuses it
-for every query row. Items are spread over torch's intra-op threads by
-estimated cost (longest first onto the least loaded thread), because prefill
-chunks and decodes differ in size by orders of magnitude.
+for every query row. Items run longest first (prefill chunks and decodes
+differ in size by orders of magnitude), torch's intra-op threads claiming
+them one by one from a shared counter.
 
 With AVX-512 (head_dim a multiple of 16) the scores of 16 keys come from 16
 FMA accumulators and one transposing horizontal sum, exp is a vectorized
@@ -27,6 +27,7 @@ COMMON = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -193,19 +194,6 @@ void run_item_portable(const Problem<T>& p, const WorkItem& item, Scratch& s) {
 """
 
 DRIVER = r"""
-// Longest-processing-time-first assignment of items to threads.
-std::vector<std::vector<WorkItem>> assign(std::vector<WorkItem> items, int64_t threads) {
-  std::sort(items.begin(), items.end(), [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; });
-  std::vector<std::vector<WorkItem>> bins(threads);
-  std::vector<int64_t> load(threads, 0);
-  for (const WorkItem& item : items) {
-    const int64_t t = std::min_element(load.begin(), load.end()) - load.begin();
-    bins[t].push_back(item);
-    load[t] += item.cost;
-  }
-  return bins;
-}
-
 template <typename T>
 void run(const Problem<T>& p, int64_t num_seqs) {
   const int64_t tile = std::max<int64_t>(1, TILE_ROWS / p.heads);
@@ -228,35 +216,41 @@ void run(const Problem<T>& p, int64_t num_seqs) {
   // Tiny batches run on the calling thread: waking the pool costs more than they do.
   const int64_t threads = total_cost < SERIAL_COST ? 1 : std::max<int64_t>(
       1, std::min<int64_t>(at::get_num_threads(), items.size()));
-  const auto bins = assign(std::move(items), threads);
-  auto work = [&](int64_t begin, int64_t end) {
+  // Longest first, each thread claiming its next item from a shared counter one item ahead (so
+  // that it can prefetch that item's K/V while computing the current one): a core that runs
+  // slower on a shared host takes fewer items instead of keeping the other waiting at the end.
+  std::sort(items.begin(), items.end(), [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; });
+  const int64_t count = static_cast<int64_t>(items.size());
+  std::atomic<int64_t> next_item{0};
+  auto work = [&](int64_t, int64_t) {
     Scratch scratch;
-    for (int64_t t = begin; t < end; ++t) {
-      bool read_ahead = false;  // whether the previous item prefetched this one's K/V
-      for (const WorkItem& item : bins[t]) {
-        const WorkItem* next = &item + 1 < bins[t].data() + bins[t].size() ? &item + 1 : nullptr;
-        const bool prefetched = std::exchange(read_ahead, false);
-        const bool transposed = item.num_queries * (p.heads / p.kv_heads) >= TRANSPOSED_MIN_ROWS;
-        if constexpr (std::is_same_v<T, c10::BFloat16>) {
-          if (bf16_path && transposed) {
-            run_item_bf16(p, item, scratch);
-            continue;
-          }
+    bool read_ahead = false;  // whether the previous item prefetched this one's K/V
+    for (int64_t index = next_item++; index < count;) {
+      const int64_t ahead = next_item++;
+      const WorkItem& item = items[index];
+      const WorkItem* next = ahead < count ? &items[ahead] : nullptr;
+      index = ahead;
+      const bool prefetched = std::exchange(read_ahead, false);
+      const bool transposed = item.num_queries * (p.heads / p.kv_heads) >= TRANSPOSED_MIN_ROWS;
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        if (bf16_path && transposed) {
+          run_item_bf16(p, item, scratch);
+          continue;
         }
-        if constexpr (std::is_same_v<T, float>) {
-          if (kHaveTransposedPath && vector_path && transposed) {
-            run_item_f32(p, item, scratch);
-            continue;
-          }
-        }
-        if constexpr (kVectorType) {
-          if (vector_path) {
-            read_ahead = run_item_avx512(p, item, scratch, next, prefetched);
-            continue;
-          }
-        }
-        run_item_portable(p, item, scratch);
       }
+      if constexpr (std::is_same_v<T, float>) {
+        if (kHaveTransposedPath && vector_path && transposed) {
+          run_item_f32(p, item, scratch);
+          continue;
+        }
+      }
+      if constexpr (kVectorType) {
+        if (vector_path) {
+          read_ahead = run_item_avx512(p, item, scratch, next, prefetched);
+          continue;
+        }
+      }
+      run_item_portable(p, item, scratch);
     }
   };
   if (threads == 1) work(0, 1);
