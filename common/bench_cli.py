@@ -102,14 +102,14 @@ def cmd_accuracy(args: argparse.Namespace) -> int:
 
 # --- serving ---------------------------------------------------------------------------
 def cmd_serving(args: argparse.Namespace) -> int:
-    from common.benchmarks.serving import format_serving, run_serving
+    from common.benchmarks.serving import format_serving, run_cache_salt, run_serving
 
     requests = resolve_workload(args.workload, args.vocab_size, args.workload_seed)
     count = args.num_requests or len(requests)
     requests = [requests[i % len(requests)] for i in range(count)]
     result = asyncio.run(run_serving(args.base_url, requests, rate=args.rate, model=args.model,
                                      max_concurrency=args.max_concurrency, seed=args.seed,
-                                     progress=not args.no_progress))
+                                     progress=not args.no_progress, cache_salt=run_cache_salt(args.cache_salt)))
     result["workload"] = os.path.basename(args.workload)
     _emit(result, args.json, format_serving)
     return 0 if result["completed"] else 1
@@ -259,6 +259,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="model name to send (default: the server's first)")
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--seed", type=int, default=0, help="seed of the arrival times")
+    p.add_argument("--cache-salt", default="random",
+                   help="cache_salt sent with every request: 'random' (default) a fresh one per run, so that "
+                        "a rerun does not find the seeded prompts in the server's prefix cache; 'none' to "
+                        "send none (servers without the field); any other value is sent as is")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--json", action="store_true")
     p.set_defaults(handler=cmd_serving)

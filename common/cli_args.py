@@ -156,7 +156,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--attention-backend", default=env_default("ATTENTION_BACKEND", "auto"),
                    choices=["auto", "torch", "triton"])
     g.add_argument("--block-size", type=int, default=env_default("BLOCK_SIZE", None) or None,
-                   help="tokens per KV cache block (default 128 on CPU, 16 on CUDA)")
+                   help="tokens per KV cache block (default: 16 on CUDA; on CPU 64 in float32, 128 in 16-bit)")
     g.add_argument("--kv-cache-memory", type=parse_size, default=env_default("KV_CACHE_MEMORY", "4GiB"),
                    help="KV cache size on CPU, e.g. 4GiB (default 4GiB)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)

@@ -6,6 +6,11 @@ first token (TTFT), the gaps between streamed chunks (inter-token latency,
 ITL) and the end-to-end latency (E2E); the report has their mean, p50, p90
 and p99 and the overall request and token throughput. `rate=inf` sends every
 request at once (saturation).
+
+The named workloads are seeded, so a second run against the same server would
+find its prompts in the prefix cache and report a throughput no cold server
+reaches: every run sends a fresh `cache_salt` (vLLM's request field, which
+starts the prompt's block hashes) unless told to send a given one or none.
 """
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ import json
 import math
 import random
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,10 +59,24 @@ def arrival_offsets(count: int, rate: float, seed: int) -> list[float]:
     return offsets
 
 
-async def _one_request(client: Any, url: str, model: str, request: BenchRequest, record: RequestRecord) -> None:
+RANDOM_SALT = "random"  # `--cache-salt` value: a fresh salt for each run
+NO_SALT = "none"
+
+
+def run_cache_salt(choice: str) -> str | None:
+    """The salt a run sends: a fresh one for `random`, none for `none`, else `choice` itself."""
+    if choice == RANDOM_SALT:
+        return f"bench-{uuid.uuid4().hex}"
+    return None if choice == NO_SALT else choice
+
+
+async def _one_request(client: Any, url: str, model: str, request: BenchRequest, record: RequestRecord,
+                       cache_salt: str | None) -> None:
     body = {"model": model, "prompt": request.prompt_token_ids, "max_tokens": request.max_tokens,
             "min_tokens": request.max_tokens, "temperature": 0.0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
+    if cache_salt is not None:
+        body["cache_salt"] = cache_salt
     started = time.perf_counter()
     last = None
     try:
@@ -91,7 +111,7 @@ async def _one_request(client: Any, url: str, model: str, request: BenchRequest,
 
 async def run_serving(base_url: str, requests: list[BenchRequest], *, rate: float, model: str | None = None,
                       max_concurrency: int | None = None, seed: int = 0, progress: bool = True,
-                      timeout_s: float = 3600.0) -> dict[str, Any]:
+                      timeout_s: float = 3600.0, cache_salt: str | None = None) -> dict[str, Any]:
     import httpx
     from tqdm.auto import tqdm
 
@@ -110,10 +130,10 @@ async def run_serving(base_url: str, requests: list[BenchRequest], *, rate: floa
         async def launch(request: BenchRequest, record: RequestRecord, delay: float) -> None:
             await asyncio.sleep(delay)
             if gate is None:
-                await _one_request(client, url, model, request, record)
+                await _one_request(client, url, model, request, record, cache_salt)
             else:
                 async with gate:
-                    await _one_request(client, url, model, request, record)
+                    await _one_request(client, url, model, request, record, cache_salt)
             bar.update(1)
 
         started = time.perf_counter()
@@ -121,7 +141,8 @@ async def run_serving(base_url: str, requests: list[BenchRequest], *, rate: floa
         await asyncio.gather(*(launch(r, rec, off) for r, rec, off in zip(requests, records, offsets)))
         duration = time.perf_counter() - started
         bar.close()
-    return summarize(records, duration, rate=rate, model=model, max_concurrency=max_concurrency)
+    return summarize(records, duration, rate=rate, model=model, max_concurrency=max_concurrency,
+                     cache_salt=cache_salt)
 
 
 def summarize(records: list[RequestRecord], duration: float, **settings: Any) -> dict[str, Any]:

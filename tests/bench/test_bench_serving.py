@@ -6,24 +6,40 @@ import subprocess
 import sys
 
 from common.benchmarks.workloads import BenchRequest, save_workload
-from serve_helpers import REPO, Server
+from serve_helpers import REPO, Server, metric_samples
+
+
+def bench_serving(server: Server, workload, *extra: str) -> dict:
+    proc = subprocess.run(
+        [sys.executable, "-m", "common.cli", "bench", "serving", "--base-url", server.base_url, "--rate", "20",
+         "--workload", str(workload), "--json", "--no-progress", *extra],
+        cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def test_serving_benchmark_streams_every_request(tmp_path):
     workload = tmp_path / "w.jsonl"
-    requests = [BenchRequest([100 + 17 * i + j for j in range(5 + 2 * i)], 6) for i in range(4)]
+    # Prompts of 20-26 tokens: one full 16-token block each for the prefix cache.
+    requests = [BenchRequest([100 + 17 * i + j for j in range(20 + 2 * i)], 6) for i in range(4)]
     save_workload(requests, str(workload))
-    server = Server(tmp_path, ["--enforce-eager", "--max-num-seqs", "8"])
+    server = Server(tmp_path, ["--enforce-eager", "--max-num-seqs", "8", "--block-size", "16"])
     try:
         server.wait_ready()
-        proc = subprocess.run(
-            [sys.executable, "-m", "common.cli", "bench", "serving", "--base-url", server.base_url, "--rate", "20",
-             "--num-requests", "6", "--workload", str(workload), "--json", "--no-progress"],
-            cwd=REPO, capture_output=True, text=True, timeout=180)
+        result = bench_serving(server, workload, "--num-requests", "6")
+        # A rerun sends a fresh cache salt: the seeded prompts are not served from the prefix
+        # cache, which `--cache-salt none` (the same prompts twice) shows that they would be.
+        hits = [metric_samples(server)["pagedserve:prefix_cache_hits_total"]]
+        for salt in ("none", "none", "random"):
+            rerun = bench_serving(server, workload, "--num-requests", "4", "--cache-salt", salt)
+            assert rerun["completed"] == 4 and (rerun["cache_salt"] is None) == (salt == "none")
+            hits.append(metric_samples(server)["pagedserve:prefix_cache_hits_total"])
     finally:
         server.stop()
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["cache_salt"].startswith("bench-")
+    assert hits[1] == hits[0], "a run without salt found a salted run's prompts"
+    assert hits[2] == hits[1] + 4 * 16, "the unsalted rerun should hit one block per prompt"
+    assert hits[3] == hits[2], "the salted rerun hit the prefix cache"
     assert result["completed"] == 6 and result["failed"] == 0, result["errors"]
     assert result["output_tokens"] == 36  # 6 requests (the workload repeated) x 6 tokens, ignore_eos
     assert result["rate"] == 20.0 and result["workload"] == "w.jsonl"
