@@ -20,6 +20,7 @@ from worker.attention.metadata import AttentionMetadata
 from worker.attention.step_context import paged_attention, step_context
 from worker.models.packed_linear import linear, linear_silu, pack_gated, pack_weight
 from worker.models.rotary import RotaryEmbedding, apply_rotary
+from worker.models.screened_lm_head import ScreenedLmHead, screen_lm_head
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -140,6 +141,7 @@ class LlamaForCausalLM(nn.Module):
             s.vocab, s.hidden, dtype=dtype, device=device)
         self.rotary = RotaryEmbedding(hf_config, s.head_dim)
         self.register_buffer("lm_head_packed", None, persistent=False)  # see pack_weights
+        self.lm_head_screen: ScreenedLmHead | None = None  # see pack_weights and greedy_tokens
 
     # --- architecture rules (overridden by Mistral / Qwen2) -------------------------
     @classmethod
@@ -192,6 +194,8 @@ class LlamaForCausalLM(nn.Module):
         packed = self.lm_head_packed
         if packed is None or packed.dtype != torch.float32:
             return None
+        if self.lm_head_screen is not None:  # the same tokens from int16 products (screened_lm_head)
+            return self.lm_head_screen.argmax(hidden, packed)
         return torch.ops.pagedserve.packed_linear_argmax(hidden, packed, self.lm_head.shape[0])
 
     def pack_weights(self) -> bool:
@@ -203,6 +207,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head_packed = pack_weight(self.lm_head)
         if self.lm_head_packed is None:
             return False
+        if self.lm_head_packed.dtype == torch.float32:
+            self.lm_head_screen = screen_lm_head(self.lm_head)
         for layer in self.layers:
             for name in PACKED_WEIGHTS:
                 pack = pack_gated if name == "gate_up" else pack_weight
