@@ -37,8 +37,6 @@ L1-sized chunks slower still. float32 figures: docs/benchmarks.md.
 
 LINEAR_SOURCE = r"""
 #include <atomic>
-#include <deque>
-#include <mutex>
 
 bool bf16_linear_available();
 bool f32_linear_available();
@@ -105,39 +103,6 @@ struct StoreSink {  // the rows of y [m, ldo]
   void put_gated(int r, int v, __mmask16 valid, __m512 gate, __m512 up) const {
     M::store_gated(out + r * ldo + v * LINEAR_LANES, valid, gate, up);
   }
-};
-
-// Each row's largest result and its column over the columns this sink sees, in any order: the
-// lowest column of equal values, and a NaN above anything (the lowest NaN column), as torch.max.
-inline bool argmax_takes(float value, int64_t column, float top, int64_t top_column) {
-  if (top != top) return value != value && column < top_column;
-  return value != value || value > top || (value == top && column < top_column);
-}
-
-struct ArgmaxSink {
-  float* best;
-  int64_t* index;
-  int64_t col;  // of the tile's first output
-  ArgmaxSink at(int64_t row, int64_t column) const { return {best + row, index + row, col + column}; }
-  void put(int r, int v, __mmask16 valid, __m512 acc) const {
-    const int64_t first = col + v * LINEAR_LANES;
-    const __mmask16 nan = _mm512_mask_cmp_ps_mask(valid, acc, acc, _CMP_UNORD_Q);
-    if (nan) {
-      const int64_t column = first + __builtin_ctz(nan);
-      if (argmax_takes(std::numeric_limits<float>::quiet_NaN(), column, best[r], index[r])) {
-        best[r] = std::numeric_limits<float>::quiet_NaN();
-        index[r] = column;
-      }
-      return;
-    }
-    const float peak = _mm512_mask_reduce_max_ps(valid, acc);
-    const int64_t column = first + __builtin_ctz(_mm512_mask_cmp_ps_mask(valid, acc, _mm512_set1_ps(peak), _CMP_EQ_OQ));
-    if (valid && argmax_takes(peak, column, best[r], index[r])) {
-      best[r] = peak;
-      index[r] = column;
-    }
-  }
-  void put_gated(int, int, __mmask16, __m512, __m512) const {}  // never instantiated with a gate
 };
 
 // Plain: out[r][0 .. 16 NV) = bias + sum over steps p of x[r][p] . w[v][p].
@@ -317,44 +282,7 @@ torch::Tensor packed_matmul(const torch::Tensor& x, const torch::Tensor& packed,
   return out;
 }
 
-// One thread's running argmax: per row its best value and column.
-struct ArgmaxPart {
-  std::vector<float> best;
-  std::vector<int64_t> index;
-};
-
 }  // namespace
-
-// argmax over the columns of x @ W.T for float32 x [..., K] and a plain float32 packing of W
-// [N, K] -> int64 [...]: torch.max(x @ W.T, dim=-1).indices (the first of equal values, the
-// first NaN if any) without writing the [..., N] product (the lm_head of greedy rows).
-torch::Tensor packed_linear_argmax(torch::Tensor x, torch::Tensor packed, int64_t out_features) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat, "packed_linear_argmax takes float32");
-  const torch::Tensor rows = checked_rows(x, packed, out_features, c10::nullopt, false);
-  const int64_t m = rows.size(0);
-  torch::Tensor indices = torch::zeros(std::vector<int64_t>(x.sizes().begin(), x.sizes().end() - 1), at::kLong);
-#if defined(__AVX512F__)
-  if (m == 0) return indices;
-  std::mutex lock;
-  std::deque<ArgmaxPart> parts;  // a deque: a thread's arrays never move while others are added
-  linear_run<F32Math, false>(rows.data_ptr<float>(), m, packed.data_ptr<float>(), packed.size(0), packed.size(1),
-                             nullptr, out_features, [&](int64_t) {
-    std::lock_guard<std::mutex> guard(lock);
-    parts.push_back({std::vector<float>(m, -std::numeric_limits<float>::infinity()),
-                     std::vector<int64_t>(m, out_features)});
-    return ArgmaxSink{parts.back().best.data(), parts.back().index.data(), 0};
-  });
-  int64_t* out = indices.data_ptr<int64_t>();
-  for (int64_t r = 0; r < m; ++r) {
-    float top = -std::numeric_limits<float>::infinity();
-    int64_t column = out_features;  // none yet: a row of -inf ends at column 0 below
-    for (const ArgmaxPart& part : parts)
-      if (argmax_takes(part.best[r], part.index[r], top, column)) { top = part.best[r]; column = part.index[r]; }
-    out[r] = column == out_features ? 0 : column;
-  }
-#endif
-  return indices;
-}
 
 bool bf16_linear_available() {
 #if defined(__AVX512BF16__)
@@ -391,11 +319,9 @@ torch::Tensor packed_linear_silu(torch::Tensor x, torch::Tensor packed, int64_t 
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def("packed_linear(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
   m.def("packed_linear_silu(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
-  m.def("packed_linear_argmax(Tensor x, Tensor packed, int out_features) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
   m.impl("packed_linear", &packed_linear);
   m.impl("packed_linear_silu", &packed_linear_silu);
-  m.impl("packed_linear_argmax", &packed_linear_argmax);
 }
 """

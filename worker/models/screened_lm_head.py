@@ -1,5 +1,5 @@
 """The int16 screen of a float32 lm_head for greedy steps (`screened_argmax` in
-`worker.cpu_screened_argmax_source`): W [N, K] scaled per column into int16, packed
+`worker.cpu_argmax_source`): W [N, K] scaled per column into int16, packed
 like a bfloat16 weight ([ceil(N / 16), ceil(K / 2), 16, 2], the operand layout of
 `vpdpwssd`), with each column's scale, its largest rounding error and its l1 norm,
 which bound how far the int16 logits can be from the float32 ones.
@@ -35,7 +35,7 @@ class ScreenedLmHead:
     def argmax(self, hidden: torch.Tensor, float_packed: torch.Tensor) -> torch.Tensor:
         """Each row's argmax of hidden @ W.T, as `pagedserve::packed_linear_argmax` gives it."""
         module = cpu_kernels.load()
-        return module.screened_argmax(hidden.contiguous(), self.packed, self.col_scale, self.col_error, self.col_l1,
+        return module.screened_argmax(hidden, self.packed, self.col_scale, self.col_error, self.col_l1,
                                       self.weight, float_packed, self.weight.shape[0])
 
 
