@@ -35,8 +35,12 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """The packed copy of `weight` [N, K], or None when the kernel cannot run it."""
     if not packing_supported(weight):
         return None
+    return panels(weight, step_unit(weight.dtype))
+
+
+def panels(weight: torch.Tensor, unit: int) -> torch.Tensor:
+    """`weight` [N, K] of any dtype as [ceil(N / 16), ceil(K / unit), 16, unit], zero-padded."""
     n, k = weight.shape
-    unit = step_unit(weight.dtype)
     padded = F.pad(weight.detach(), (0, -k % unit, 0, -n % PANEL))
     return (padded.view(padded.shape[0] // PANEL, PANEL, padded.shape[1] // unit, unit)
             .permute(0, 2, 1, 3).contiguous())

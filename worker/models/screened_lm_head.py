@@ -14,14 +14,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from worker.attention import cpu_kernels
+from worker.models.packed_linear import panels
 
 ROW_LEVELS = 2047  # SCREEN_ROW_LEVELS in the C++ source
 MAX_WEIGHT_LEVELS = 1023
 MIN_WEIGHT_LEVELS = 64
-PANEL = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +49,7 @@ def screen_lm_head(weight: torch.Tensor) -> ScreenedLmHead | None:
     if (module is None or weight.dtype != torch.float32 or weight.dim() != 2
             or not module.screened_argmax_available() or not torch.isfinite(weight).all()):
         return None
-    n, k = weight.shape
+    k = weight.shape[1]
     levels = weight_levels(k)
     if levels < MIN_WEIGHT_LEVELS:
         return None
@@ -62,8 +61,7 @@ def screen_lm_head(weight: torch.Tensor) -> ScreenedLmHead | None:
     q = torch.round(w64 / s64).clamp_(-levels, levels)
     error = (w64 - s64 * q).abs().amax(dim=1)
     l1 = w64.abs().sum(dim=1)
-    padded = F.pad(q.to(torch.int16), (0, k % 2, 0, -n % PANEL))
-    packed = padded.view(padded.shape[0] // PANEL, PANEL, padded.shape[1] // 2, 2).permute(0, 2, 1, 3).contiguous()
+    packed = panels(q.to(torch.int16), 2)  # int16 pairs: vpdpwssd's operand layout
     round_up = 1 + 1e-6
     return ScreenedLmHead(packed, scale.contiguous(), (error * round_up).float().contiguous(),
                           (l1 * round_up).float().contiguous(), weight.detach().contiguous())
