@@ -1,12 +1,17 @@
 """A kernel build killed midway must not make later worker starts wait forever,
-and two processes starting at once must not build over each other."""
+two processes starting at once must not build over each other, and the source
+compiles for CPUs other than this one."""
 from __future__ import annotations
 
+import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
 import threading
 from pathlib import Path
+
+import pytest
 
 from worker.attention import cpu_kernels
 
@@ -63,3 +68,17 @@ def test_a_live_build_is_waited_for_and_a_killed_one_is_not(tmp_path: Path, monk
     finally:
         builder.kill()
         builder.wait()
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler")
+@pytest.mark.parametrize("features", [["-mavx512bf16"], ["-mno-avx512f"]], ids=["avx512bf16", "no_avx512"])
+def test_the_source_compiles_for_cpus_other_than_this_one(features: list[str]) -> None:
+    """The AVX512-BF16 paths (transposed bf16 scoring, bf16 matmuls) and the portable loops
+    run only on other CPUs: compile them here too, so that a change cannot break them unseen."""
+    from torch.utils.cpp_extension import include_paths
+
+    includes = [f"-I{path}" for path in include_paths()] + [f"-I{sysconfig.get_paths()['include']}"]
+    result = subprocess.run(["g++", "-x", "c++", "-std=c++20", "-fsyntax-only", "-w", *cpu_kernels.CFLAGS,
+                             *features, *includes, "-"],
+                            input=cpu_kernels.SOURCE, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]

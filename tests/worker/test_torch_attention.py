@@ -62,6 +62,11 @@ CASES = {
     "mqa": Case(decode_contexts=(3, 9), chunks=((4, 6),), num_heads=8, num_kv_heads=1),
     "block_size_1": Case(decode_contexts=(3, 9), chunks=((4, 6),), block_size=1),
     "block_size_16_dim_64": Case(decode_contexts=(30, 2), chunks=((17, 20),), block_size=16, head_dim=64),
+    # prefills over more keys than the CPU kernel scores at once (48), in several row groups
+    "long_prefills": Case(chunks=((40, 70), (0, 100), (3, 49)), num_heads=6, num_kv_heads=2, head_dim=32,
+                          block_size=16),
+    "long_prefills_window": Case(chunks=((40, 70), (0, 100)), num_heads=6, num_kv_heads=2, head_dim=32,
+                                 block_size=16, sliding_window=30),
     "window_3": Case(decode_contexts=(2, 10, 25), chunks=((0, 9), (7, 6), (20, 4)), sliding_window=3),
     "window_8": Case(decode_contexts=(5, 8, 40), chunks=((0, 20), (13, 9)), sliding_window=8),
     "window_1": Case(decode_contexts=(6,), chunks=((0, 5), (4, 3)), sliding_window=1),

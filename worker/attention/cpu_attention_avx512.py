@@ -97,43 +97,44 @@ inline void score_chunk(const c10::BFloat16* q, const c10::BFloat16* const* keys
 }
 #endif
 
-// acc[r][0 .. 16 NV) += sum_j w[r][j] * values[j] for ROWS rows sharing one KV head:
-// each value register is widened once and used by every row.
-template <int NV, int ROWS, typename T>
-inline void weigh(const float* const* w, const T* const* values, float* const* acc) {
+// acc[r][d .. d + 16 NV) += sum_j w[r][j] * values[j][d ..] for ROWS rows sharing one KV head
+// and the keys of `chunks` (<= SPAN) chunks: the accumulators stay in registers over all of them,
+// and each value register is widened once and used by every row.
+template <int NV, int ROWS, int SPAN, typename T>
+inline void weigh(const float* const* w, const T* const* values, int64_t chunks, int64_t d, float* const* acc) {
   __m512 a[ROWS][NV];
   for (int r = 0; r < ROWS; ++r)
-    for (int v = 0; v < NV; ++v) a[r][v] = _mm512_loadu_ps(acc[r] + v * SLICE);
+    for (int v = 0; v < NV; ++v) a[r][v] = _mm512_loadu_ps(acc[r] + d + v * SLICE);
+  const int64_t keys = SPAN == 1 ? CHUNK : chunks * CHUNK;  // a single chunk unrolls whole
+  for (int64_t c = 0; c < keys; c += CHUNK) {
 #pragma GCC unroll 16
-  for (int j = 0; j < CHUNK; ++j) {
-    __m512 val[NV];
-    for (int v = 0; v < NV; ++v) val[v] = load16(values[j] + v * SLICE);
-    for (int r = 0; r < ROWS; ++r) {
-      const __m512 wj = _mm512_set1_ps(w[r][j]);
-      for (int v = 0; v < NV; ++v) a[r][v] = _mm512_fmadd_ps(wj, val[v], a[r][v]);
+    for (int j = 0; j < CHUNK; ++j) {
+      __m512 val[NV];
+      for (int v = 0; v < NV; ++v) val[v] = load16(values[c + j] + d + v * SLICE);
+      for (int r = 0; r < ROWS; ++r) {
+        const __m512 wj = _mm512_set1_ps(w[r][c + j]);
+        for (int v = 0; v < NV; ++v) a[r][v] = _mm512_fmadd_ps(wj, val[v], a[r][v]);
+      }
     }
   }
   for (int r = 0; r < ROWS; ++r)
-    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(acc[r] + v * SLICE, a[r][v]);
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(acc[r] + d + v * SLICE, a[r][v]);
 }
 
-template <int ROWS, typename T>
-void weigh_rows(const float* const* w, const T* const* values, int64_t dim, float* const* acc) {
+// Kept out of line: inlined into run_item_avx512, it made decode attention 2-3 % slower.
+template <int ROWS, int SPAN, typename T>
+__attribute__((noinline)) void weigh_rows(const float* const* w, const T* const* values, int64_t chunks, int64_t dim, float* const* acc) {
   constexpr int WIDTH = ROWS >= 3 ? 4 : 8;  // registers per row: ROWS * WIDTH + WIDTH <= 32
   for (int64_t d = 0; d < dim; d += WIDTH * SLICE) {
-    const T* vals[CHUNK];
-    float* accs[ROWS];
-    for (int64_t j = 0; j < CHUNK; ++j) vals[j] = values[j] + d;
-    for (int r = 0; r < ROWS; ++r) accs[r] = acc[r] + d;
     switch (std::min<int64_t>(WIDTH, (dim - d) / SLICE)) {
-      case 1: weigh<1, ROWS>(w, vals, accs); break;
-      case 2: weigh<2, ROWS>(w, vals, accs); break;
-      case 3: weigh<3, ROWS>(w, vals, accs); break;
-      case 4: weigh<4, ROWS>(w, vals, accs); break;
-      case 5: if constexpr (WIDTH > 4) { weigh<5, ROWS>(w, vals, accs); } break;
-      case 6: if constexpr (WIDTH > 4) { weigh<6, ROWS>(w, vals, accs); } break;
-      case 7: if constexpr (WIDTH > 4) { weigh<7, ROWS>(w, vals, accs); } break;
-      default: if constexpr (WIDTH > 4) { weigh<WIDTH, ROWS>(w, vals, accs); } break;
+      case 1: weigh<1, ROWS, SPAN>(w, values, chunks, d, acc); break;
+      case 2: weigh<2, ROWS, SPAN>(w, values, chunks, d, acc); break;
+      case 3: weigh<3, ROWS, SPAN>(w, values, chunks, d, acc); break;
+      case 4: weigh<4, ROWS, SPAN>(w, values, chunks, d, acc); break;
+      case 5: if constexpr (WIDTH > 4) { weigh<5, ROWS, SPAN>(w, values, chunks, d, acc); } break;
+      case 6: if constexpr (WIDTH > 4) { weigh<6, ROWS, SPAN>(w, values, chunks, d, acc); } break;
+      case 7: if constexpr (WIDTH > 4) { weigh<7, ROWS, SPAN>(w, values, chunks, d, acc); } break;
+      default: if constexpr (WIDTH > 4) { weigh<WIDTH, ROWS, SPAN>(w, values, chunks, d, acc); } break;
     }
   }
 }
@@ -263,35 +264,37 @@ const T* start_item(const Problem<T>& p, const WorkItem& item, const ItemGeometr
   return reinterpret_cast<const T*>(s.zeros.data());
 }
 
-// Calls fn(offset, h, head_rows) for every chunk of the item's keys (offset: its first key
-// relative to key_lo) and KV head h, head_rows pointing at that head's 16 rows of `cache`
-// (the zero row past the end), prefetching a chunk ahead.
-template <typename T, typename F>
-inline void for_each_chunk_head(const Problem<T>& p, const T* cache, const WorkItem& item, const ItemGeometry& g,
-                                const T* zero_row, F&& fn) {
-  const T* rows[CHUNK];
-  const T* head_rows[CHUNK];
-  for (int64_t a = 0; a < PREFETCH_AHEAD; ++a) p.prefetch(cache, item.seq, g.key_lo + a * CHUNK, g.key_hi);
-  for (int64_t c = g.key_lo; c < g.key_hi; c += CHUNK) {
-    const int64_t n = std::min<int64_t>(CHUNK, g.key_hi - c);
-    p.prefetch(cache, item.seq, c + PREFETCH_AHEAD * CHUNK, g.key_hi);
+// Calls fn(offset, h, head_rows, chunks) for every span of up to SPAN chunks of the item's keys
+// (offset: its first key relative to key_lo) and KV head h, head_rows pointing at that head's
+// rows of `cache` (chunks x 16 of them, the zero row past the end), prefetching a span ahead.
+template <int SPAN, typename T, typename F>
+inline void for_each_span_head(const Problem<T>& p, const T* cache, const WorkItem& item, const ItemGeometry& g,
+                               const T* zero_row, F&& fn) {
+  constexpr int64_t KEYS = SPAN * CHUNK;
+  const T* rows[KEYS];
+  const T* head_rows[KEYS];
+  for (int64_t a = 0; a < PREFETCH_AHEAD * SPAN; ++a) p.prefetch(cache, item.seq, g.key_lo + a * CHUNK, g.key_hi);
+  for (int64_t c = g.key_lo; c < g.key_hi; c += KEYS) {
+    const int64_t n = std::min<int64_t>(KEYS, g.key_hi - c), chunks = (n + CHUNK - 1) / CHUNK;
+    for (int64_t a = 0; a < SPAN; ++a) p.prefetch(cache, item.seq, c + PREFETCH_AHEAD * KEYS + a * CHUNK, g.key_hi);
     p.chunk_rows(cache, item.seq, c, n, rows);
     for (int64_t h = 0; h < p.kv_heads; ++h) {
-      for (int64_t j = 0; j < CHUNK; ++j) head_rows[j] = j < n ? rows[j] + h * p.dim : zero_row;
-      fn(c - g.key_lo, h, static_cast<const T* const*>(head_rows));
+      for (int64_t j = 0; j < chunks * CHUNK; ++j) head_rows[j] = j < n ? rows[j] + h * p.dim : zero_row;
+      fn(c - g.key_lo, h, static_cast<const T* const*>(head_rows), chunks);
     }
   }
 }
 
-// acc += probabilities x values, chunk by chunk, the rows of one KV head six at a time when
-// there are that many (prefill: each widened value register feeds six rows; 3-5 % faster than
-// three) and else three (the GQA group of a decode is often exactly that). after_step() runs
-// after each (chunk, KV head).
-template <typename T, typename F>
+// acc += probabilities x values, SPAN chunks at a time, the rows of one KV head six at a time
+// when there are that many (prefill: each widened value register feeds six rows; 3-5 % faster
+// than three) and else three (the GQA group of a decode is often exactly that). after_step()
+// runs after each (span, KV head).
+template <int SPAN, typename T, typename F>
 void weigh_values(const Problem<T>& p, const WorkItem& item, const ItemGeometry& g, Scratch& s, const T* zero_row,
                   F&& after_step) {
   const int64_t dim = p.dim, per_head = item.num_queries * (p.heads / p.kv_heads);
-  for_each_chunk_head(p, p.v_cache, item, g, zero_row, [&](int64_t offset, int64_t h, const T* const* head_rows) {
+  for_each_span_head<SPAN>(p, p.v_cache, item, g, zero_row, [&](int64_t offset, int64_t h, const T* const* head_rows,
+                                                               int64_t chunks) {
     const int64_t* mine = s.head_rows.data() + h * per_head;
     for (int64_t k = 0; k < per_head;) {
       const int64_t count = per_head - k >= 6 ? 6 : std::min<int64_t>(3, per_head - k);
@@ -303,10 +306,10 @@ void weigh_values(const Problem<T>& p, const WorkItem& item, const ItemGeometry&
       }
       k += count;
       switch (count) {
-        case 6: weigh_rows<6>(w, head_rows, dim, acc); break;
-        case 3: weigh_rows<3>(w, head_rows, dim, acc); break;
-        case 2: weigh_rows<2>(w, head_rows, dim, acc); break;
-        default: weigh_rows<1>(w, head_rows, dim, acc); break;
+        case 6: weigh_rows<6, SPAN>(w, head_rows, chunks, dim, acc); break;
+        case 3: weigh_rows<3, SPAN>(w, head_rows, chunks, dim, acc); break;
+        case 2: weigh_rows<2, SPAN>(w, head_rows, chunks, dim, acc); break;
+        default: weigh_rows<1, SPAN>(w, head_rows, chunks, dim, acc); break;
       }
     }
     after_step();
@@ -323,14 +326,15 @@ bool run_item_avx512(const Problem<T>& p, const WorkItem& item, Scratch& s, cons
   const int64_t steps = 2 * ((g.key_hi - g.key_lo + CHUNK - 1) / CHUNK) * p.kv_heads;  // both passes
   ReadAhead<T> ahead(p, item.num_queries <= STREAM_MAX_QUERIES ? next : nullptr, steps);
   const auto step_ahead = [&] { if (ahead.active()) ahead.step(); };
-  for_each_chunk_head(p, p.k_cache, item, g, zero_row, [&](int64_t offset, int64_t h, const T* const* head_rows) {
+  for_each_span_head<1>(p, p.k_cache, item, g, zero_row, [&](int64_t offset, int64_t h, const T* const* head_rows,
+                                                           int64_t) {
     for (const int64_t* r = s.head_rows.data() + h * per_head; r < s.head_rows.data() + (h + 1) * per_head; ++r)
       score_chunk(p.query + (g.first_token * p.heads + *r) * dim, head_rows, dim, p.scale,
                   s.scores.data() + *r * g.stride + offset);
     step_ahead();
   });
   softmax_rows(p, g, s);
-  weigh_values(p, item, g, s, zero_row, step_ahead);
+  weigh_values<1>(p, item, g, s, zero_row, step_ahead);
   write_output(p, g, s);
   return ahead.reading();
 }

@@ -26,25 +26,16 @@ BF16_PATH = r"""
 // bfloat16 on vdpbf16ps (see cpu_attention_bf16.py): kt register p holds dims 2p and 2p + 1 of
 // the 16 keys (transpose_dwords of the bf16 pairs).
 
-// out[r][j] = scale * (q_r . key j) for the 16 keys of kt and R query rows.
-template <int R>
-inline void score_rows(const uint32_t* const* q, const float* kt, int64_t pairs, float scale, float* const* out) {
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < pairs; ++p) {
-    const __m512bh k = (__m512bh)_mm512_loadu_si512(kt + p * 16);
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(q[r][p]), k);
+// A score step on vdpbf16ps: the broadcast pair of query dims 2p, 2p + 1 times kt row p.
+struct Bf16Dot {
+  using Unit = uint32_t;
+  static inline __m512 madd(__m512 acc, uint32_t q, __m512 k) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(static_cast<int>(q)), (__m512bh)k);
   }
-  const __m512 s = _mm512_set1_ps(scale);
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out[r], _mm512_mul_ps(acc[r], s));
-}
+};
 
 void run_item_bf16(const Problem<c10::BFloat16>& p, const WorkItem& item, Scratch& s) {
-  run_item_transposed<c10::BFloat16, uint32_t>(
-      p, item, s, p.dim / 2, [](int64_t count, const uint32_t* const* q, const float* kt, int64_t pairs, float scale,
-                                float* const* out) {
-        with_rows(count, [&](auto rows) { score_rows<decltype(rows)::value>(q, kt, pairs, scale, out); });
-      });
+  run_item_transposed<c10::BFloat16, Bf16Dot>(p, item, s, p.dim / 2);
 }
 constexpr bool kHaveBf16Path = true;
 #else

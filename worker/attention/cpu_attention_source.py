@@ -102,7 +102,8 @@ struct Problem {
 // Per-thread buffers, reused across items.
 struct Scratch {
   std::vector<float> scores, acc, inv_sums, zeros;
-  std::vector<float> packed;       // one KV head's keys of a chunk, transposed (bf16 path)
+  std::vector<float> packed;       // one KV head's keys of a span, transposed (prefill items)
+  std::vector<float> queries;      // the query rows of each KV head, step by step (prefill items)
   std::vector<int64_t> head_rows;  // rows of each KV head (AVX-512 paths)
 };
 
