@@ -123,7 +123,8 @@ inline void weigh(const float* const* w, const T* const* values, int64_t chunks,
 
 // Kept out of line: inlined into run_item_avx512, it made decode attention 2-3 % slower.
 template <int ROWS, int SPAN, typename T>
-__attribute__((noinline)) void weigh_rows(const float* const* w, const T* const* values, int64_t chunks, int64_t dim, float* const* acc) {
+__attribute__((noinline)) void weigh_rows(const float* const* w, const T* const* values, int64_t chunks,
+                                          int64_t dim, float* const* acc) {
   constexpr int WIDTH = ROWS >= 3 ? 4 : 8;  // registers per row: ROWS * WIDTH + WIDTH <= 32
   for (int64_t d = 0; d < dim; d += WIDTH * SLICE) {
     switch (std::min<int64_t>(WIDTH, (dim - d) / SLICE)) {
