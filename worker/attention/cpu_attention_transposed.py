@@ -15,8 +15,8 @@ items, bound by memory and with three rows per head, keep `score_chunk`.
 
 A span of three chunks is scored at once, 8 rows x 3 chunks of accumulators,
 so that each key register loaded serves 8 rows and each broadcast query
-element 3 chunks; the rows' query elements are interleaved once per item
-(`interleave_rows`) so that one pointer reaches them all. The values are
+element 3 chunks; the rows' query elements are transposed into lanes once
+per item (`transpose_dwords`, as the keys) so that one pointer reaches them all. The values are
 weighed over the same spans (`weigh_values<SCORE_CHUNKS>`: the accumulators
 stay in registers over 48 keys instead of 16). Against one chunk by 8 rows
 (one key register per 8 FMAs, the query rows through 8 spilled pointers),
@@ -86,22 +86,6 @@ inline void transpose_dwords(const void* const* keys, int64_t dwords, float* kt,
   }
 }
 
-// to[d * SCORE_ROWS + r] = dword d of row r, for SCORE_ROWS rows of `dwords` dwords (a multiple of
-// 16; a null row reads as zeros): the rows' query elements step by step, as score_tile reads them.
-inline void interleave_rows(const void* const* rows, int64_t dwords, void* to) {
-  static_assert(SCORE_ROWS == 8, "interleave_rows transposes 8 rows into the low halves of 16");
-  uint32_t* out = static_cast<uint32_t*>(to);
-  for (int64_t b = 0; b < dwords; b += 16) {
-    __m512i r[16];
-    for (int j = 0; j < 8; ++j)
-      r[j] = rows[j] ? _mm512_loadu_si512(static_cast<const uint32_t*>(rows[j]) + b) : _mm512_setzero_si512();
-    for (int j = 8; j < 16; ++j) r[j] = _mm512_setzero_si512();
-    transpose16(r);
-    for (int e = 0; e < 16; ++e)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (b + e) * SCORE_ROWS), _mm512_castsi512_si256(r[e]));
-  }
-}
-
 // Calls f(std::integral_constant<int, C>{}) with C = chunks (1 .. SCORE_CHUNKS).
 template <typename F>
 inline void with_chunks(int64_t chunks, F&& f) {
@@ -120,7 +104,8 @@ struct F32Dot {
 
 // out[r][16 c + j] = scale * (q_r . key j of chunk c) for R query rows and the C chunks of kt
 // ([steps][SPAN_KEYS]): R x C accumulators, each kt register loaded once for all R rows. qt holds
-// the rows' query elements step by step ([steps][SCORE_ROWS]), so that one pointer reaches them all.
+// the rows' query elements step by step ([steps][16], rows in the first lanes), so that one
+// pointer reaches them all.
 template <typename Dot, int R, int C>
 inline void score_tile(const typename Dot::Unit* qt, const float* kt, int64_t steps, float scale,
                        float* const* out) {
@@ -132,7 +117,7 @@ inline void score_tile(const typename Dot::Unit* qt, const float* kt, int64_t st
     __m512 k[C];
     for (int c = 0; c < C; ++c) k[c] = _mm512_loadu_ps(kt + d * SPAN_KEYS + c * 16);
     for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c) acc[r][c] = Dot::madd(acc[r][c], qt[d * SCORE_ROWS + r], k[c]);
+      for (int c = 0; c < C; ++c) acc[r][c] = Dot::madd(acc[r][c], qt[d * 16 + r], k[c]);
   }
   const __m512 s = _mm512_set1_ps(scale);
   for (int r = 0; r < R; ++r)
@@ -151,16 +136,19 @@ void run_item_transposed(const Problem<T>& p, const WorkItem& item, Scratch& s, 
   s.packed.resize(steps * SPAN_KEYS);  // one head's transposed keys of one span
   float* kt = s.packed.data();
   const U* query = reinterpret_cast<const U*>(p.query) + g.first_token * p.heads * steps;
-  // Each KV head's rows, SCORE_ROWS at a time, interleaved step by step (see score_tile).
+  // Each KV head's rows, SCORE_ROWS at a time, transposed into lanes step by step (see score_tile;
+  // the lanes past a group's rows read the zero row).
   const int64_t groups = (per_head + SCORE_ROWS - 1) / SCORE_ROWS;
-  s.queries.resize(p.kv_heads * groups * steps * SCORE_ROWS);
-  U* qt = reinterpret_cast<U*>(s.queries.data());
+  s.queries.resize(p.kv_heads * groups * steps * 16);
+  const U* qt = reinterpret_cast<const U*>(s.queries.data());
   for (int64_t h = 0; h < p.kv_heads; ++h)
     for (int64_t k = 0; k < per_head; k += SCORE_ROWS) {
-      const void* q[SCORE_ROWS];
-      for (int64_t i = 0; i < SCORE_ROWS; ++i)
-        q[i] = k + i < per_head ? query + s.head_rows[h * per_head + k + i] * steps : nullptr;
-      interleave_rows(q, steps, qt + (h * groups + k / SCORE_ROWS) * steps * SCORE_ROWS);
+      const void* q[16];
+      for (int64_t i = 0; i < 16; ++i) {
+        const bool row = i < SCORE_ROWS && k + i < per_head;
+        q[i] = row ? static_cast<const void*>(query + s.head_rows[h * per_head + k + i] * steps) : zero_row;
+      }
+      transpose_dwords(q, steps, s.queries.data() + (h * groups + k / SCORE_ROWS) * steps * 16, 16);
     }
   for_each_span_head<SCORE_CHUNKS>(p, p.k_cache, item, g, zero_row, [&](int64_t offset, int64_t h,
                                                                        const T* const* head_rows, int64_t chunks) {
@@ -171,7 +159,7 @@ void run_item_transposed(const Problem<T>& p, const WorkItem& item, Scratch& s, 
       const int64_t count = std::min<int64_t>(SCORE_ROWS, per_head - k);
       float* out[SCORE_ROWS];
       for (int64_t i = 0; i < count; ++i) out[i] = s.scores.data() + mine[k + i] * g.stride + offset;
-      const U* rows_qt = qt + (h * groups + k / SCORE_ROWS) * steps * SCORE_ROWS;
+      const U* rows_qt = qt + (h * groups + k / SCORE_ROWS) * steps * 16;
       with_rows(count, [&](auto r) {
         with_chunks(chunks, [&](auto c) {
           score_tile<Dot, decltype(r)::value, decltype(c)::value>(rows_qt, kt, steps, p.scale, out);
