@@ -87,14 +87,20 @@ def cmd_transformers(args: argparse.Namespace) -> int:
 
 # --- accuracy of the fast path ---------------------------------------------------------
 def cmd_accuracy(args: argparse.Namespace) -> int:
-    from worker.benchmarks.fast_path_check import run_accuracy
+    from worker.benchmarks.fast_path_check import ACCURACY_CHECKS, run_accuracy
 
     config = engine_config_from_args(args)
     requests = resolve_workload(args.workload, _model_vocab_size(config.model, config.model_cache_dir),
                                 args.workload_seed)
     if args.num_requests:
         requests = requests[:args.num_requests]
-    result = run_accuracy(config, requests, max_tokens=args.max_tokens, checks=tuple(args.checks.split(",")))
+    checks = tuple(args.checks.split(","))
+    unknown = set(checks) - set(ACCURACY_CHECKS)
+    if unknown:
+        print(f"pagedserve bench accuracy: error: unknown checks {sorted(unknown)}; choose from "
+              f"{', '.join(ACCURACY_CHECKS)}", file=sys.stderr)
+        return 2
+    result = run_accuracy(config, requests, max_tokens=args.max_tokens, checks=checks)
     result["workload"] = os.path.basename(args.workload)
     _emit(result, args.json, lambda r: "\n".join(f"{k:<45} {v}" for k, v in r.items()))
     return 0
@@ -244,7 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
     _workload_arg(p)
     p.add_argument("--num-requests", type=int, default=None, help="use only the first N requests")
     p.add_argument("--max-tokens", type=int, default=None, help="greedy tokens per request (default: the workload's)")
-    p.add_argument("--checks", default="float32,bfloat16,first_token")
+    p.add_argument("--checks", default="float32,bfloat16,first_token",
+                   help="comma-separated: float32, bfloat16, first_token, and (not by default) "
+                        "kv_cache_bfloat16, what --kv-cache-dtype bfloat16 changes on a float32 model")
     p.add_argument("--json", action="store_true")
     add_engine_args(p)
     p.set_defaults(handler=cmd_accuracy)

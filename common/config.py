@@ -10,6 +10,9 @@ from common.errors import ConfigError
 
 GiB = 1 << 30
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# The KV cache's element type: "auto" is the model's; "bfloat16" halves a float32 model's cache
+# (twice the tokens in the same memory, half the bytes each decode step reads).
+KV_CACHE_DTYPES = ("auto", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
@@ -32,6 +35,7 @@ class EngineConfig:
     model: str = "smollm2-135m-instruct"
     tokenizer: str | None = None  # defaults to the model's own
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
     device: str = "auto"
     attention_backend: str = "auto"
     block_size: int | None = None  # CPU: 128 (16-bit) or 64 (float32) tokens, long runs stream fast; CUDA: 16
@@ -55,6 +59,10 @@ class EngineConfig:
     def validate(self) -> None:
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype == "bfloat16" and self.dtype == "float16":
+            raise ConfigError("kv_cache_dtype bfloat16 needs a float32 or bfloat16 model, not float16")
         if self.device not in DEVICES:
             raise ConfigError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -89,12 +97,12 @@ class EngineConfig:
         # On CPU, decode attention streams each sequence's K/V block by block: runs of
         # 48 KiB (128 tokens of 16-bit K for SmolLM2's three KV heads) read about 25 %
         # faster than runs of 16 tokens (hardware prefetch restarts at every block), as
-        # vLLM's CPU backend also chooses. float32 gets the same bytes per run from
+        # vLLM's CPU backend also chooses. A float32 cache gets the same bytes per run from
         # 64 tokens, and half the space lost in each sequence's last block (W2 in
         # 4 GiB: no preemptions instead of 14). Prefix caching shares whole blocks only.
         if self.resolved_device() == "cuda":
             return 16
-        return 64 if self.resolved_dtype() == "float32" else 128
+        return 64 if self.resolved_kv_cache_dtype() == "float32" else 128
 
     def resolved_dtype(self) -> str:
         if self.dtype != "auto":
@@ -102,6 +110,9 @@ class EngineConfig:
         if self.resolved_device() == "cuda":
             return "bfloat16"
         return "bfloat16" if cpu_supports_bf16() else "float32"
+
+    def resolved_kv_cache_dtype(self) -> str:
+        return self.resolved_dtype() if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
 
     def resolved_attention_backend(self) -> str:
         if self.attention_backend != "auto":

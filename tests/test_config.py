@@ -51,3 +51,28 @@ def test_max_logprobs_from_the_flag_or_the_environment_and_handed_on(monkeypatch
     assert config.max_logprobs == 64 and parse(*engine_argv(config)).max_logprobs == 64
     with pytest.raises(ConfigError, match="max_logprobs must be -1"):
         EngineConfig(device="cpu", max_logprobs=-2)
+
+
+def test_kv_cache_dtype_from_the_flag_or_the_environment_and_handed_on(monkeypatch):
+    from common.cli_args import engine_argv
+
+    def parse(*argv: str) -> EngineConfig:
+        return engine_config_from_args(add_engine_args(argparse.ArgumentParser()).parse_args(list(argv)))
+
+    assert parse("--device", "cpu", "--dtype", "float32").resolved_kv_cache_dtype() == "float32"  # auto: the model's
+    halved = parse("--device", "cpu", "--dtype", "float32", "--kv-cache-dtype", "bfloat16")
+    assert halved.resolved_kv_cache_dtype() == "bfloat16"
+    assert halved.block_size == 128  # blocks of the same bytes as a float32 cache's 64 tokens
+    monkeypatch.setenv("PAGEDSERVE_KV_CACHE_DTYPE", "bfloat16")
+    config = parse("--device", "cpu", "--dtype", "float32")
+    assert config.kv_cache_dtype == "bfloat16" and parse(*engine_argv(config)).kv_cache_dtype == "bfloat16"
+
+
+def test_a_kv_cache_dtype_that_cannot_run_is_refused(capsys):
+    with pytest.raises(ConfigError, match="kv_cache_dtype must be one of"):
+        EngineConfig(device="cpu", kv_cache_dtype="fp8_e4m3")
+    with pytest.raises(ConfigError, match="needs a float32 or bfloat16 model"):
+        EngineConfig(device="cpu", dtype="float16", kv_cache_dtype="bfloat16")
+    with pytest.raises(SystemExit):
+        add_engine_args(argparse.ArgumentParser()).parse_args(["--kv-cache-dtype", "int4"])
+    assert "--kv-cache-dtype: invalid choice: 'int4'" in capsys.readouterr().err

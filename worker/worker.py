@@ -40,10 +40,11 @@ class Worker:
         self.device = torch.device(config.resolved_device())
         self.dtype_name = config.resolved_dtype()
         self.dtype: torch.dtype = getattr(torch, self.dtype_name)
+        self.kv_cache_dtype: torch.dtype = getattr(torch, config.resolved_kv_cache_dtype())
 
         self.model, self.hf_config, self.model_dir = load_model(config, self.device, self.dtype)
         self.model.pack_weights()  # on AVX-512 CPUs: matmul weights packed for the CPU kernel
-        spec = kv_cache_spec(self.hf_config, config.block_size, self.dtype)
+        spec = kv_cache_spec(self.hf_config, config.block_size, self.kv_cache_dtype)
         self.num_blocks = num_blocks_for(config, spec, self.device)
         model_limit = _model_max_len(self.hf_config)
         self.max_model_len = config.resolve_max_model_len(model_limit=model_limit, num_blocks=self.num_blocks)
@@ -51,7 +52,7 @@ class Worker:
             logger.warning("max_model_len is %d, not the model's %d: that is all the KV cache holds "
                            "(%d blocks of %d tokens); raise --kv-cache-memory to serve longer sequences",
                            self.max_model_len, model_limit, self.num_blocks, config.block_size)
-        self.kv_caches = allocate_kv_caches(self.hf_config, self.num_blocks, config.block_size, self.dtype,
+        self.kv_caches = allocate_kv_caches(self.hf_config, self.num_blocks, config.block_size, self.kv_cache_dtype,
                                             self.device, max_model_len=self.max_model_len)
         self.backend = get_attention_backend(config.resolved_attention_backend())
         eos_ids = eos_token_ids(self.model_dir)
@@ -70,7 +71,8 @@ class Worker:
         self.input_batch = InputBatch(config.block_size, self.device, eos_token_ids=eos_ids,
                                       grammar_compiler=self.grammar_compiler)
         logger.info("Worker %d ready: %s on %s (%s, %s), %d KV blocks, max_model_len %d, %d threads",
-                    rank, config.model, self.device, self.dtype_name,
+                    rank, config.model, self.device, self.dtype_name if self.kv_cache_dtype == self.dtype
+                    else f"{self.dtype_name}, KV cache {config.resolved_kv_cache_dtype()}",
                     f"compiled in {self.forward.compile_seconds:.1f} s" if self.forward.compiled else "eager",
                     self.num_blocks, self.max_model_len, torch.get_num_threads())
 

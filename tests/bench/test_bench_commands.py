@@ -53,14 +53,17 @@ def test_throughput_reports_tokens_and_scheduler_time(tiny):
     assert result["steps"] >= max(r.max_tokens for r in requests)
     assert 0 < result["scheduler_ms_per_step"] < result["execute_ms_per_step"] * 10
     assert result["compiled"] is True and result["compile_s"] > 0  # compiled unless --enforce-eager
+    assert result["dtype"] == result["kv_cache_dtype"] == "float32"
     assert result["peak_kv_blocks"] >= 6 and result["max_num_seqs"] == 256
     assert load_workload_file(str(saved)) == requests
 
     assert result["sampling"] == {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None}
 
     human = bench("throughput", "--workload", str(root / "tiny.jsonl"), "--model", str(root / "model"),
-                  "--no-detokenize", "--enforce-eager", "--temperature", "0.8", "--top-p", "0.9", *SMALL_ENGINE)
+                  "--no-detokenize", "--enforce-eager", "--temperature", "0.8", "--top-p", "0.9", *SMALL_ENGINE,
+                  "--kv-cache-dtype", "bfloat16")
     assert "output tokens/s" in human and "scheduler ms/step" in human and "eager" in human
+    assert "float32 (KV cache bfloat16)" in human
     assert "temperature 0.8, top_p 0.9, top_k 0" in human  # every request still yields its max_tokens
 
 
@@ -162,3 +165,15 @@ def test_accuracy_reports_every_check(tiny):
     assert result["float32_identical_requests"] <= 3
     assert 0 <= result["bfloat16_compiled_vs_eager_logits_rel_l2"] < 0.05
     assert 0 <= result["bfloat16_vs_float32_first_token_agreement"] <= 1.0
+
+
+def test_accuracy_of_a_bfloat16_kv_cache(tiny):
+    root, _ = tiny
+    out = bench("accuracy", "--workload", str(root / "tiny.jsonl"), "--model", str(root / "model"),
+                "--kv-cache-memory", "64MiB", "--num-requests", "3", "--max-tokens", "4", "--checks",
+                "kv_cache_bfloat16", "--json", timeout=600)
+    [result] = json_lines(out)
+    assert set(result) == {"requests", "workload", "kv_bfloat16_vs_float32_token_agreement",
+                           "kv_bfloat16_identical_requests", "kv_bfloat16_vs_float32_logits_rel_l2"}
+    assert 0.5 <= result["kv_bfloat16_vs_float32_token_agreement"] <= 1.0
+    assert 0 < result["kv_bfloat16_vs_float32_logits_rel_l2"] < 1e-2  # rounded K/V: close, not equal

@@ -23,11 +23,14 @@ needs_kernel = pytest.mark.skipif(cpu_kernels.load() is None, reason="the C++ ke
 
 # --- attention: kernel and PyTorch fallback against the reference -----------------------
 @needs_kernel
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                               (torch.float32, torch.bfloat16)])
 @pytest.mark.parametrize("window", [None, 37])
-def test_kernel_and_fallback_match_reference_at_model_shapes(dtype, window, make_metadata, make_block_tables):
+def test_kernel_and_fallback_match_reference_at_model_shapes(dtype, cache_dtype, window, make_metadata,
+                                                             make_block_tables):
     """SmolLM2's head layout (9 query heads on 3 KV heads of 64), blocks of 16: decodes of
-    assorted lengths plus a fresh prefill and a chunk that extends a context."""
+    assorted lengths plus a fresh prefill and a chunk that extends a context; float32 queries
+    over a bfloat16 cache too (--kv-cache-dtype bfloat16)."""
     g = torch.Generator().manual_seed(0)
     contexts = [0, 5, 17, 100, 333, 40, 0, 61]
     query_lens = [1, 1, 1, 1, 1, 1, 50, 23]
@@ -35,7 +38,7 @@ def test_kernel_and_fallback_match_reference_at_model_shapes(dtype, window, make
     num_blocks = sum(-(-n // 16) for n in seq_lens) + 4
     meta = make_metadata(contexts, query_lens, make_block_tables(seq_lens, 16, num_blocks, g), 16, num_decodes=6)
     tokens = sum(query_lens)
-    caches = [torch.randn(num_blocks, 16, 3, 64, generator=g).to(dtype) for _ in range(2)]
+    caches = [torch.randn(num_blocks, 16, 3, 64, generator=g).to(cache_dtype) for _ in range(2)]
     query, key, value = (torch.randn(tokens, h, 64, generator=g).to(dtype) for h in (9, 3, 3))
     expected = reference_attention(query, key, value, *[c.clone() for c in caches], meta, scale=0.125,
                                    sliding_window=window)
@@ -73,16 +76,18 @@ def test_kernel_prefill_matches_reference_at_other_head_dims(dtype, head_dim, wi
 
 
 @needs_kernel
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_cache_write_matches_index_copy(dtype):
-    """K/V as strided views of a fused QKV projection, scattered to shuffled slots."""
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                               (torch.float32, torch.bfloat16)])
+def test_kernel_cache_write_matches_index_copy(dtype, cache_dtype):
+    """K/V as strided views of a fused QKV projection, scattered to shuffled slots (and rounded
+    to nearest even, as Tensor.to does, into a bfloat16 cache)."""
     from worker.attention.torch_backend import write_kv_cache
     g = torch.Generator().manual_seed(1)
     qkv = torch.randn(37, 960, generator=g).to(dtype)
     key, value = qkv[:, 576:768].view(37, 3, 64), qkv[:, 768:].view(37, 3, 64)
     slots = torch.randperm(12 * 16, generator=g)[:37]
-    expected = [torch.zeros(12, 16, 3, 64, dtype=dtype) for _ in range(2)]
-    actual = [torch.zeros(12, 16, 3, 64, dtype=dtype) for _ in range(2)]
+    expected = [torch.zeros(12, 16, 3, 64, dtype=cache_dtype) for _ in range(2)]
+    actual = [torch.zeros(12, 16, 3, 64, dtype=cache_dtype) for _ in range(2)]
     write_kv_cache(key, value, *expected, slots)
     cpu_kernels.write_kv_cache(key, value, *actual, slots)
     assert torch.equal(actual[0], expected[0]) and torch.equal(actual[1], expected[1])
@@ -288,6 +293,21 @@ def test_compiled_bfloat16_first_step_logits_match_eager(tiny_llama):
     eager = first_step_logits(engine(directory, "bfloat16", eager=True), requests)
     assert compiled.shape == (6, 256) and compiled.dtype == torch.float32
     assert relative_l2(compiled, eager) < 1e-2
+
+
+def test_bfloat16_kv_cache_under_a_float32_model(tiny_llama):
+    """--kv-cache-dtype bfloat16: the cache holds bfloat16, the first step's logits stay within
+    bf16 rounding of the float32 cache's, and compiled and eager agree on the greedy tokens."""
+    _, directory = tiny_llama
+    requests = tiny_requests(6, seed=4)
+    halved = engine(directory, "float32", eager=False, kv_cache_dtype="bfloat16")
+    assert {cache.dtype for pair in halved.worker.kv_caches for cache in pair} == {torch.bfloat16}
+    full = engine(directory, "float32", eager=False)
+    assert relative_l2(first_step_logits(halved, requests), first_step_logits(full, requests)) < 1e-2
+    eager = engine(directory, "float32", eager=True, kv_cache_dtype="bfloat16")
+    compiled_tokens, eager_tokens = greedy_tokens(halved, requests), greedy_tokens(eager, requests)
+    pairs = [(a, b) for x, y in zip(compiled_tokens, eager_tokens) for a, b in zip(x, y)]
+    assert len(pairs) == 144 and sum(a == b for a, b in pairs) / len(pairs) >= 0.99
 
 
 def test_no_recompilation_while_serving(tiny_llama):

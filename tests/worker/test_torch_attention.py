@@ -23,6 +23,7 @@ class Case:
     block_size: int = 4
     sliding_window: int | None = None
     dtype: torch.dtype = torch.float32
+    cache_dtype: torch.dtype | None = None  # the KV cache's, when not `dtype` (--kv-cache-dtype)
 
 
 def run_case(case: Case, make_metadata, make_block_tables, seed: int = 0):
@@ -37,8 +38,9 @@ def run_case(case: Case, make_metadata, make_block_tables, seed: int = 0):
 
     tokens = sum(query_lens)
     cache_shape = (num_blocks, case.block_size, case.num_kv_heads, case.head_dim)
-    k_cache = torch.randn(cache_shape, generator=g).to(case.dtype)  # random "context" and stale slots
-    v_cache = torch.randn(cache_shape, generator=g).to(case.dtype)
+    cache_dtype = case.cache_dtype or case.dtype
+    k_cache = torch.randn(cache_shape, generator=g).to(cache_dtype)  # random "context" and stale slots
+    v_cache = torch.randn(cache_shape, generator=g).to(cache_dtype)
     query = torch.randn(tokens, case.num_heads, case.head_dim, generator=g).to(case.dtype)
     # key/value as column slices of one fused projection, the way the model passes them
     fused = torch.randn(tokens, 2 * case.num_kv_heads * case.head_dim, generator=g).to(case.dtype)
@@ -94,6 +96,18 @@ def test_matches_reference_half_precision(name: str, dtype: torch.dtype, make_me
     assert actual.dtype == dtype
     tolerance = 2e-2 if dtype == torch.bfloat16 else 3e-3
     torch.testing.assert_close(actual.float(), expected.float(), atol=tolerance, rtol=tolerance)
+    for cache, ref_cache in zip(caches, ref_caches):
+        assert torch.equal(cache, ref_cache)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bfloat16_cache_under_float32_queries(name: str, make_metadata, make_block_tables) -> None:
+    """--kv-cache-dtype bfloat16 on a float32 model: the new K/V rounded to nearest even into the
+    cache, attention in float32 over what the cache holds (the reference reads the same values)."""
+    case = Case(**{**CASES[name].__dict__, "cache_dtype": torch.bfloat16})
+    actual, expected, caches, ref_caches = run_case(case, make_metadata, make_block_tables)
+    assert actual.dtype == torch.float32 and caches[0].dtype == torch.bfloat16
+    torch.testing.assert_close(actual, expected, atol=2e-5, rtol=1e-5)
     for cache, ref_cache in zip(caches, ref_caches):
         assert torch.equal(cache, ref_cache)
 

@@ -67,8 +67,8 @@ inline __m512 exp_ps(__m512 x) {
 // out[j] = scale * (q . keys[j]) for the 16 keys of a chunk (a short chunk points its
 // missing keys at a zero row: fixed-size loops unroll and keep all 16 accumulators in registers).
 // float32, and bfloat16 widened to float32 on CPUs without AVX512-BF16.
-template <typename T>
-inline void score_chunk(const T* q, const T* const* keys, int64_t dim, float scale, float* out) {
+template <typename Q, typename T>
+inline void score_chunk(const Q* q, const T* const* keys, int64_t dim, float scale, float* out) {
   __m512 acc[CHUNK];
 #pragma GCC unroll 16
   for (int j = 0; j < CHUNK; ++j) acc[j] = _mm512_setzero_ps();
@@ -147,8 +147,8 @@ constexpr int64_t STREAM_MAX_QUERIES = 2;  // longer items are compute-bound: th
 // starts. Short (decode) items otherwise run at a third of the memory bandwidth: their strided,
 // compute-interleaved reads keep few misses in flight, and the chunk-ahead software prefetches
 // (which still pay off from L2 to L1) come too late to hide DRAM latency.
-template <typename T>
-inline void stream_kv(const Problem<T>& p, int64_t seq, int64_t first, int64_t end) {
+template <typename Q, typename T>
+inline void stream_kv(const Problem<Q, T>& p, int64_t seq, int64_t first, int64_t end) {
   const int32_t* table = p.block_tables + seq * p.max_blocks;
   const int64_t row_bytes = p.kv_heads * p.dim * static_cast<int64_t>(sizeof(T));
   const char* k_base = reinterpret_cast<const char*>(p.k_cache);
@@ -178,11 +178,11 @@ inline void stream_kv(const Problem<T>& p, int64_t seq, int64_t first, int64_t e
 // current item's two passes. Alone, stream_kv leaves the memory idle during compute; with this,
 // the next item finds its K/V in L2 (decode attention B/A 0.73-0.85 in alternating A/B at
 // 64 x 370 and 256 x 170 positions; prefetching into L1 instead evicted the working set).
-template <typename T>
+template <typename Q, typename T>
 class ReadAhead {
  public:
   // `steps`: how many times step() will be called over the current item.
-  ReadAhead(const Problem<T>& p, const WorkItem* next, int64_t steps)
+  ReadAhead(const Problem<Q, T>& p, const WorkItem* next, int64_t steps)
       : p_(p), row_bytes_(p.kv_heads * p.dim * static_cast<int64_t>(sizeof(T))) {
     if (!next || next->num_queries > STREAM_MAX_QUERIES) return;
     const ItemGeometry g(p, *next);
@@ -214,7 +214,7 @@ class ReadAhead {
   }
 
  private:
-  const Problem<T>& p_;
+  const Problem<Q, T>& p_;
   const int64_t row_bytes_;
   const int32_t* table_ = nullptr;
   int64_t pos_ = 0, end_ = 0, byte_ = 0, per_step_ = 0;  // byte_: within the block run at pos_
@@ -222,8 +222,8 @@ class ReadAhead {
 
 // Softmax in place over each row's scores (max-subtracted, over its visible keys; the
 // others weigh zero); 1 / sum of each row into s.inv_sums.
-template <typename T>
-void softmax_rows(const Problem<T>& p, const ItemGeometry& g, Scratch& s) {
+template <typename Q, typename T>
+void softmax_rows(const Problem<Q, T>& p, const ItemGeometry& g, Scratch& s) {
   for (int64_t r = 0; r < g.rows; ++r) {
     const auto [lo, hi] = g.visible(p, r);
     float* sr = s.scores.data() + r * g.stride;
@@ -250,8 +250,9 @@ void softmax_rows(const Problem<T>& p, const ItemGeometry& g, Scratch& s) {
 // per_head = queries x GQA group) and returns a zero row for chunks cut short. `read_ahead`:
 // the previous item prefetched this one's K/V; else a decode item reads them into L2 first
 // (reading them again after the read-ahead made decode attention 10 % slower).
-template <typename T>
-const T* start_item(const Problem<T>& p, const WorkItem& item, const ItemGeometry& g, Scratch& s, bool read_ahead) {
+template <typename Q, typename T>
+const T* start_item(const Problem<Q, T>& p, const WorkItem& item, const ItemGeometry& g, Scratch& s,
+                    bool read_ahead) {
   if (!read_ahead && item.num_queries <= STREAM_MAX_QUERIES) stream_kv(p, item.seq, g.key_lo, g.key_hi);
   s.scores.resize(g.rows * g.stride);
   s.acc.assign(g.rows * p.dim, 0.0f);
@@ -268,8 +269,8 @@ const T* start_item(const Problem<T>& p, const WorkItem& item, const ItemGeometr
 // Calls fn(offset, h, head_rows, chunks) for every span of up to SPAN chunks of the item's keys
 // (offset: its first key relative to key_lo) and KV head h, head_rows pointing at that head's
 // rows of `cache` (chunks x 16 of them, the zero row past the end), prefetching a span ahead.
-template <int SPAN, typename T, typename F>
-inline void for_each_span_head(const Problem<T>& p, const T* cache, const WorkItem& item, const ItemGeometry& g,
+template <int SPAN, typename Q, typename T, typename F>
+inline void for_each_span_head(const Problem<Q, T>& p, const T* cache, const WorkItem& item, const ItemGeometry& g,
                                const T* zero_row, F&& fn) {
   constexpr int64_t KEYS = SPAN * CHUNK;
   const T* rows[KEYS];
@@ -290,8 +291,8 @@ inline void for_each_span_head(const Problem<T>& p, const T* cache, const WorkIt
 // when there are that many (prefill: each widened value register feeds six rows; 3-5 % faster
 // than three) and else three (the GQA group of a decode is often exactly that). after_step()
 // runs after each (span, KV head).
-template <int SPAN, typename T, typename F>
-void weigh_values(const Problem<T>& p, const WorkItem& item, const ItemGeometry& g, Scratch& s, const T* zero_row,
+template <int SPAN, typename Q, typename T, typename F>
+void weigh_values(const Problem<Q, T>& p, const WorkItem& item, const ItemGeometry& g, Scratch& s, const T* zero_row,
                   F&& after_step) {
   const int64_t dim = p.dim, per_head = item.num_queries * (p.heads / p.kv_heads);
   for_each_span_head<SPAN>(p, p.v_cache, item, g, zero_row, [&](int64_t offset, int64_t h, const T* const* head_rows,
@@ -319,13 +320,13 @@ void weigh_values(const Problem<T>& p, const WorkItem& item, const ItemGeometry&
 
 // `next`: the item this thread runs after this one (none: the last); a decode item reads its K/V
 // ahead, and returns whether it did. `read_ahead`: the previous item read this one's.
-template <typename T>
-bool run_item_avx512(const Problem<T>& p, const WorkItem& item, Scratch& s, const WorkItem* next, bool read_ahead) {
+template <typename Q, typename T>
+bool run_item_avx512(const Problem<Q, T>& p, const WorkItem& item, Scratch& s, const WorkItem* next, bool read_ahead) {
   const ItemGeometry g(p, item);
   const T* zero_row = start_item(p, item, g, s, read_ahead);
   const int64_t dim = p.dim, per_head = item.num_queries * (p.heads / p.kv_heads);
   const int64_t steps = 2 * ((g.key_hi - g.key_lo + CHUNK - 1) / CHUNK) * p.kv_heads;  // both passes
-  ReadAhead<T> ahead(p, item.num_queries <= STREAM_MAX_QUERIES ? next : nullptr, steps);
+  ReadAhead<Q, T> ahead(p, item.num_queries <= STREAM_MAX_QUERIES ? next : nullptr, steps);
   const auto step_ahead = [&] { if (ahead.active()) ahead.step(); };
   for_each_span_head<1>(p, p.k_cache, item, g, zero_row, [&](int64_t offset, int64_t h, const T* const* head_rows,
                                                            int64_t) {
@@ -341,8 +342,8 @@ bool run_item_avx512(const Problem<T>& p, const WorkItem& item, Scratch& s, cons
 }
 constexpr bool kHaveAvx512 = true;
 #else
-template <typename T>
-bool run_item_avx512(const Problem<T>& p, const WorkItem& item, Scratch& s, const WorkItem*, bool) {
+template <typename Q, typename T>
+bool run_item_avx512(const Problem<Q, T>& p, const WorkItem& item, Scratch& s, const WorkItem*, bool) {
   run_item_portable(p, item, s);
   return false;
 }

@@ -35,7 +35,7 @@ struct Bf16Dot {
 };
 
 void run_item_bf16(const Problem<c10::BFloat16>& p, const WorkItem& item, Scratch& s) {
-  run_item_transposed<c10::BFloat16, Bf16Dot>(p, item, s, p.dim / 2);
+  run_item_transposed<c10::BFloat16, c10::BFloat16, Bf16Dot>(p, item, s, p.dim / 2);
 }
 constexpr bool kHaveBf16Path = true;
 #else

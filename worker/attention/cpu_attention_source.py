@@ -15,7 +15,9 @@ FMA accumulators and one transposing horizontal sum, exp is a vectorized
 polynomial, and value accumulators stay in registers across a chunk; other
 CPUs use plain loops the compiler vectorizes. Softmax (max-subtracted, over
 the visible positions) and the weighted sum of values are float32; the
-result is cast to the query dtype. A query at position p sees positions
+result is cast to the query dtype. The cache holds the query's dtype, or
+bfloat16 under float32 queries (`--kv-cache-dtype bfloat16`: widened as it
+is read, prefill keys before their transpose). A query at position p sees positions
 (p - sliding_window, p].
 """
 
@@ -64,15 +66,17 @@ struct WorkItem {
   int64_t seq, first_query, num_queries, cost;
 };
 
-template <typename T>
+// Q: the query's and output's element type; T: the cache's (the same, or bfloat16 under float32
+// queries: --kv-cache-dtype bfloat16 on a float32 model).
+template <typename Q, typename T = Q>
 struct Problem {
-  const T* query;     // [tokens, heads, dim]
+  const Q* query;     // [tokens, heads, dim]
   const T* k_cache;   // [blocks, block_size, kv_heads, dim]
   const T* v_cache;
   const int32_t* block_tables;  // [seqs, max_blocks]
   const int32_t* query_start;   // [seqs + 1]
   const int32_t* seq_lens;      // [seqs]
-  T* out;                       // [tokens, heads, dim]
+  Q* out;                       // [tokens, heads, dim]
   int64_t max_blocks, block_size, heads, kv_heads, dim, window;  // window <= 0: none
   float scale;
 
@@ -114,8 +118,8 @@ struct Scratch {
 struct ItemGeometry {
   int64_t rows, first_token, first_pos, key_lo, key_hi, stride;
 
-  template <typename T>
-  ItemGeometry(const Problem<T>& p, const WorkItem& item) {
+  template <typename P>
+  ItemGeometry(const P& p, const WorkItem& item) {
     const int64_t query_len = p.query_start[item.seq + 1] - p.query_start[item.seq];
     rows = item.num_queries * p.heads;  // row r: query token r / heads, head r % heads
     first_token = p.query_start[item.seq] + item.first_query;
@@ -126,27 +130,27 @@ struct ItemGeometry {
   }
 
   // Visible keys of row r, relative to key_lo.
-  template <typename T>
-  std::pair<int64_t, int64_t> visible(const Problem<T>& p, int64_t r) const {
+  template <typename P>
+  std::pair<int64_t, int64_t> visible(const P& p, int64_t r) const {
     const int64_t pos = first_pos + r / p.heads;
     const int64_t lo = p.window > 0 ? std::max<int64_t>(0, pos - p.window + 1) : 0;
     return {lo - key_lo, pos + 1 - key_lo};
   }
 };
 
-template <typename T>
-void write_output(const Problem<T>& p, const ItemGeometry& g, const Scratch& s) {
-  T* out = p.out + g.first_token * p.heads * p.dim;
+template <typename Q, typename T>
+void write_output(const Problem<Q, T>& p, const ItemGeometry& g, const Scratch& s) {
+  Q* out = p.out + g.first_token * p.heads * p.dim;
   for (int64_t r = 0; r < g.rows; ++r) {
     const float inv = s.inv_sums[r];
-    for (int64_t d = 0; d < p.dim; ++d) out[r * p.dim + d] = static_cast<T>(s.acc[r * p.dim + d] * inv);
+    for (int64_t d = 0; d < p.dim; ++d) out[r * p.dim + d] = static_cast<Q>(s.acc[r * p.dim + d] * inv);
   }
 }
 
 // ---------------------------------------------------------------------------------------------
 // Portable path: plain loops.
-template <typename T>
-void run_item_portable(const Problem<T>& p, const WorkItem& item, Scratch& s) {
+template <typename Q, typename T>
+void run_item_portable(const Problem<Q, T>& p, const WorkItem& item, Scratch& s) {
   const ItemGeometry g(p, item);
   const int64_t dim = p.dim, group = p.heads / p.kv_heads, row = p.kv_heads * dim;
   s.scores.assign(g.rows * g.stride, 0.0f);
@@ -157,7 +161,7 @@ void run_item_portable(const Problem<T>& p, const WorkItem& item, Scratch& s) {
     const int64_t n = std::min<int64_t>(CHUNK, g.key_hi - c);
     p.chunk_rows(p.k_cache, item.seq, c, n, rows);
     for (int64_t r = 0; r < g.rows; ++r) {
-      const T* q = p.query + (g.first_token * p.heads + r) * dim;
+      const Q* q = p.query + (g.first_token * p.heads + r) * dim;
       const int64_t head_offset = (r % p.heads) / group * dim;
       for (int64_t j = 0; j < n; ++j) {
         float dot = 0.0f;
@@ -198,8 +202,8 @@ void run_item_portable(const Problem<T>& p, const WorkItem& item, Scratch& s) {
 """
 
 DRIVER = r"""
-template <typename T>
-void run(const Problem<T>& p, int64_t num_seqs) {
+template <typename Q, typename T>
+void run(const Problem<Q, T>& p, int64_t num_seqs) {
   const int64_t tile = std::max<int64_t>(1, TILE_ROWS / p.heads);
   std::vector<WorkItem> items;
   for (int64_t s = 0; s < num_seqs; ++s) {
@@ -212,7 +216,8 @@ void run(const Problem<T>& p, int64_t num_seqs) {
       items.push_back({s, first, n, (keys + 8) * (n * p.heads + 2 * p.kv_heads)});  // rows x keys + loads
     }
   }
-  constexpr bool kVectorType = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>;
+  constexpr bool kVectorType = (std::is_same_v<Q, float> || std::is_same_v<Q, c10::BFloat16>) &&
+                               (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>);
   const bool vector_path = kHaveAvx512 && kVectorType && p.dim % 16 == 0;
   const bool bf16_path = kHaveBf16Path && p.dim % 32 == 0;
   int64_t total_cost = 0;
@@ -236,13 +241,13 @@ void run(const Problem<T>& p, int64_t num_seqs) {
       index = ahead;
       const bool prefetched = std::exchange(read_ahead, false);
       const bool transposed = item.num_queries * (p.heads / p.kv_heads) >= TRANSPOSED_MIN_ROWS;
-      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      if constexpr (std::is_same_v<Q, c10::BFloat16> && std::is_same_v<T, c10::BFloat16>) {
         if (bf16_path && transposed) {
           run_item_bf16(p, item, scratch);
           continue;
         }
       }
-      if constexpr (std::is_same_v<T, float>) {
+      if constexpr (std::is_same_v<Q, float>) {  // float32 queries, float32 or bfloat16 keys
         if (kHaveTransposedPath && vector_path && transposed) {
           run_item_f32(p, item, scratch);
           continue;
@@ -261,6 +266,17 @@ void run(const Problem<T>& p, int64_t num_seqs) {
   else at::parallel_for(0, threads, 1, work);
 }
 
+template <typename Q, typename T>
+void run_tensors(torch::Tensor& out, torch::Tensor& query, torch::Tensor& k_cache, torch::Tensor& v_cache,
+                 torch::Tensor& block_tables, torch::Tensor& query_start, torch::Tensor& seq_lens, double scale,
+                 int64_t window) {
+  const Problem<Q, T> p{query.data_ptr<Q>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
+                        block_tables.data_ptr<int32_t>(), query_start.data_ptr<int32_t>(),
+                        seq_lens.data_ptr<int32_t>(), out.data_ptr<Q>(), block_tables.size(1), k_cache.size(1),
+                        query.size(1), k_cache.size(2), query.size(2), window, static_cast<float>(scale)};
+  run(p, seq_lens.size(0));
+}
+
 }  // namespace
 
 void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -271,8 +287,10 @@ void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor k_cac
               "caches must be [blocks, block_size, kv_heads, dim]");
   TORCH_CHECK(query.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "tensors must be contiguous");
-  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() && out.scalar_type() == query.scalar_type() &&
-              v_cache.scalar_type() == query.scalar_type(), "query, out and caches must share a dtype");
+  const bool bf16_cache = query.scalar_type() == torch::kFloat && k_cache.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(out.scalar_type() == query.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type() &&
+              (k_cache.scalar_type() == query.scalar_type() || bf16_cache),
+              "out must have the query's dtype, and the caches the query's or (float32 queries) bfloat16");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && query_start.scalar_type() == torch::kInt32 &&
               seq_lens.scalar_type() == torch::kInt32, "metadata must be int32");
   TORCH_CHECK(block_tables.is_contiguous() && query_start.is_contiguous() && seq_lens.is_contiguous(),
@@ -281,12 +299,12 @@ void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor k_cac
   TORCH_CHECK(k_cache.size(3) == dim && heads % kv_heads == 0, "head shapes do not match");
   const int64_t num_seqs = seq_lens.size(0);
   TORCH_CHECK(query_start.size(0) == num_seqs + 1 && block_tables.size(0) == num_seqs, "metadata sizes differ");
+  if (bf16_cache) {
+    run_tensors<float, c10::BFloat16>(out, query, k_cache, v_cache, block_tables, query_start, seq_lens, scale, window);
+    return;
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention", [&] {
-    Problem<scalar_t> p{query.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-                        block_tables.data_ptr<int32_t>(), query_start.data_ptr<int32_t>(),
-                        seq_lens.data_ptr<int32_t>(), out.data_ptr<scalar_t>(), block_tables.size(1),
-                        k_cache.size(1), heads, kv_heads, dim, window, static_cast<float>(scale)};
-    run(p, num_seqs);
+    run_tensors<scalar_t, scalar_t>(out, query, k_cache, v_cache, block_tables, query_start, seq_lens, scale, window);
   });
 }
 """
@@ -299,8 +317,12 @@ void write_kv_cache(torch::Tensor key, torch::Tensor value, torch::Tensor k_cach
   TORCH_CHECK(key.dim() == 3 && key.sizes() == value.sizes(), "key/value must be [tokens, kv_heads, dim]");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.size(2) == key.size(1) &&
               k_cache.size(3) == key.size(2), "caches must be [blocks, block_size, kv_heads, dim] matching key");
-  TORCH_CHECK(key.scalar_type() == k_cache.scalar_type() && value.scalar_type() == v_cache.scalar_type() &&
-              key.scalar_type() == value.scalar_type(), "key, value and caches must share a dtype");
+  TORCH_CHECK(key.scalar_type() == value.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "key and value, and the two caches, must share a dtype");
+  // A float32 model may keep a bfloat16 cache (--kv-cache-dtype): rounded to nearest even on the way in.
+  const bool narrowing = key.scalar_type() == torch::kFloat && k_cache.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(key.scalar_type() == k_cache.scalar_type() || narrowing,
+              "the caches must have key's dtype, or bfloat16 under float32 key/value");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   const int64_t row = key.size(1) * key.size(2);
   TORCH_CHECK(key.stride(2) == 1 && key.stride(1) == key.size(2) && value.stride(2) == 1 &&
@@ -310,6 +332,20 @@ void write_kv_cache(torch::Tensor key, torch::Tensor value, torch::Tensor k_cach
   const int64_t tokens = key.size(0), num_slots = k_cache.size(0) * k_cache.size(1);
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   for (int64_t t = 0; t < tokens; ++t) TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot out of range");
+  if (narrowing) {
+    const float* k_src = key.data_ptr<float>();
+    const float* v_src = value.data_ptr<float>();
+    c10::BFloat16* k_dst = k_cache.data_ptr<c10::BFloat16>();
+    c10::BFloat16* v_dst = v_cache.data_ptr<c10::BFloat16>();
+    at::parallel_for(0, tokens, 256, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t)
+        for (int64_t i = 0; i < row; ++i) {
+          k_dst[slots[t] * row + i] = c10::BFloat16(k_src[t * key.stride(0) + i]);
+          v_dst[slots[t] * row + i] = c10::BFloat16(v_src[t * value.stride(0) + i]);
+        }
+    });
+    return;
+  }
   const int64_t bytes = row * key.element_size();
   const char* k_src = static_cast<const char*>(key.data_ptr());
   const char* v_src = static_cast<const char*>(value.data_ptr());

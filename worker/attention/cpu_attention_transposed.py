@@ -75,14 +75,32 @@ inline void transpose16(__m512i* r) {
   }
 }
 
-// kt row e (of `ld` floats) of each block of 16 dwords of the keys' rows: dword e of the 16 keys
-// (for float32, row d holds dim d; for bf16 pairs, dims 2p and 2p + 1).
-inline void transpose_dwords(const void* const* keys, int64_t dwords, float* kt, int64_t ld) {
+// kt row e (of `ld` floats) of each block of 16 dwords of 16 rows: dword e of each row, the rows'
+// blocks coming from load(j, b) (row j, dwords b .. b + 16).
+template <typename Load>
+inline void transpose_blocks(int64_t dwords, float* kt, int64_t ld, Load&& load) {
   for (int64_t b = 0; b < dwords; b += 16) {
     __m512i r[16];
-    for (int j = 0; j < 16; ++j) r[j] = _mm512_loadu_si512(static_cast<const uint32_t*>(keys[j]) + b);
+    for (int j = 0; j < 16; ++j) r[j] = load(j, b);
     transpose16(r);
     for (int e = 0; e < 16; ++e) _mm512_storeu_si512(kt + (b + e) * ld, r[e]);
+  }
+}
+
+// The raw dwords of the keys' rows: for float32, row d holds dim d; for bf16 pairs, dims 2p and 2p + 1.
+inline void transpose_dwords(const void* const* keys, int64_t dwords, float* kt, int64_t ld) {
+  transpose_blocks(dwords, kt, ld, [&](int j, int64_t b) {
+    return _mm512_loadu_si512(static_cast<const uint32_t*>(keys[j]) + b);
+  });
+}
+
+// The keys widened to float32 (F32Dot over a bfloat16 cache): row d holds dim d.
+template <typename T>
+inline void transpose_keys(const T* const* keys, int64_t dim, float* kt, int64_t ld) {
+  if constexpr (std::is_same_v<T, float>) {
+    transpose_dwords(reinterpret_cast<const void* const*>(keys), dim, kt, ld);
+  } else {
+    transpose_blocks(dim, kt, ld, [&](int j, int64_t b) { return _mm512_castps_si512(load16(keys[j] + b)); });
   }
 }
 
@@ -127,8 +145,8 @@ inline void score_tile(const typename Dot::Unit* qt, const float* kt, int64_t st
 // One item scored against transposed keys, SCORE_CHUNKS chunks at a time (`steps` kt rows per
 // head: query elements of Dot::Unit per row, floats or bf16 pairs as uint32); softmax and
 // values as run_item_avx512.
-template <typename T, typename Dot>
-void run_item_transposed(const Problem<T>& p, const WorkItem& item, Scratch& s, int64_t steps) {
+template <typename Q, typename T, typename Dot>
+void run_item_transposed(const Problem<Q, T>& p, const WorkItem& item, Scratch& s, int64_t steps) {
   using U = typename Dot::Unit;
   const ItemGeometry g(p, item);
   const T* zero_row = start_item(p, item, g, s, false);
@@ -152,8 +170,11 @@ void run_item_transposed(const Problem<T>& p, const WorkItem& item, Scratch& s, 
     }
   for_each_span_head<SCORE_CHUNKS>(p, p.k_cache, item, g, zero_row, [&](int64_t offset, int64_t h,
                                                                        const T* const* head_rows, int64_t chunks) {
-    for (int64_t c = 0; c < chunks; ++c)
-      transpose_dwords(reinterpret_cast<const void* const*>(head_rows + c * CHUNK), steps, kt + c * CHUNK, SPAN_KEYS);
+    for (int64_t c = 0; c < chunks; ++c) {
+      const T* const* keys = head_rows + c * CHUNK;
+      if constexpr (std::is_same_v<Dot, F32Dot>) transpose_keys(keys, steps, kt + c * CHUNK, SPAN_KEYS);
+      else transpose_dwords(reinterpret_cast<const void* const*>(keys), steps, kt + c * CHUNK, SPAN_KEYS);
+    }
     const int64_t* mine = s.head_rows.data() + h * per_head;
     for (int64_t k = 0; k < per_head; k += SCORE_ROWS) {
       const int64_t count = std::min<int64_t>(SCORE_ROWS, per_head - k);
@@ -172,12 +193,15 @@ void run_item_transposed(const Problem<T>& p, const WorkItem& item, Scratch& s, 
   write_output(p, g, s);
 }
 
-void run_item_f32(const Problem<float>& p, const WorkItem& item, Scratch& s) {
-  run_item_transposed<float, F32Dot>(p, item, s, p.dim);
+// Float32 queries over a float32 or bfloat16 cache.
+template <typename T>
+void run_item_f32(const Problem<float, T>& p, const WorkItem& item, Scratch& s) {
+  run_item_transposed<float, T, F32Dot>(p, item, s, p.dim);
 }
 constexpr bool kHaveTransposedPath = true;
 #else
-void run_item_f32(const Problem<float>& p, const WorkItem& item, Scratch& s) { run_item_portable(p, item, s); }
+template <typename T>
+void run_item_f32(const Problem<float, T>& p, const WorkItem& item, Scratch& s) { run_item_portable(p, item, s); }
 constexpr bool kHaveTransposedPath = false;
 #endif
 """

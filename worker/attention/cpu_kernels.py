@@ -164,8 +164,9 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tenso
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    slot_mapping: torch.Tensor) -> None:
-    """Copy the new tokens' K/V [T, KVH, D] (rows contiguous, same dtype as the caches) into
-    their slots of the [blocks, block_size, KVH, D] caches. Requires `load()` to have succeeded."""
+    """Copy the new tokens' K/V [T, KVH, D] (rows contiguous; the caches' dtype, or float32 rounded
+    into bfloat16 caches) into their slots of the [blocks, block_size, KVH, D] caches. Requires
+    `load()` to have succeeded."""
     _module.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
 
 

@@ -40,8 +40,8 @@ class TorchAttentionBackend:
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 *, scale: float, sliding_window: int | None) -> torch.Tensor:
         """query [T, H, D], key/value [T, KVH, D], caches [num_blocks, block_size, KVH, D] -> [T, H, D]."""
-        use_kernel = self.use_cpu_kernel and query.device.type == "cpu" and query.dtype == k_cache.dtype
-        if use_kernel and _rows_contiguous(key) and _rows_contiguous(value) and key.dtype == k_cache.dtype:
+        use_kernel = self.use_cpu_kernel and query.device.type == "cpu" and kernel_dtypes(query.dtype, k_cache.dtype)
+        if use_kernel and _rows_contiguous(key) and _rows_contiguous(value) and key.dtype == query.dtype:
             cpu_kernels.write_kv_cache(key, value, k_cache, v_cache, meta.slot_mapping)
         else:
             write_kv_cache(key, value, k_cache, v_cache, meta.slot_mapping)
@@ -74,6 +74,11 @@ class TorchAttentionBackend:
             plan = self._decode_plans[key] = DecodePlan(meta, block_size, num_kv_heads, sliding_window,
                                                         k_cache.device)
         return plan
+
+
+def kernel_dtypes(query_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+    """Whether the C++ kernel takes this pair: a cache of the query's dtype, or bfloat16 under float32."""
+    return cache_dtype == query_dtype or (query_dtype == torch.float32 and cache_dtype == torch.bfloat16)
 
 
 def _rows_contiguous(x: torch.Tensor) -> bool:
@@ -206,8 +211,9 @@ def _prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     first_pos = 0 if sliding_window is None else max(0, context_len - sliding_window + 1)
 
     if first_pos >= context_len:
-        # Nothing needed from earlier steps: attend over the fresh K/V directly.
-        first_pos, keys, values = context_len, key, value
+        # Nothing needed from earlier steps: attend over the fresh K/V directly (as the cache
+        # holds them: rounded like every later step will read them under a narrower cache dtype).
+        first_pos, keys, values = context_len, key.to(k_cache.dtype), value.to(v_cache.dtype)
     else:
         first_block = first_pos // block_size
         last_block = (seq_len + block_size - 1) // block_size

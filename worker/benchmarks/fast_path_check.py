@@ -7,18 +7,26 @@ Three checks on a workload, each between two engines that differ in one thing:
    (every prompt's last position);
 3. bfloat16 (compiled) vs float32 (eager): share of prompts whose first greedy
    token agrees.
+
+Opt-in (`--checks kv_cache_bfloat16`): what `--kv-cache-dtype bfloat16` costs a
+float32 model, both compiled: greedy tokens that agree with the float32 cache's,
+requests identical throughout, and the first step's logits' relative L2 error.
 """
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 from common.benchmarks.workloads import BenchRequest
 from common.config import EngineConfig
 
 
-def _engine(config: EngineConfig, dtype: str, eager: bool):
+ACCURACY_CHECKS = ("float32", "bfloat16", "first_token", "kv_cache_bfloat16")
+
+
+def _engine(config: EngineConfig, dtype: str, eager: bool, **changes: Any):
     from worker.llm import LLM
-    return LLM.from_config(config.replace(dtype=dtype, enforce_eager=eager), skip_tokenizer_init=True)
+    return LLM.from_config(config.replace(dtype=dtype, enforce_eager=eager, **changes), skip_tokenizer_init=True)
 
 
 def greedy_tokens(llm: Any, requests: list[BenchRequest], max_tokens: int | None = None) -> list[list[int]]:
@@ -80,4 +88,22 @@ def run_accuracy(config: EngineConfig, requests: list[BenchRequest], *, max_toke
         fp32_first = [t[0] for t in greedy_tokens(fp32_eager, requests, 1)]
         result["bfloat16_vs_float32_first_token_agreement"] = round(
             sum(a == b for a, b in zip(bf16_first, fp32_first)) / len(requests), 5)
+    if "kv_cache_bfloat16" in checks:
+        fp32_eager = bf16_compiled = None
+        gc.collect()  # each engine holds its own KV cache
+        result.update(_kv_cache_check(config, requests, max_tokens))
     return result
+
+
+def _kv_cache_check(config: EngineConfig, requests: list[BenchRequest], max_tokens: int | None) -> dict[str, Any]:
+    outputs = {}
+    for kv_cache_dtype in ("auto", "bfloat16"):
+        llm = _engine(config, "float32", eager=False, kv_cache_dtype=kv_cache_dtype)
+        outputs[kv_cache_dtype] = greedy_tokens(llm, requests, max_tokens), first_step_logits(llm, requests)
+        del llm
+        gc.collect()
+    (full_tokens, full_logits), (halved_tokens, halved_logits) = outputs["auto"], outputs["bfloat16"]
+    pairs = [(a, b) for x, y in zip(full_tokens, halved_tokens) for a, b in zip(x, y)]
+    return {"kv_bfloat16_vs_float32_token_agreement": round(sum(a == b for a, b in pairs) / len(pairs), 5),
+            "kv_bfloat16_identical_requests": sum(x == y for x, y in zip(full_tokens, halved_tokens)),
+            "kv_bfloat16_vs_float32_logits_rel_l2": round(relative_l2(halved_logits, full_logits), 6)}

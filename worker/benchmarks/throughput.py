@@ -86,6 +86,7 @@ def run_throughput(config: EngineConfig, requests: list[BenchRequest], *, detoke
         "outputs_ms_per_step": round(stats.outputs_ns / 1e6 / steps, 3),
         "scheduler_share": round((stats.schedule_ns + stats.update_ns) / (elapsed * 1e9), 4),
         "dtype": llm.worker.dtype_name,
+        "kv_cache_dtype": str(llm.worker.kv_cache_dtype).removeprefix("torch."),
         "compiled": llm.worker.forward.compiled,
         "compile_s": round(llm.worker.forward.compile_seconds, 1),
         "init_s": round(init_s, 1),
@@ -118,7 +119,8 @@ def format_throughput(result: dict[str, Any]) -> str:
         f"  scheduler ms/step    {result['scheduler_ms_per_step']:.3f}  "
         f"({100 * result['scheduler_share']:.1f}% of the run)",
         f"  worker ms/step       {result['execute_ms_per_step']:.2f}",
-        f"  model                {result['dtype']}, "
+        f"  model                {result['dtype']}"
+        + (f" (KV cache {result['kv_cache_dtype']})" if result["kv_cache_dtype"] != result["dtype"] else "") + ", "
         + (f"compiled in {result['compile_s']:.1f} s" if result["compiled"] else "eager")
         + f", {result['threads']} threads",
         f"  peak KV cache used   {result['peak_kv_gib']:.3f} GiB ({result['peak_kv_blocks']} blocks); "
