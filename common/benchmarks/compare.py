@@ -90,6 +90,9 @@ def format_comparison(workload: str, results: dict[str, dict[str, Any]]) -> str:
         ratio = ours / r["output_tokens_per_s"]
         lines.append(f"{system:<14} {r['output_tokens_per_s']:>12.1f} {r['total_tokens_per_s']:>12.1f} "
                      f"{r['elapsed_s']:>10.2f} {ratio:>13.2f}  {r.get('load_avg_before', float('nan')):.2f}")
+    dtype, kv_cache_dtype = results["pagedserve"].get("dtype"), results["pagedserve"].get("kv_cache_dtype")
+    if kv_cache_dtype and kv_cache_dtype != dtype:  # a lossy cache is not the same comparison: say so
+        lines.append(f"pagedserve ran a {dtype} model over a {kv_cache_dtype} KV cache (--kv-cache-dtype)")
     return "\n".join(lines)
 
 

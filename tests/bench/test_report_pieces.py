@@ -8,7 +8,7 @@ import zlib
 import numpy as np
 import pytest
 
-from common.benchmarks.compare import best_of, comparison_record, last_json_line
+from common.benchmarks.compare import best_of, comparison_record, format_comparison, last_json_line
 from common.benchmarks.png_chart import PALETTE, bar_chart, line_panels, nice_ticks
 from common.benchmarks.serving import RequestRecord, arrival_offsets, percentile, summarize
 
@@ -106,3 +106,14 @@ def test_line_panels_write_a_png(tmp_path):
     assert np.any(np.all(image == PALETTE[0], axis=2))
     inked = np.where(np.any(image != 255, axis=(0, 2)))[0]
     assert inked.max() < image.shape[1] - 5, "the longest legend name runs off the image"
+
+
+def test_the_comparison_table_says_when_the_kv_cache_is_narrower_than_the_model():
+    row = {"output_tokens_per_s": 200.0, "total_tokens_per_s": 600.0, "elapsed_s": 40.0, "load_avg_before": 0.5}
+    vllm = {**row, "output_tokens_per_s": 150.0}
+    same = format_comparison("W1", {"pagedserve": {**row, "dtype": "float32", "kv_cache_dtype": "float32"},
+                                    "vllm": vllm})
+    assert "KV cache" not in same and "1.33" in same
+    narrowed = format_comparison("W1", {"pagedserve": {**row, "dtype": "float32", "kv_cache_dtype": "bfloat16"},
+                                        "vllm": vllm})
+    assert narrowed.splitlines()[-1] == "pagedserve ran a float32 model over a bfloat16 KV cache (--kv-cache-dtype)"
