@@ -40,7 +40,8 @@ class Worker:
         self.device = torch.device(config.resolved_device())
         self.dtype_name = config.resolved_dtype()
         self.dtype: torch.dtype = getattr(torch, self.dtype_name)
-        self.kv_cache_dtype: torch.dtype = getattr(torch, config.resolved_kv_cache_dtype())
+        self.kv_cache_dtype_name = config.resolved_kv_cache_dtype()
+        self.kv_cache_dtype: torch.dtype = getattr(torch, self.kv_cache_dtype_name)
 
         self.model, self.hf_config, self.model_dir = load_model(config, self.device, self.dtype)
         self.model.pack_weights()  # on AVX-512 CPUs: matmul weights packed for the CPU kernel
@@ -72,7 +73,7 @@ class Worker:
                                       grammar_compiler=self.grammar_compiler)
         logger.info("Worker %d ready: %s on %s (%s, %s), %d KV blocks, max_model_len %d, %d threads",
                     rank, config.model, self.device, self.dtype_name if self.kv_cache_dtype == self.dtype
-                    else f"{self.dtype_name}, KV cache {config.resolved_kv_cache_dtype()}",
+                    else f"{self.dtype_name}, KV cache {self.kv_cache_dtype_name}",
                     f"compiled in {self.forward.compile_seconds:.1f} s" if self.forward.compiled else "eager",
                     self.num_blocks, self.max_model_len, torch.get_num_threads())
 

@@ -337,11 +337,12 @@ void write_kv_cache(torch::Tensor key, torch::Tensor value, torch::Tensor k_cach
     const float* v_src = value.data_ptr<float>();
     c10::BFloat16* k_dst = k_cache.data_ptr<c10::BFloat16>();
     c10::BFloat16* v_dst = v_cache.data_ptr<c10::BFloat16>();
+    const int64_t k_stride = key.stride(0), v_stride = value.stride(0);
     at::parallel_for(0, tokens, 256, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t)
         for (int64_t i = 0; i < row; ++i) {
-          k_dst[slots[t] * row + i] = c10::BFloat16(k_src[t * key.stride(0) + i]);
-          v_dst[slots[t] * row + i] = c10::BFloat16(v_src[t * value.stride(0) + i]);
+          k_dst[slots[t] * row + i] = c10::BFloat16(k_src[t * k_stride + i]);
+          v_dst[slots[t] * row + i] = c10::BFloat16(v_src[t * v_stride + i]);
         }
     });
     return;

@@ -94,14 +94,9 @@ inline void transpose_dwords(const void* const* keys, int64_t dwords, float* kt,
   });
 }
 
-// The keys widened to float32 (F32Dot over a bfloat16 cache): row d holds dim d.
-template <typename T>
-inline void transpose_keys(const T* const* keys, int64_t dim, float* kt, int64_t ld) {
-  if constexpr (std::is_same_v<T, float>) {
-    transpose_dwords(reinterpret_cast<const void* const*>(keys), dim, kt, ld);
-  } else {
-    transpose_blocks(dim, kt, ld, [&](int j, int64_t b) { return _mm512_castps_si512(load16(keys[j] + b)); });
-  }
+// bfloat16 keys widened to float32 (F32Dot over a bfloat16 cache): row d holds dim d.
+inline void transpose_widened(const c10::BFloat16* const* keys, int64_t dim, float* kt, int64_t ld) {
+  transpose_blocks(dim, kt, ld, [&](int j, int64_t b) { return _mm512_castps_si512(load16(keys[j] + b)); });
 }
 
 // Calls f(std::integral_constant<int, C>{}) with C = chunks (1 .. SCORE_CHUNKS).
@@ -170,9 +165,12 @@ void run_item_transposed(const Problem<Q, T>& p, const WorkItem& item, Scratch& 
     }
   for_each_span_head<SCORE_CHUNKS>(p, p.k_cache, item, g, zero_row, [&](int64_t offset, int64_t h,
                                                                        const T* const* head_rows, int64_t chunks) {
+    // The keys' raw dwords are the Dot's units (float32, or bf16 pairs for vdpbf16ps) unless F32Dot
+    // reads a bfloat16 cache.
+    constexpr bool kWiden = std::is_same_v<Dot, F32Dot> && !std::is_same_v<T, float>;
     for (int64_t c = 0; c < chunks; ++c) {
       const T* const* keys = head_rows + c * CHUNK;
-      if constexpr (std::is_same_v<Dot, F32Dot>) transpose_keys(keys, steps, kt + c * CHUNK, SPAN_KEYS);
+      if constexpr (kWiden) transpose_widened(keys, steps, kt + c * CHUNK, SPAN_KEYS);
       else transpose_dwords(reinterpret_cast<const void* const*>(keys), steps, kt + c * CHUNK, SPAN_KEYS);
     }
     const int64_t* mine = s.head_rows.data() + h * per_head;

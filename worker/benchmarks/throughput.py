@@ -86,7 +86,7 @@ def run_throughput(config: EngineConfig, requests: list[BenchRequest], *, detoke
         "outputs_ms_per_step": round(stats.outputs_ns / 1e6 / steps, 3),
         "scheduler_share": round((stats.schedule_ns + stats.update_ns) / (elapsed * 1e9), 4),
         "dtype": llm.worker.dtype_name,
-        "kv_cache_dtype": str(llm.worker.kv_cache_dtype).removeprefix("torch."),
+        "kv_cache_dtype": llm.worker.kv_cache_dtype_name,
         "compiled": llm.worker.forward.compiled,
         "compile_s": round(llm.worker.forward.compile_seconds, 1),
         "init_s": round(init_s, 1),
