@@ -4,7 +4,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import urllib.request
 import subprocess
 import sys
@@ -12,14 +11,10 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from local_ports import free_port
+
 REPO = Path(__file__).resolve().parents[1]  # the repository: tests/ is its child
 MODEL = "smollm2-135m-instruct"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _proc_stats() -> Iterator[tuple[int, list[str]]]:

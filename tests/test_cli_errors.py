@@ -11,15 +11,10 @@ from pathlib import Path
 
 import grpc
 import pytest
+from local_ports import free_port
 from serve_helpers import session_processes
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(args: list[str], env: dict[str, str] | None = None, timeout: float = 60) -> tuple[int, str]:

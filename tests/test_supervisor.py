@@ -14,7 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
-from serve_helpers import free_port, session_processes
+from local_ports import free_port
+from serve_helpers import session_processes
 
 from common.errors import USAGE_ERROR
 from common.supervisor import Component, Supervisor

@@ -11,7 +11,8 @@ import urllib.request
 
 import openai
 
-from serve_helpers import MODEL, REPO, free_port
+from local_ports import free_port
+from serve_helpers import MODEL, REPO
 
 
 def start(name: str, args: list[str], log_dir) -> tuple[subprocess.Popen, object]:

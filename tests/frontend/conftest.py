@@ -108,7 +108,8 @@ def wait_healthy(url: str, timeout: float = 30.0) -> None:
 @pytest.fixture(scope="session")
 def server(tmp_path_factory) -> Server:
     from common.tokenizer import load_tokenizer
-    from tests.frontend.fakes import FakeControl, FakeScheduler, free_port
+    from local_ports import free_port
+    from tests.frontend.fakes import FakeControl, FakeScheduler
 
     tmp = tmp_path_factory.mktemp("frontend")
     tokenizer_dir = build_tiny_tokenizer(tmp / "tokenizer")

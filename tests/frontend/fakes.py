@@ -10,7 +10,6 @@ frontend sent. `FakeControl` serves the scheduler's control gRPC service.
 """
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from concurrent import futures
@@ -23,11 +22,6 @@ from common.grpc_gen import control_pb2, control_pb2_grpc
 from common.protocol import (Abort, EngineError, EngineOutputs, EngineRequest, FinishReason, FrontendHello,
                              MessageType, RequestOutput, TokenLogprobs, parent_request_id, sample_request_id)
 from common.transport import MessageDecoder, make_socket, recv, send
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 SCRIPT_TEXT = " Hello, world! How are you today? The quick brown fox jumps over the lazy dog."

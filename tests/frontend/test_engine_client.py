@@ -12,7 +12,8 @@ from common.protocol import FinishReason
 from common.sampling_params import SamplingParams
 from frontend.engine_client import EngineClient
 from frontend.errors import ServiceUnavailableError
-from tests.frontend.fakes import FakeScheduler, free_port
+from local_ports import free_port
+from tests.frontend.fakes import FakeScheduler
 
 EOS = 99
 SCRIPT = [5, 6, 7, 8]

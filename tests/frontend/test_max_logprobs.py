@@ -8,7 +8,8 @@ import httpx
 import pytest
 
 from tests.frontend.conftest import MAX_MODEL_LEN, start_frontend
-from tests.frontend.fakes import FakeControl, free_port
+from local_ports import free_port
+from tests.frontend.fakes import FakeControl
 
 
 @pytest.fixture(scope="module")

@@ -87,7 +87,7 @@ def test_a_request_still_waiting_for_the_tokenizer_pool_also_ends_with_503(serve
     """The tokenizer pool is down (being restarted) when the frontend is stopped:
     the request waiting for its prompt's tokens gets the same clear 503, not a
     500 from uvicorn cancelling it (with a traceback in the log)."""
-    from tests.frontend.fakes import free_port
+    from local_ports import free_port
 
     args = list(server.frontend_args)
     args[args.index("--tokenizer-address") + 1] = f"tcp://127.0.0.1:{free_port()}"  # nobody answers there

@@ -13,7 +13,8 @@ from typing import Iterator
 import openai
 
 from tests.frontend.conftest import Process, Server, start_frontend
-from tests.frontend.fakes import FakeControl, FakeScheduler, free_port
+from local_ports import free_port
+from tests.frontend.fakes import FakeControl, FakeScheduler
 
 REPLY = ('Let me check both. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
          '<tool_call>\n{"name": "get_time", "arguments": {"timezone": "CET"}}\n</tool_call>')

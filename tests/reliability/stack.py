@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 
 from common.grpc_gen import control_pb2, control_pb2_grpc
-from serve_helpers import free_port
+from local_ports import free_port
 from tests.frontend.conftest import Process, build_tiny_tokenizer
 
 MODEL_NAME = "tiny-model"

@@ -19,7 +19,8 @@ import pytest
 
 from common.grpc_gen import pagedserve_pb2 as pb
 from common.grpc_gen import pagedserve_pb2_grpc as pb_grpc
-from serve_helpers import MODEL, REPO, Server, cmdline, free_port
+from local_ports import free_port
+from serve_helpers import MODEL, REPO, Server, cmdline
 from tests.reliability.clients import many_streams, scheduler_stats, stream_completion
 from tests.reliability.stack import wait_all_blocks_free, wait_healthy
 

@@ -153,15 +153,11 @@ def test_a_tokenizer_router_with_curve_stops_on_sigterm(tmp_path):
     sockets, which flooded the log with ContextTerminated tracebacks."""
     import os
     import signal
-    import socket
     import subprocess
     import sys
     import time
 
-    def free_port() -> int:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
+    from local_ports import free_port
 
     log_path = tmp_path / "router.log"
     with open(log_path, "wb") as log:

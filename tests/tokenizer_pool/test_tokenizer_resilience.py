@@ -51,8 +51,9 @@ def test_killed_worker_jobs_complete_then_sigterm_leaves_no_children(start_pool,
 
 def test_sigkilled_pool_takes_its_workers_along(start_pool, tiny_tokenizer_dir):
     pool = start_pool(["--model", tiny_tokenizer_dir, "--tokenizer-pool-size", "2"])
-    assert wait_until(lambda: len(pool.workers()) == 2, timeout=30)
+    assert pool.wait_for_log(r"joined the pool \(2 workers\)", timeout=60), pool.log()
     workers = pool.workers()
+    assert len(workers) == 2, (workers, pool.log())
     os.kill(pool.pid, signal.SIGKILL)  # no chance to clean up: the kernel's parent-death signal must do it
     pool.proc.wait(10)
     assert wait_until(lambda: not any(alive(pid) for pid in workers), timeout=10), workers

@@ -6,11 +6,12 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from local_ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
@@ -34,12 +35,6 @@ def build_tiny_tokenizer(path: Path, corpus: list[str] = CORPUS) -> Path:
                                    unk_token="<|endoftext|>", pad_token="<|endoftext|>", chat_template=CHATML)
     fast.save_pretrained(str(path))
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def child_pids(pid: int) -> list[int]:
