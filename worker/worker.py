@@ -14,6 +14,7 @@ from common.protocol import StepPlan, StepResult, WorkerHello
 from common.tokenizer import eos_token_ids
 from worker.attention import get_attention_backend
 from worker.compiled_forward import ModelForward
+from worker.heap_tuning import keep_freed_memory_mapped
 from worker.input_batch import InputBatch
 from worker.kv_cache import allocate_kv_caches, kv_cache_spec, num_blocks_for
 from worker.model_loader import load_model
@@ -45,6 +46,8 @@ class Worker:
 
         self.model, self.hf_config, self.model_dir = load_model(config, self.device, self.dtype)
         self.model.pack_weights()  # on AVX-512 CPUs: matmul weights packed for the CPU kernel
+        if self.device.type == "cpu":  # after loading, whose temporary copies may go back to the kernel
+            keep_freed_memory_mapped()  # steps then reuse their activations' pages instead of faulting them in
         spec = kv_cache_spec(self.hf_config, config.block_size, self.kv_cache_dtype)
         self.num_blocks = num_blocks_for(config, spec, self.device)
         model_limit = _model_max_len(self.hf_config)
