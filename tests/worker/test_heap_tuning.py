@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+glibc_only = pytest.mark.skipif(sys.platform != "linux" or platform.libc_ver()[0] != "glibc",
+                                reason="glibc's malloc only")
 
 # A step's worth of activations through malloc (which torch's CPU allocator calls): 24 blocks of
 # 4 MB written and freed. After the first cycles glibc's dynamic threshold serves them from the
@@ -49,7 +51,7 @@ def _faults(mode: str) -> int:
     return int(out.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.skipif(sys.platform != "linux" or platform.libc_ver()[0] != "glibc", reason="glibc's malloc only")
+@glibc_only
 def test_freed_heap_pages_are_reused_without_faults():
     default, tuned = _faults("default"), _faults("tuned")
     # Under the defaults the heap's top goes back to the kernel each cycle: ~24k faults a cycle,
@@ -58,7 +60,7 @@ def test_freed_heap_pages_are_reused_without_faults():
     assert tuned < 1_000, tuned
 
 
-@pytest.mark.skipif(sys.platform != "linux" or platform.libc_ver()[0] != "glibc", reason="glibc's malloc only")
+@glibc_only
 def test_a_cpu_worker_keeps_freed_memory_mapped():
     assert _faults("cpu-engine") < 1_000
 
