@@ -105,6 +105,12 @@ struct StoreSink {  // the rows of y [m, ldo]
   }
 };
 
+// Whether a sink has `kTail`: then linear_tile hands it the accumulators (`tail(acc)`) before the puts.
+template <typename S, typename = void>
+struct SinkHasTail : std::false_type {};
+template <typename S>
+struct SinkHasTail<S, std::void_t<decltype(S::kTail)>> : std::true_type {};
+
 // Plain: out[r][0 .. 16 NV) = bias + sum over steps p of x[r][p] . w[v][p].
 // Gated (NV even, the first NV / 2 panels gates, the rest the ups of the same columns):
 // out[r][0 .. 8 NV) = silu(gate) * up (bf16: each of gate, up, silu(gate) and the product
@@ -138,6 +144,7 @@ inline void linear_tile(const typename M::Unit* x, int64_t ldx, const typename M
       for (int v = 0; v < NV; ++v) acc[r][v] = M::madd(acc[r][v], a, b[v]);
     }
   }
+  if constexpr (SinkHasTail<Sink>::value) sink.tail(acc);  // a sink that finishes the accumulators itself
   for (int v = 0; v < OUT; ++v)
     for (int r = 0; r < R; ++r) {
       if constexpr (GATED) sink.put_gated(r, v, valid[v], acc[r][v], acc[r][v + OUT]);

@@ -14,6 +14,13 @@ PyTorch version reads the row three times from memory and takes 8 ms for 256 row
 SCAN_SOURCE = r"""
 namespace {
 
+// Two spacings of the model dtype's numbers below `top`: only values at or above it count as near the top.
+inline float near_top_threshold(float top, float model_eps, float model_tiny) {
+  int exponent = 0;
+  std::frexp(std::max(std::fabs(top), model_tiny), &exponent);  // |top| = m * 2^exponent, m in [0.5, 1)
+  return top - 2.0f * std::ldexp(model_eps, exponent - 1);
+}
+
 template <typename T>
 void scan_row(const T* row, int64_t vocab, float model_eps, float model_tiny, int64_t* argmax, int64_t* count) {
   int64_t i = 0;
@@ -36,9 +43,7 @@ void scan_row(const T* row, int64_t vocab, float model_eps, float model_tiny, in
   for (; i < vocab && first < 0; ++i)
     if (load_float(row + i) == top) first = i;
   if (first < 0) first = 0;  // no element equals the maximum: NaNs in the row
-  int exponent = 0;
-  std::frexp(std::max(std::fabs(top), model_tiny), &exponent);  // |top| = m * 2^exponent, m in [0.5, 1)
-  const float threshold = top - 2.0f * std::ldexp(model_eps, exponent - 1);
+  const float threshold = near_top_threshold(top, model_eps, model_tiny);
   int64_t n = 0;
   i = 0;
 #if defined(__AVX512F__)

@@ -90,11 +90,20 @@ def refine_greedy(logits: torch.Tensor, rows: torch.Tensor, hidden: torch.Tensor
     threshold = near_top_threshold(sub.amax(dim=-1, keepdim=True), model_dtype).to(sub.dtype)
     candidate_rows, tokens = (sub >= threshold).nonzero(as_tuple=True)  # row-major: ascending token ids
     hidden_rows = tied if every_row else rows.index_select(0, tied)
+    return settle_near_ties(chosen, tied, hidden_rows, candidate_rows, tokens, hidden, weight)
+
+
+def settle_near_ties(chosen: torch.Tensor, tied: torch.Tensor, hidden_rows: torch.Tensor,
+                     candidate_rows: torch.Tensor, tokens: torch.Tensor, hidden: torch.Tensor,
+                     weight: torch.Tensor) -> torch.Tensor:
+    """`chosen` with its `tied` rows settled: for tied row i (`hidden[hidden_rows[i]]`), of the
+    candidate `tokens` whose `candidate_rows` entry is i (ascending), the one with the largest
+    float32 logit, the lowest id on ties."""
     exact = (hidden.index_select(0, hidden_rows.index_select(0, candidate_rows)).float()
              * weight.index_select(0, tokens).float()).sum(dim=-1)
     best = torch.full((tied.shape[0],), float("-inf"), dtype=exact.dtype, device=exact.device)
     best = best.scatter_reduce(0, candidate_rows, exact, "amax")
     winners = exact == best.index_select(0, candidate_rows)
-    settled = torch.full((tied.shape[0],), logits.shape[1], dtype=torch.int64, device=logits.device)
+    settled = torch.full((tied.shape[0],), weight.shape[0], dtype=torch.int64, device=chosen.device)
     chosen[tied] = settled.scatter_reduce(0, candidate_rows[winners], tokens[winners], "amin")
     return chosen

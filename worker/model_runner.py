@@ -13,6 +13,7 @@ from worker.greedy_refine import NearTopScan, refine_greedy
 from worker.input_batch import StepBatch
 from worker.logprobs import compute_prompt_logprobs
 from worker.sampler import Sampler
+from worker.screen_calibration import calibrate_greedy_screen
 
 
 @dataclass(slots=True)
@@ -80,7 +81,11 @@ class ModelRunner:
         return lambda logits, rows: refine_greedy(logits, rows, hidden, self.model.lm_head, dtype, self.near_top_scan)
 
     def warm_up(self) -> None:
-        """Compile what the first steps would otherwise compile (the greedy near-tie scan)."""
+        """Compile what the first steps would otherwise compile (the greedy near-tie scan), and
+        calibrate the bf16 lm_head's greedy screen (worker.screen_calibration)."""
         dtype = self.model.lm_head.dtype
         if dtype != torch.float32 and dtype.is_floating_point:
             self.near_top_scan.warm_up(self.model.lm_head.shape[0], dtype, self.device)
+        if self.kv_caches:
+            calibrate_greedy_screen(self.model, self.forward, self.block_size, self.kv_caches[0][0].shape[0],
+                                    self.device)

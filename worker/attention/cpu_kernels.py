@@ -34,13 +34,15 @@ from worker.cpu_linear_source import LINEAR_SOURCE
 from worker.cpu_logprobs_source import LOGPROBS_SOURCE
 from worker.cpu_rotary_source import ROTARY_SOURCE
 from worker.cpu_argmax_source import ARGMAX_SOURCE
+from worker.cpu_bf16_screen_source import BF16_SCREEN_SOURCE
 from worker.cpu_sampling_source import SAMPLING_SOURCE
 from worker.cpu_scan_source import SCAN_SOURCE
 
 SOURCE = (ATTENTION_SOURCE + SCAN_SOURCE + SAMPLING_SOURCE + LOGPROBS_SOURCE + ACTIVATION_SOURCE + ROTARY_SOURCE
-          + LINEAR_SOURCE + ARGMAX_SOURCE)
+          + LINEAR_SOURCE + ARGMAX_SOURCE + BF16_SCREEN_SOURCE)
 FUNCTIONS = [*ATTENTION_FUNCTIONS, "near_top_scan", "sample_random_rows", "token_logprobs_rows",
-             "bf16_linear_available", "f32_linear_available", "screened_argmax", "screened_argmax_available"]
+             "bf16_linear_available", "f32_linear_available", "screened_argmax", "screened_argmax_available",
+             "screened_bf16_argmax", "bf16_screen_available"]
 
 logger = logging.getLogger(__name__)
 

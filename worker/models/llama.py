@@ -20,6 +20,7 @@ from worker.attention.metadata import AttentionMetadata
 from worker.attention.step_context import paged_attention, step_context
 from worker.models.packed_linear import linear, linear_silu, pack_gated, pack_weight
 from worker.models.rotary import RotaryEmbedding, apply_rotary
+from worker.models.bf16_lm_head_screen import Bf16ScreenedLmHead, build_bf16_screen, outlier_channels
 from worker.models.screened_lm_head import ScreenedLmHead, screen_lm_head
 
 
@@ -142,6 +143,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(hf_config, s.head_dim)
         self.register_buffer("lm_head_packed", None, persistent=False)  # see pack_weights
         self.lm_head_screen: ScreenedLmHead | None = None  # see pack_weights and greedy_tokens
+        self.bf16_lm_head_screen: Bf16ScreenedLmHead | None = None  # see calibrate_greedy_screen
 
     # --- architecture rules (overridden by Mistral / Qwen2) -------------------------
     @classmethod
@@ -187,12 +189,17 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """hidden [N, hidden] -> each row's argmax token [N] (int64, the first on ties), straight
-        from the float32 packed lm_head without writing [N, vocab] logits (for a 256-row
-        decode step that was 50 MB written, faulted in and read back); None where there is
-        no float32 packing (greedy then takes the argmax of `compute_logits`)."""
+        """hidden [N, hidden] -> each row's greedy token [N] (int64) without writing [N, vocab]
+        logits (for a 256-row decode step that was 50 MB written, faulted in and read back):
+        from the float32 packed lm_head, the argmax (the first on ties); from a calibrated
+        bfloat16 one, through its int8 screen, the token `compute_logits` and
+        `worker.greedy_refine` give. None otherwise (greedy then runs on `compute_logits`)."""
         packed = self.lm_head_packed
-        if packed is None or packed.dtype != torch.float32:
+        if packed is None:
+            return None
+        if packed.dtype == torch.bfloat16 and self.bf16_lm_head_screen is not None:
+            return self.bf16_lm_head_screen.greedy(hidden, packed, self.lm_head)
+        if packed.dtype != torch.float32:
             return None
         if self.lm_head_screen is not None:  # the same tokens from int16 products (screened_lm_head)
             return self.lm_head_screen.argmax(hidden, packed)
@@ -215,6 +222,19 @@ class LlamaForCausalLM(nn.Module):
                 setattr(layer, name + "_packed", pack(getattr(layer, name + "_weight")))
             layer.fused_rotary = self.lm_head.dtype == torch.bfloat16
         return True
+
+    def wants_greedy_screen_calibration(self) -> bool:
+        """Whether `calibrate_greedy_screen` would arm the bf16 lm_head's int8 screen."""
+        packed = self.lm_head_packed
+        return packed is not None and packed.dtype == torch.bfloat16 and self.bf16_lm_head_screen is None
+
+    @torch.no_grad()
+    def calibrate_greedy_screen(self, hidden: torch.Tensor) -> bool:
+        """Arm the int8 screen of the bf16 packed lm_head with the outlier channels of final
+        hidden states [T, hidden] (see worker.models.bf16_lm_head_screen); returns whether it is."""
+        if self.wants_greedy_screen_calibration():
+            self.bf16_lm_head_screen = build_bf16_screen(self.lm_head, outlier_channels(hidden))
+        return self.bf16_lm_head_screen is not None
 
     # --- weights ---------------------------------------------------------------------
     def weight_targets(self) -> dict[str, torch.Tensor]:

@@ -1,0 +1,118 @@
+"""The int8 screen of the bfloat16 greedy lm_head picks exactly the token the plain path picks
+(bf16 packed logits, the near-top scan, float32 settling of near ties): at model and odd sizes,
+on planted exact and near ties, with outlier channels calibrated or not, through its fallbacks,
+and inside the engine."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from worker.attention import cpu_kernels
+from worker.greedy_refine import near_top_scan, refine_greedy
+from worker.llm import LLM
+from worker.models import packed_linear
+from worker.models.bf16_lm_head_screen import OUTLIER_CHANNELS, build_bf16_screen, outlier_channels
+from worker.benchmarks.throughput import greedy_params
+from tests.tiny_models import build_tiny_hf_model
+
+module = cpu_kernels.load()
+needs_screen = pytest.mark.skipif(module is None or not module.bf16_screen_available(),
+                                  reason="needs the C++ kernel on a CPU with AVX512-BF16 and AVX512-VNNI")
+BF16 = torch.finfo(torch.bfloat16)
+
+
+def plain(weight: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The plain path: (its greedy tokens, the near-top scan's argmax and counts)."""
+    logits = packed_linear.linear(x, weight, None, packed_linear.pack_weight(weight))
+    argmax, counts = near_top_scan(logits, torch.bfloat16)
+    return refine_greedy(logits, torch.arange(x.shape[0]), x, weight, torch.bfloat16), argmax, counts
+
+
+def screened(weight: torch.Tensor, x: torch.Tensor, calibration: torch.Tensor) -> tuple:
+    screen = build_bf16_screen(weight, outlier_channels(calibration))
+    assert screen is not None
+    packed = packed_linear.pack_weight(weight)
+    raw = module.screened_bf16_argmax(x, weight, packed, screen.packed, screen.outlier_packed, screen.rest,
+                                      screen.outliers, screen.column_terms, screen.offset_share, weight.shape[0],
+                                      float(BF16.eps), float(BF16.tiny))
+    return screen.greedy(x, packed, weight), raw
+
+
+def planted_problem(out_features: int, in_features: int, rows: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(out_features, in_features, generator=g) * 0.05
+    x = torch.randn(rows, in_features, generator=g)
+    x[:, 3] *= 40  # outlier channels, as final hidden states have
+    x[:, in_features - 2] *= -25
+    weight[7] = weight[5]  # an exact tie (the first column wins) ...
+    weight[9] = weight[5] * (1 + 2**-9)  # ... and near ties, closer than bf16 can tell apart
+    weight[out_features - 1] = weight[5] * (1 - 2**-10)
+    x[0] = weight[5] * 100  # a row whose top is the planted group
+    return weight.bfloat16(), x.bfloat16()
+
+
+@needs_screen
+@pytest.mark.parametrize("out_features, in_features, rows", [(49152, 576, 64), (1000, 38, 5), (333, 64, 300),
+                                                             (4099, 2048, 9)])
+def test_screened_greedy_is_the_plain_greedy(out_features, in_features, rows):
+    weight, x = planted_problem(out_features, in_features, rows, seed=out_features)
+    _, calibration = planted_problem(out_features, in_features, 16, seed=out_features + 1)
+    expected, argmax, counts = plain(weight, x)
+    tokens, (chosen, near, candidate_rows, candidate_tokens) = screened(weight, x, calibration)
+    assert tokens.tolist() == expected.tolist()
+    assert chosen.tolist() == argmax.tolist() and near.tolist() == counts.tolist()
+    assert counts[0] >= 3  # the planted group is a near tie: settled in float32
+    assert candidate_rows.tolist() == sorted(candidate_rows.tolist())
+    assert len(candidate_tokens) == int(counts[counts > 1].sum())
+
+
+@needs_screen
+def test_uncalibrated_channels_and_rows_without_a_positive_bound_stay_exact():
+    weight, x = planted_problem(700, 96, 40, seed=3)
+    x[1] = 0.0  # every logit 0: all tie, the first wins (no positive lower bound: every column exact)
+    x[2] = (-x[0].float()).bfloat16()  # the planted group at the bottom, the rest near zero
+    wrong_calibration = torch.zeros(4, 96)
+    wrong_calibration[:, 50:50 + OUTLIER_CHANNELS] = 1.0  # not where the outliers are: loose bounds
+    expected, _, _ = plain(weight, x)
+    tokens, _ = screened(weight, x, wrong_calibration.bfloat16())
+    assert tokens.tolist() == expected.tolist() and tokens[1] == 0
+
+
+@needs_screen
+def test_rows_that_are_not_finite_send_the_call_back_to_the_plain_path():
+    weight, x = planted_problem(300, 64, 4, seed=5)
+    x[2, 7] = float("nan")
+    tokens, raw = screened(weight, x, x[:1])
+    assert tokens is None and raw == []
+
+
+@needs_screen
+def test_screen_only_for_bfloat16_weights_it_can_bound():
+    outliers = torch.arange(OUTLIER_CHANNELS)
+    assert build_bf16_screen(torch.randn(64, 96), outliers) is None  # float32: the int16 screen's
+    assert build_bf16_screen(torch.randn(64, 95).bfloat16(), outliers) is None  # odd K: no pairs
+    assert build_bf16_screen(torch.randn(64, OUTLIER_CHANNELS).bfloat16(), outliers) is None  # no rest
+    weight = torch.randn(64, 96).bfloat16()
+    weight[3, 4] = float("inf")
+    assert build_bf16_screen(weight, outliers) is None
+
+
+@needs_screen
+def test_engine_arms_the_screen_at_start_up_and_keeps_its_tokens(tmp_path):
+    """A bf16 engine calibrates the screen while warming up; its greedy tokens (decodes, chunked
+    prefills, batches of every size) are those of the same engine with the screen taken away."""
+    directory = tmp_path / "tiny"
+    build_tiny_hf_model("LlamaForCausalLM", directory)
+    llm = LLM(model=str(directory), dtype="bfloat16", block_size=4, num_gpu_blocks_override=512,
+              skip_tokenizer_init=True, max_num_batched_tokens=48)
+    model = llm.worker.model
+    assert model.bf16_lm_head_screen is not None and not model.wants_greedy_screen_calibration()
+    rng = random.Random(0)
+    prompts = [{"prompt_token_ids": [rng.randrange(256) for _ in range(rng.randint(1, 40))]} for _ in range(12)]
+    with_screen = [list(r.outputs[0].token_ids) for r in llm.generate(prompts, greedy_params(20), use_tqdm=False)]
+    screen, model.bf16_lm_head_screen = model.bf16_lm_head_screen, None
+    without = [list(r.outputs[0].token_ids) for r in llm.generate(prompts, greedy_params(20), use_tqdm=False)]
+    assert with_screen == without and sum(map(len, with_screen)) == 240
+    assert screen.outliers.numel() == OUTLIER_CHANNELS
