@@ -20,7 +20,8 @@ from worker.attention.metadata import AttentionMetadata
 from worker.attention.step_context import paged_attention, step_context
 from worker.models.packed_linear import linear, linear_silu, pack_gated, pack_weight
 from worker.models.rotary import RotaryEmbedding, apply_rotary
-from worker.models.bf16_lm_head_screen import Bf16ScreenedLmHead, build_bf16_screen, outlier_channels
+from worker.models.bf16_lm_head_screen import (Bf16ScreenedLmHead, build_bf16_screen, outlier_channels,
+                                                screen_available)
 from worker.models.screened_lm_head import ScreenedLmHead, screen_lm_head
 
 
@@ -226,7 +227,8 @@ class LlamaForCausalLM(nn.Module):
     def wants_greedy_screen_calibration(self) -> bool:
         """Whether `calibrate_greedy_screen` would arm the bf16 lm_head's int8 screen."""
         packed = self.lm_head_packed
-        return packed is not None and packed.dtype == torch.bfloat16 and self.bf16_lm_head_screen is None
+        return (packed is not None and packed.dtype == torch.bfloat16 and self.bf16_lm_head_screen is None
+                and screen_available(self.lm_head))
 
     @torch.no_grad()
     def calibrate_greedy_screen(self, hidden: torch.Tensor) -> bool:
