@@ -10,11 +10,15 @@ block 0 is free, and the scheduler overwrites a block before it reads one.
 """
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable
 
 import torch
 
 from worker.attention.metadata import AttentionMetadata
+
+logger = logging.getLogger(__name__)
 
 CALIBRATION_SEQUENCES = 4
 CALIBRATION_SEED = 0
@@ -53,6 +57,11 @@ def calibrate_greedy_screen(model: object, forward: Callable[..., torch.Tensor],
     batch = calibration_batch(model.lm_head.shape[0], block_size, num_blocks, device)
     if batch is None:
         return False
+    started = time.perf_counter()
     with torch.inference_mode():
         hidden = forward(*batch)
-    return model.calibrate_greedy_screen(hidden)
+    armed = model.calibrate_greedy_screen(hidden)
+    if armed:
+        logger.info("Greedy lm_head screen armed (int8, outlier channels calibrated on %d tokens) in %.1f s",
+                    hidden.shape[0], time.perf_counter() - started)
+    return armed
