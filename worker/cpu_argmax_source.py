@@ -141,6 +141,23 @@ struct ScreenPart {
   std::vector<std::vector<std::pair<float, int32_t>>> kept;
 };
 
+// Folds the bounds of 16 columns (from `first`) of a row into a part: the row's largest lower bound
+// so far, and the columns whose upper bound reaches floor(that lower bound); floor must not decrease.
+template <typename Floor>
+inline void keep_columns(ScreenPart* part, int64_t row, int64_t first, __mmask16 valid, __m512 approx, __m512 bound,
+                         Floor floor) {
+  float& lower = part->lower[row];
+  lower = std::max(lower, _mm512_mask_reduce_max_ps(valid, _mm512_sub_ps(approx, bound)));
+  const __m512 upper = _mm512_add_ps(approx, bound);
+  __mmask16 keep = _mm512_mask_cmp_ps_mask(valid, upper, _mm512_set1_ps(floor(lower)), _CMP_GE_OQ);
+  alignas(64) float uppers[16];
+  _mm512_store_ps(uppers, upper);
+  for (; keep; keep &= keep - 1) {
+    const int j = __builtin_ctz(keep);
+    part->kept[row].push_back({uppers[j], static_cast<int32_t>(first + j)});
+  }
+}
+
 struct ScreenSink {
   const ScreenRow* rows;
   const float *col_scale, *col_error, *col_l1;
@@ -160,16 +177,7 @@ struct ScreenSink {
     // Slack for the float32 rounding of the bound and of the approximation itself.
     bound = _mm512_fmadd_ps(bound, _mm512_set1_ps(1.001f),
                             _mm512_fmadd_ps(_mm512_abs_ps(approx), _mm512_set1_ps(1e-5f), _mm512_set1_ps(1e-30f)));
-    float& lower = part->lower[row_index];
-    lower = std::max(lower, _mm512_mask_reduce_max_ps(valid, _mm512_sub_ps(approx, bound)));
-    const __m512 upper = _mm512_add_ps(approx, bound);
-    __mmask16 keep = _mm512_mask_cmp_ps_mask(valid, upper, _mm512_set1_ps(lower), _CMP_GE_OQ);
-    alignas(64) float uppers[16];
-    _mm512_store_ps(uppers, upper);
-    for (; keep; keep &= keep - 1) {
-      const int j = __builtin_ctz(keep);
-      part->kept[row_index].push_back({uppers[j], static_cast<int32_t>(first + j)});
-    }
+    keep_columns(part, row_index, first, valid, approx, bound, [](float lower) { return lower; });
   }
   void put_gated(int, int, __mmask16, __m512, __m512) const {}
 };

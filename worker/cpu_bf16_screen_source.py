@@ -45,14 +45,9 @@ namespace {
 constexpr float SCREEN_INT8_LEVELS = 127.0f;  // |q| of a row's rest channels
 constexpr int SCREEN_U8_OFFSET = 128;         // q + 128: vpdpbusd's unsigned operand
 
-// Groups of four int8 into vpdpbusd (x as u8, W as s8); int32 bit patterns in float registers.
-struct I8Math {
-  using Unit = uint32_t;
-  using Vec = __m512i;
-  using Out = float;
-  static constexpr int64_t ROW_BLOCK = 256;
-  static inline Vec load(const uint32_t* p) { return _mm512_loadu_si512(p); }
-  static inline Vec broadcast(uint32_t x) { return _mm512_set1_epi32(static_cast<int>(x)); }
+// Groups of four int8 into vpdpbusd (x as u8, W as s8): the int16 screen's units and int32
+// accumulators in float registers, another instruction.
+struct I8Math : I16Math {
   static inline __m512 madd(__m512 acc, Vec a, Vec b) {
     return _mm512_castsi512_ps(_mm512_dpbusd_epi32(_mm512_castps_si512(acc), a, b));
   }
@@ -129,16 +124,7 @@ struct Bf16ScreenSink {
                                         _mm512_abs_ps(approx));
     bound = _mm512_fmadd_ps(bound, _mm512_set1_ps(1.001f),
                             _mm512_fmadd_ps(size, _mm512_set1_ps(1e-5f), _mm512_set1_ps(1e-30f)));
-    float& lower = part->lower[row_index];
-    lower = std::max(lower, _mm512_mask_reduce_max_ps(valid, _mm512_sub_ps(approx, bound)));
-    const __m512 upper = _mm512_add_ps(approx, bound);
-    __mmask16 keep = _mm512_mask_cmp_ps_mask(valid, upper, _mm512_set1_ps(window_floor(lower)), _CMP_GE_OQ);
-    alignas(64) float uppers[16];
-    _mm512_store_ps(uppers, upper);
-    for (; keep; keep &= keep - 1) {
-      const int j = __builtin_ctz(keep);
-      part->kept[row_index].push_back({uppers[j], static_cast<int32_t>(first + j)});
-    }
+    keep_columns(part, row_index, first, valid, approx, bound, window_floor);
   }
   void put_gated(int, int, __mmask16, __m512, __m512) const {}
 };
