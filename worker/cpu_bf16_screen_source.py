@@ -189,8 +189,7 @@ bool settle_row(const uint32_t* x, const uint32_t* weight, int64_t pairs, const 
   for (size_t i = 0; i < columns.size(); i += 16) {
     const int n = static_cast<int>(std::min<size_t>(16, columns.size() - i));
     const __m512 exact = exact_lanes(x, weight, pairs, columns.data() + i, n);
-    const __m512 rounded = _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(exact)), 16));
+    const __m512 rounded = widen_bf16(_mm512_cvtneps_pbh(exact));  // the bf16 logits the plain kernel stores
     alignas(64) float lanes[16];
     _mm512_store_ps(lanes, rounded);
     std::copy(lanes, lanes + n, values.begin() + i);
