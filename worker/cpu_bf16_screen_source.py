@@ -112,9 +112,8 @@ struct Bf16ScreenSink {
     }
   }
 
-  void put(int r, int v, __mmask16 valid, __m512 approx) const {
-    if (!valid) return;
-    const int64_t first = col + v * LINEAR_LANES, row_index = row + r;
+  // The bound on |approx - the plain kernel's float32 value| of the 16 columns from `first`.
+  __m512 bound(int64_t row_index, int64_t first, __m512 approx) const {
     const Bf16ScreenRow& x = rows[row_index];
     __m512 bound = _mm512_mul_ps(_mm512_loadu_ps(columns.weight_error + first), _mm512_set1_ps(x.quantized_l1));
     bound = _mm512_fmadd_ps(_mm512_loadu_ps(columns.l1_rest + first), _mm512_set1_ps(x.rest_error), bound);
@@ -122,11 +121,34 @@ struct Bf16ScreenSink {
     // Slack for the float32 rounding of the scaled dot, the outlier products and the bound itself.
     const __m512 size = _mm512_fmadd_ps(_mm512_loadu_ps(columns.l1_outlier + first), _mm512_set1_ps(x.outlier_top),
                                         _mm512_abs_ps(approx));
-    bound = _mm512_fmadd_ps(bound, _mm512_set1_ps(1.001f),
-                            _mm512_fmadd_ps(size, _mm512_set1_ps(1e-5f), _mm512_set1_ps(1e-30f)));
-    keep_columns(part, row_index, first, valid, approx, bound, window_floor);
+    return _mm512_fmadd_ps(bound, _mm512_set1_ps(1.001f),
+                           _mm512_fmadd_ps(size, _mm512_set1_ps(1e-5f), _mm512_set1_ps(1e-30f)));
+  }
+
+  void put(int r, int v, __mmask16 valid, __m512 approx) const {
+    if (!valid) return;
+    const int64_t first = col + v * LINEAR_LANES;
+    keep_columns(part, row + r, first, valid, approx, bound(row + r, first, approx), window_floor);
   }
   void put_gated(int, int, __mmask16, __m512, __m512) const {}
+};
+
+// Every column's approximate logit and bound, into out [m, out_features, 2] (bf16_screen_bounds).
+struct Bf16BoundSink : Bf16ScreenSink {
+  float* out;
+  int64_t out_features;
+  Bf16BoundSink at(int64_t r, int64_t c) const { return {Bf16ScreenSink::at(r, c), out, out_features}; }
+  void put(int r, int v, __mmask16 valid, __m512 approx) const {
+    const int64_t first = col + v * LINEAR_LANES;
+    alignas(64) float values[LINEAR_LANES], bounds[LINEAR_LANES];
+    _mm512_store_ps(values, approx);
+    _mm512_store_ps(bounds, bound(row + r, first, approx));
+    for (int j = 0; j < LINEAR_LANES; ++j)
+      if (valid >> j & 1) {
+        out[((row + r) * out_features + first + j) * 2] = values[j];
+        out[((row + r) * out_features + first + j) * 2 + 1] = bounds[j];
+      }
+  }
 };
 
 // Row r of x (bf16, K padded to pairs) split into its rest channels as u8 levels and its outlier
@@ -208,122 +230,4 @@ bool settle_row(const uint32_t* x, const uint32_t* weight, int64_t pairs, const 
 #endif
 
 }  // namespace
-
-// Greedy tokens of bf16 x [m, K] through the lm_head screen (see the module docstring): {chosen [m],
-// counts [m] (tokens in each row's near-top window), candidate_rows, candidate_tokens (the windows of
-// rows with counts > 1, ascending)}, as `near_top_scan` of the plain logits gives them; empty when a
-// row is not finite. `weight`: W [N, K] (K even); `packed`: its bf16 packing; `screen_packed` [panels, rest / 4, 16, 4] int8;
-// `outlier_packed` [panels, outliers / 2, 16, 2] bf16; `rest`/`outliers`: x's channels in the
-// packings' order (-1: padding); `column_terms` float32 [5, panels x 16]: scale, weight error, l1
-// of the rest, l1 of the outliers, l1; `offset_share` int32 [panels x 16].
-std::vector<torch::Tensor> screened_bf16_argmax(torch::Tensor x, torch::Tensor weight, torch::Tensor packed,
-                                                torch::Tensor screen_packed,
-                                                torch::Tensor outlier_packed, torch::Tensor rest,
-                                                torch::Tensor outliers, torch::Tensor column_terms,
-                                                torch::Tensor offset_share, int64_t out_features, double model_eps,
-                                                double model_tiny) {
-  TORCH_CHECK(bf16_screen_available(), "screened_bf16_argmax needs a CPU with AVX512-BF16 and AVX512-VNNI");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "screened_bf16_argmax takes bfloat16");
-  const torch::Tensor rows = checked_rows(x, packed, out_features, c10::nullopt, false);
-  const int64_t m = rows.size(0), k = x.size(-1), pairs = packed.size(1), panels = packed.size(0);
-  TORCH_CHECK(screen_packed.scalar_type() == at::kChar && screen_packed.dim() == 4 && screen_packed.size(0) == panels &&
-              screen_packed.size(2) == 16 && screen_packed.size(3) == 4 && screen_packed.is_contiguous(),
-              "screen_packed must be [panels, rest / 4, 16, 4] int8");
-  TORCH_CHECK(outlier_packed.scalar_type() == at::kBFloat16 && outlier_packed.dim() == 4 &&
-              outlier_packed.size(0) == panels && outlier_packed.size(2) == 16 && outlier_packed.size(3) == 2 &&
-              outlier_packed.is_contiguous(), "outlier_packed must be [panels, outliers / 2, 16, 2] bfloat16");
-  TORCH_CHECK(rest.scalar_type() == at::kLong && rest.dim() == 1 && rest.size(0) == 4 * screen_packed.size(1) &&
-              outliers.scalar_type() == at::kLong && outliers.dim() == 1 && outliers.size(0) == 2 * outlier_packed.size(1),
-              "rest and outliers must list the packings' channels (int64)");
-  TORCH_CHECK(rest.max().item<int64_t>() < k && outliers.max().item<int64_t>() < k, "a channel is out of range");
-  TORCH_CHECK(column_terms.scalar_type() == at::kFloat && column_terms.dim() == 2 && column_terms.size(0) == 5 &&
-              column_terms.size(1) == panels * 16 && column_terms.is_contiguous(), "column_terms must be [5, panels x 16]");
-  TORCH_CHECK(offset_share.scalar_type() == at::kInt && offset_share.numel() == panels * 16 && offset_share.is_contiguous(),
-              "offset_share must be int32 [panels x 16]");
-  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.dim() == 2 && weight.size(0) == out_features &&
-              weight.size(1) == 2 * pairs && weight.is_contiguous(), "weight must be a contiguous bf16 [N, K], K even");
-  TORCH_CHECK(out_features * pairs < (int64_t{1} << 31), "the lm_head is too large for 32-bit gathers");
-#if defined(PAGEDSERVE_BF16_SCREEN)
-  auto chosen = torch::zeros({m}, at::kLong), counts = torch::zeros({m}, at::kLong);
-  if (m == 0) return {chosen, counts, torch::zeros({0}, at::kLong), torch::zeros({0}, at::kLong)};
-  const int64_t rest_count = rest.size(0), outlier_count = outliers.size(0), outlier_pairs = outlier_count / 2;
-  const c10::BFloat16* xr = reinterpret_cast<const c10::BFloat16*>(rows.data_ptr());
-  std::vector<uint8_t> levels(m * rest_count);
-  std::vector<c10::BFloat16> outlier_x(m * outlier_count);
-  std::vector<Bf16ScreenRow> info(m);
-  std::atomic<bool> finite{true};
-  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r)
-      if (!split_row(xr + r * 2 * pairs, k, pairs, rest.data_ptr<int64_t>(), rest_count, outliers.data_ptr<int64_t>(),
-                     outlier_count, levels.data() + r * rest_count, outlier_x.data() + r * outlier_count, info[r]))
-        finite = false;
-  });
-  if (!finite) return {};
-  const float* terms = column_terms.data_ptr<float>();
-  const int64_t width = panels * 16;
-  const Bf16ScreenColumns columns{terms, terms + width, terms + 2 * width, terms + 3 * width, terms + 4 * width,
-                                  offset_share.data_ptr<int32_t>()};
-  std::mutex lock;
-  std::deque<ScreenPart> parts;  // a deque: a thread's part never moves while others are added
-  linear_run<I8Math, false>(reinterpret_cast<const uint32_t*>(levels.data()), m,
-                            reinterpret_cast<const uint32_t*>(screen_packed.data_ptr()), panels, rest_count / 4,
-                            nullptr, out_features, [&](int64_t) {
-    std::lock_guard<std::mutex> guard(lock);
-    parts.push_back({std::vector<float>(m, -std::numeric_limits<float>::infinity()),
-                     std::vector<std::vector<std::pair<float, int32_t>>>(m)});
-    return Bf16ScreenSink{info.data(), reinterpret_cast<const uint32_t*>(outlier_x.data()),
-                          reinterpret_cast<const uint32_t*>(outlier_packed.data_ptr()), outlier_pairs, columns,
-                          &parts.back(), 0, 0};
-  });
-  const uint32_t* x_pairs = reinterpret_cast<const uint32_t*>(rows.data_ptr());
-  const uint32_t* w = reinterpret_cast<const uint32_t*>(weight.data_ptr());
-  std::vector<std::vector<int32_t>> windows(m);
-  int64_t* chosen_out = chosen.data_ptr<int64_t>();
-  int64_t* counts_out = counts.data_ptr<int64_t>();
-  at::parallel_for(0, m, 8, [&](int64_t begin, int64_t end) {
-    std::vector<int32_t> columns_left;
-    for (int64_t r = begin; r < end; ++r) {
-      float lower = -std::numeric_limits<float>::infinity();
-      for (const ScreenPart& part : parts) lower = std::max(lower, part.lower[r]);
-      columns_left.clear();
-      if (lower > 1e-30f) {
-        const float floor = window_floor(lower);
-        for (const ScreenPart& part : parts)
-          for (const auto& [upper, c] : part.kept[r])
-            if (upper >= floor) columns_left.push_back(c);
-        std::sort(columns_left.begin(), columns_left.end());
-      } else {  // no positive lower bound: the window is not confined; every column
-        columns_left.resize(out_features);
-        for (int64_t c = 0; c < out_features; ++c) columns_left[c] = static_cast<int32_t>(c);
-      }
-      if (!settle_row(x_pairs + r * pairs, w, pairs, columns_left, static_cast<float>(model_eps),
-                      static_cast<float>(model_tiny), chosen_out[r], windows[r]))
-        finite = false;
-      counts_out[r] = static_cast<int64_t>(windows[r].size());
-    }
-  });
-  if (!finite) return {};
-  std::vector<int64_t> candidate_rows, candidate_tokens;
-  for (int64_t r = 0; r < m; ++r)
-    if (windows[r].size() > 1)
-      for (int32_t c : windows[r]) {
-        candidate_rows.push_back(r);
-        candidate_tokens.push_back(c);
-      }
-  const auto as_tensor = [](const std::vector<int64_t>& v) {
-    return torch::tensor(at::ArrayRef<int64_t>(v), at::kLong);
-  };
-  return {chosen, counts, as_tensor(candidate_rows), as_tensor(candidate_tokens)};
-#else
-  return {};
-#endif
-}
-
-bool bf16_screen_available() {
-#if defined(PAGEDSERVE_BF16_SCREEN)
-  return true;
-#else
-  return false;
-#endif
-}
 """

@@ -1,7 +1,8 @@
 """The int8 screen of the bfloat16 greedy lm_head picks exactly the token the plain path picks
 (bf16 packed logits, the near-top scan, float32 settling of near ties): at model and odd sizes,
 on planted exact and near ties, with outlier channels calibrated or not, through its fallbacks,
-and inside the engine."""
+and inside the engine. Its bounds hold column by column, also where the int8 rounding errors add
+up to what each term of the bound allows."""
 from __future__ import annotations
 
 import random
@@ -116,3 +117,67 @@ def test_engine_arms_the_screen_at_start_up_and_keeps_its_tokens(tmp_path):
     without = [list(r.outputs[0].token_ids) for r in llm.generate(prompts, greedy_params(20), use_tqdm=False)]
     assert with_screen == without and sum(map(len, with_screen)) == 240
     assert screen.outliers.numel() == OUTLIER_CHANNELS
+
+
+def approximations_and_bounds(weight: torch.Tensor, x: torch.Tensor, calibration: torch.Tensor) -> torch.Tensor:
+    """[rows, columns, 2]: the screen's approximate logit of every column and its bound."""
+    screen = build_bf16_screen(weight, outlier_channels(calibration))
+    return module.bf16_screen_bounds(x, weight, packed_linear.pack_weight(weight), screen.packed,
+                                     screen.outlier_packed, screen.rest, screen.outliers, screen.column_terms,
+                                     screen.offset_share, weight.shape[0])
+
+
+@needs_screen
+def test_every_bound_holds_against_the_kernel_and_the_exact_product():
+    weight, x = planted_problem(4099, 576, 40, seed=11)
+    _, calibration = planted_problem(4099, 576, 16, seed=12)
+    result = approximations_and_bounds(weight, x, calibration)
+    approx, bound = result[..., 0].double(), result[..., 1].double()
+    exact = x.double() @ weight.double().T
+    kernel = packed_linear.linear(x, weight, None, packed_linear.pack_weight(weight)).double()
+    assert (approx - exact).abs().le(bound).all()
+    # The kernel's float32 value is within the bound; its bf16 logit, rounded from it, within half a step more.
+    assert (approx - kernel).abs().le(bound + kernel.abs() * 2**-8).all()
+
+
+OUTLIERS = torch.arange(0, 64, 2)  # 32 channels held in bfloat16; the other 544 of 576 go through int8
+
+
+def adversarial_problem() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Two rows and two columns whose int8 error reaches the bound's terms: row 0 sits at half
+    levels of its int8 step (every channel's rounding error is half a step) against column 0,
+    whose weights are whole levels with the signs that add those errors up; row 1 at whole
+    levels against column 1 at half levels, likewise. Columns 2.. are random."""
+    k, step_x, step_w = 576, 2.0**-4, 2.0**-10
+    rest = torch.tensor([c for c in range(k) if c not in set(OUTLIERS.tolist())])
+    g = torch.Generator().manual_seed(21)
+    x = torch.randn(2, k, generator=g) * 3
+    weight = torch.randn(16, k, generator=g) * 0.05
+    half_levels = torch.randint(-100, 100, (rest.numel(),), generator=g).double() + 0.5
+    x[0, rest] = (half_levels * step_x).float()
+    x[0, rest[0]] = 127 * step_x  # the row's largest rest value: its step is exactly step_x
+    x_error = x[0, rest].double() - step_x * torch.round(x[0, rest].double() / step_x)  # half to even, as the C++
+    weight[0, rest] = (-torch.sign(x_error) * 127 * step_w).float()  # whole levels: no weight error
+    w_half = torch.randint(-100, 100, (rest.numel(),), generator=g).double() + 0.5
+    weight[1, rest] = (w_half * step_w).float()
+    weight[1, rest[0]] = 127 * step_w
+    w_error = weight[1, rest].double() - step_w * torch.round(weight[1, rest].double() / step_w)
+    x[1, rest] = (-torch.sign(w_error) * 100 * step_x).float()
+    x[1, rest[0]] = 127 * step_x
+    calibration = torch.zeros(1, k)
+    calibration[0, OUTLIERS] = 100.0
+    return weight.bfloat16(), x.bfloat16(), calibration.bfloat16()
+
+
+@needs_screen
+def test_bounds_hold_where_the_int8_error_is_as_large_as_they_allow():
+    """Each of the bound's rounding terms is reached within a fraction of a percent (so a bound
+    that left one out, or a quantization that rounded worse than it claims, fails here)."""
+    weight, x, calibration = adversarial_problem()
+    assert torch.equal(outlier_channels(calibration), OUTLIERS)
+    assert (x.double() == x.float().double()).all() and (weight.float() == weight.float().bfloat16().float()).all()
+    result = approximations_and_bounds(weight, x, calibration)
+    approx, bound = result[..., 0].double(), result[..., 1].double()
+    error = (approx - x.double() @ weight.double().T).abs()
+    assert error.le(bound).all()
+    assert error[0, 0] > 0.98 * bound[0, 0] and error[1, 1] > 0.98 * bound[1, 1]

@@ -3,7 +3,8 @@ random sampling, sampled tokens' logprobs, the rotary embedding, the packed bflo
 float32 matmuls, their SiLU-gated versions and the screened greedy lm_head): one C++ extension built from `cpu_attention_source`,
 `worker.cpu_scan_source`, `worker.cpu_sampling_source`, `worker.cpu_logprobs_source`,
 `worker.cpu_activation_source`, `worker.cpu_rotary_source`,
-`worker.cpu_linear_source` and `worker.cpu_argmax_source` with the local C++ compiler at first use, cached on
+`worker.cpu_linear_source`, `worker.cpu_argmax_source`, `worker.cpu_bf16_screen_source` and
+`worker.cpu_bf16_screen_entry_source` with the local C++ compiler at first use, cached on
 disk, and optional.
 
 The build (about a minute, once per machine and source version) goes to
@@ -35,14 +36,15 @@ from worker.cpu_logprobs_source import LOGPROBS_SOURCE
 from worker.cpu_rotary_source import ROTARY_SOURCE
 from worker.cpu_argmax_source import ARGMAX_SOURCE
 from worker.cpu_bf16_screen_source import BF16_SCREEN_SOURCE
+from worker.cpu_bf16_screen_entry_source import BF16_SCREEN_ENTRY_SOURCE
 from worker.cpu_sampling_source import SAMPLING_SOURCE
 from worker.cpu_scan_source import SCAN_SOURCE
 
 SOURCE = (ATTENTION_SOURCE + SCAN_SOURCE + SAMPLING_SOURCE + LOGPROBS_SOURCE + ACTIVATION_SOURCE + ROTARY_SOURCE
-          + LINEAR_SOURCE + ARGMAX_SOURCE + BF16_SCREEN_SOURCE)
+          + LINEAR_SOURCE + ARGMAX_SOURCE + BF16_SCREEN_SOURCE + BF16_SCREEN_ENTRY_SOURCE)
 FUNCTIONS = [*ATTENTION_FUNCTIONS, "near_top_scan", "sample_random_rows", "token_logprobs_rows",
              "bf16_linear_available", "f32_linear_available", "screened_argmax", "screened_argmax_available",
-             "screened_bf16_argmax", "bf16_screen_available"]
+             "screened_bf16_argmax", "bf16_screen_bounds", "bf16_screen_available"]
 
 logger = logging.getLogger(__name__)
 
