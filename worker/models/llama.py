@@ -60,25 +60,19 @@ class DecoderLayer(nn.Module):
         self.down_bias = _param(s.hidden, dtype=dtype, device=device) if biases["mlp"] else None
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        hidden, update = decoder_layer(self, hidden, cos, sin, self.layer_index)
-        return hidden + update
+        return decoder_layer(self, hidden, cos, sin, self.layer_index)
 
 
 def decoder_layer(layer: DecoderLayer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  layer_index: int, pending: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  layer_index: int) -> torch.Tensor:
     """One layer over the batch; attention state comes from the step context (see step_context).
-    Returns the residual stream and the MLP's update to it, not yet added: the next layer adds
-    it together with its input norm (`pending`; one kernel instead of two).
 
     A free function of the layer (its index an argument, not an attribute) so that
     one torch.compile graph serves every group of layers (`decoder_layers`): a graph
     of the whole stack would take several times as long to compile, on every start."""
     s = layer.sizes
     num_tokens = hidden.shape[0]
-    if pending is None:
-        x = norm(hidden, layer.input_norm, s.eps, layer.fused_norm)
-    else:
-        hidden, x = add_norm(hidden, pending, layer.input_norm, s.eps, layer.fused_norm)
+    x = norm(hidden, layer.input_norm, s.eps, layer.fused_norm)
     qkv = linear(x, layer.qkv_weight, layer.qkv_bias, layer.qkv_packed)
     q, k, v = qkv.split([s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim,
                          s.num_kv_heads * s.head_dim], dim=-1)
@@ -92,7 +86,7 @@ def decoder_layer(layer: DecoderLayer, hidden: torch.Tensor, cos: torch.Tensor, 
     hidden, x = add_norm(hidden, linear(attn.reshape(num_tokens, -1), layer.o_weight, layer.o_bias, layer.o_packed),
                          layer.post_norm, s.eps, layer.fused_norm)
     activated = linear_silu(x, layer.gate_up_weight, layer.gate_up_bias, layer.gate_up_packed)
-    return hidden, linear(activated, layer.down_weight, layer.down_bias, layer.down_packed)
+    return hidden + linear(activated, layer.down_weight, layer.down_bias, layer.down_packed)
 
 
 def decoder_layers(layers: Sequence[DecoderLayer], hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -100,10 +94,9 @@ def decoder_layers(layers: Sequence[DecoderLayer], hidden: torch.Tensor, cos: to
     """Consecutive layers in one call, `decoder_layer` each. Compiled, one graph covers a
     group of layers, so a step passes through dynamo's Python wrappers once per group
     rather than once per layer (see worker.compiled_forward)."""
-    update = None
     for layer, index in zip(layers, layer_indices):
-        hidden, update = decoder_layer(layer, hidden, cos, sin, index, update)
-    return hidden + update
+        hidden = decoder_layer(layer, hidden, cos, sin, index)
+    return hidden
 
 
 class ModelSizes:
