@@ -2,7 +2,7 @@
 random sampling, sampled tokens' logprobs, the rotary embedding, the packed bfloat16 and
 float32 matmuls, their SiLU-gated versions and the screened greedy lm_head): one C++ extension built from `cpu_attention_source`,
 `worker.cpu_scan_source`, `worker.cpu_sampling_source`, `worker.cpu_logprobs_source`,
-`worker.cpu_activation_source`, `worker.cpu_rotary_source`, `worker.cpu_norm_source`,
+`worker.cpu_activation_source`, `worker.cpu_rotary_source`,
 `worker.cpu_linear_source`, `worker.cpu_argmax_source`, `worker.cpu_bf16_screen_source` and
 `worker.cpu_bf16_screen_entry_source` with the local C++ compiler at first use, cached on
 disk, and optional.
@@ -34,14 +34,13 @@ from worker.cpu_activation_source import ACTIVATION_SOURCE
 from worker.cpu_linear_source import LINEAR_SOURCE
 from worker.cpu_logprobs_source import LOGPROBS_SOURCE
 from worker.cpu_rotary_source import ROTARY_SOURCE
-from worker.cpu_norm_source import NORM_SOURCE
 from worker.cpu_argmax_source import ARGMAX_SOURCE
 from worker.cpu_bf16_screen_source import BF16_SCREEN_SOURCE
 from worker.cpu_bf16_screen_entry_source import BF16_SCREEN_ENTRY_SOURCE
 from worker.cpu_sampling_source import SAMPLING_SOURCE
 from worker.cpu_scan_source import SCAN_SOURCE
 
-SOURCE = (ATTENTION_SOURCE + SCAN_SOURCE + SAMPLING_SOURCE + LOGPROBS_SOURCE + ACTIVATION_SOURCE + ROTARY_SOURCE + NORM_SOURCE
+SOURCE = (ATTENTION_SOURCE + SCAN_SOURCE + SAMPLING_SOURCE + LOGPROBS_SOURCE + ACTIVATION_SOURCE + ROTARY_SOURCE
           + LINEAR_SOURCE + ARGMAX_SOURCE + BF16_SCREEN_SOURCE + BF16_SCREEN_ENTRY_SOURCE)
 FUNCTIONS = [*ATTENTION_FUNCTIONS, "near_top_scan", "sample_random_rows", "token_logprobs_rows",
              "bf16_linear_available", "f32_linear_available", "screened_argmax", "screened_argmax_available",
@@ -130,8 +129,6 @@ def load() -> Any | None:
             torch.library.register_fake("pagedserve::packed_linear")(_packed_linear_shape)
             torch.library.register_fake("pagedserve::packed_linear_silu")(_packed_linear_shape)
             torch.library.register_fake("pagedserve::rotary_qk")(_rotary_qk_shapes)
-            torch.library.register_fake("pagedserve::rms_norm")(_rms_norm_shape)
-            torch.library.register_fake("pagedserve::add_rms_norm")(_add_rms_norm_shapes)
         except Exception as exc:  # no compiler, headers or a build error: plain PyTorch still works
             _failed = True
             logger.warning("CPU paged attention kernel unavailable, using the PyTorch fallback: %s",
@@ -143,15 +140,6 @@ def _rotary_qk_shapes(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, h
                       kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
     tokens, dim = qkv.shape[0], cos.shape[-1]
     return qkv.new_empty((tokens, heads, dim)), qkv.new_empty((tokens, kv_heads, dim))
-
-
-def _rms_norm_shape(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return torch.empty_like(x)
-
-
-def _add_rms_norm_shapes(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
-                         eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.empty_like(residual), torch.empty_like(residual)
 
 
 def _packed_linear_shape(x: torch.Tensor, packed: torch.Tensor, out_features: int,

@@ -18,12 +18,20 @@ from torch import nn
 from worker.attention import cpu_kernels
 from worker.attention.metadata import AttentionMetadata
 from worker.attention.step_context import paged_attention, step_context
-from worker.models.norm import add_norm, norm
 from worker.models.packed_linear import linear, linear_silu, pack_gated, pack_weight
 from worker.models.rotary import RotaryEmbedding, apply_rotary
 from worker.models.bf16_lm_head_screen import (Bf16ScreenedLmHead, build_bf16_screen, outlier_channels,
                                                 screen_available)
 from worker.models.screened_lm_head import ScreenedLmHead, screen_lm_head
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm: normalise in float32, cast back, then scale."""
+    input_dtype = x.dtype
+    x = x.to(torch.float32)
+    variance = x.pow(2).mean(-1, keepdim=True)
+    x = x * torch.rsqrt(variance + eps)
+    return weight * x.to(input_dtype)
 
 
 def _param(*shape: int, dtype: torch.dtype | None, device: Any) -> nn.Parameter:
@@ -46,7 +54,6 @@ class DecoderLayer(nn.Module):
         for name in PACKED_WEIGHTS:
             self.register_buffer(name + "_packed", None, persistent=False)
         self.fused_rotary = False  # q/k rotary embedding through the CPU kernel (bf16, see pack_weights)
-        self.fused_norm = False  # the norms through the CPU kernel (bf16, see pack_weights)
         qkv_rows = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
         self.input_norm = _param(s.hidden, dtype=dtype, device=device)
         self.qkv_weight = _param(qkv_rows, s.hidden, dtype=dtype, device=device)
@@ -72,7 +79,7 @@ def decoder_layer(layer: DecoderLayer, hidden: torch.Tensor, cos: torch.Tensor, 
     of the whole stack would take several times as long to compile, on every start."""
     s = layer.sizes
     num_tokens = hidden.shape[0]
-    x = norm(hidden, layer.input_norm, s.eps, layer.fused_norm)
+    x = rms_norm(hidden, layer.input_norm, s.eps)
     qkv = linear(x, layer.qkv_weight, layer.qkv_bias, layer.qkv_packed)
     q, k, v = qkv.split([s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim,
                          s.num_kv_heads * s.head_dim], dim=-1)
@@ -83,8 +90,9 @@ def decoder_layer(layer: DecoderLayer, hidden: torch.Tensor, cos: torch.Tensor, 
         k = apply_rotary(k.view(num_tokens, s.num_kv_heads, s.head_dim), cos, sin)
     v = v.view(num_tokens, s.num_kv_heads, s.head_dim)
     attn = paged_attention(q, k, v, layer_index, s.head_dim ** -0.5, layer.sliding_window)
-    hidden, x = add_norm(hidden, linear(attn.reshape(num_tokens, -1), layer.o_weight, layer.o_bias, layer.o_packed),
-                         layer.post_norm, s.eps, layer.fused_norm)
+    hidden = hidden + linear(attn.reshape(num_tokens, -1), layer.o_weight, layer.o_bias, layer.o_packed)
+
+    x = rms_norm(hidden, layer.post_norm, s.eps)
     activated = linear_silu(x, layer.gate_up_weight, layer.gate_up_bias, layer.gate_up_packed)
     return hidden + linear(activated, layer.down_weight, layer.down_bias, layer.down_packed)
 
@@ -170,7 +178,7 @@ class LlamaForCausalLM(nn.Module):
         for first in range(0, len(self.layers), group_size):
             group = list(self.layers[first:first + group_size])
             hidden = layers_fn(group, hidden, cos, sin, [layer.layer_index for layer in group])
-        return norm(hidden, self.norm, self.sizes.eps, self.layers[0].fused_norm if self.layers else False)
+        return rms_norm(hidden, self.norm, self.sizes.eps)
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
@@ -201,8 +209,8 @@ class LlamaForCausalLM(nn.Module):
     def pack_weights(self) -> bool:
         """Pre-pack the matmul weights for the CPU kernel's matmul (bfloat16 on CPUs with
         AVX512-BF16, float32 on AVX-512 CPUs; see packed_linear), and with them take the
-        MLP activation through the CPU kernel; in bfloat16 the rotary embedding and the
-        norms too (the same rounding as eager, faster than the inductor-compiled versions). Call after
+        MLP activation through the CPU kernel; in bfloat16 the rotary embedding too (the
+        same rounding as eager, faster than the inductor-compiled versions). Call after
         load_weights; returns whether anything was packed."""
         self.lm_head_packed = pack_weight(self.lm_head)
         if self.lm_head_packed is None:
@@ -213,7 +221,7 @@ class LlamaForCausalLM(nn.Module):
             for name in PACKED_WEIGHTS:
                 pack = pack_gated if name == "gate_up" else pack_weight
                 setattr(layer, name + "_packed", pack(getattr(layer, name + "_weight")))
-            layer.fused_rotary = layer.fused_norm = self.lm_head.dtype == torch.bfloat16
+            layer.fused_rotary = self.lm_head.dtype == torch.bfloat16
         return True
 
     def wants_greedy_screen_calibration(self) -> bool:
