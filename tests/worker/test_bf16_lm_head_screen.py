@@ -136,7 +136,7 @@ def test_every_bound_holds_against_the_kernel_and_the_exact_product():
     exact = x.double() @ weight.double().T
     kernel = packed_linear.linear(x, weight, None, packed_linear.pack_weight(weight)).double()
     assert (approx - exact).abs().le(bound).all()
-    # The kernel's float32 value is within the bound; its bf16 logit, rounded from it, within half a step more.
+    # The kernel's float32 value is within the bound; its bf16 logit, rounded from it, within a rounding step more.
     assert (approx - kernel).abs().le(bound + kernel.abs() * 2**-8).all()
 
 
@@ -164,6 +164,8 @@ def adversarial_problem() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     w_error = weight[1, rest].double() - step_w * torch.round(weight[1, rest].double() / step_w)
     x[1, rest] = (-torch.sign(w_error) * 100 * step_x).float()
     x[1, rest[0]] = 127 * step_x
+    for levels in (x[:, rest], weight[:2, rest]):  # bf16 values: nothing rounds on the way in
+        assert torch.equal(levels.bfloat16().float(), levels)
     calibration = torch.zeros(1, k)
     calibration[0, OUTLIERS] = 100.0
     return weight.bfloat16(), x.bfloat16(), calibration.bfloat16()
@@ -171,11 +173,10 @@ def adversarial_problem() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 @needs_screen
 def test_bounds_hold_where_the_int8_error_is_as_large_as_they_allow():
-    """Each of the bound's rounding terms is reached within a fraction of a percent (so a bound
-    that left one out, or a quantization that rounded worse than it claims, fails here)."""
+    """Each of the bound's rounding terms is reached within 2 % (so a bound that left one out, or
+    a quantization that rounded worse than it claims, fails here)."""
     weight, x, calibration = adversarial_problem()
     assert torch.equal(outlier_channels(calibration), OUTLIERS)
-    assert (x.double() == x.float().double()).all() and (weight.float() == weight.float().bfloat16().float()).all()
     result = approximations_and_bounds(weight, x, calibration)
     approx, bound = result[..., 0].double(), result[..., 1].double()
     error = (approx - x.double() @ weight.double().T).abs()
