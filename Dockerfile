@@ -11,6 +11,7 @@ ENV PIP_EXTRA_INDEX_URL=${PIP_EXTRA_INDEX_URL} \
 
 WORKDIR /app
 COPY pyproject.toml README.md ./
+COPY pagedserve ./pagedserve
 COPY common ./common
 COPY scheduler ./scheduler
 COPY worker ./worker

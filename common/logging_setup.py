@@ -6,7 +6,7 @@ import os
 import re
 import sys
 
-# The start of each line the format below writes ("12:00:00 ERROR [frontend] frontend.cli: ").
+# The start of each line the format below writes ("12:00:00 ERROR [frontend] frontend.frontend_cli: ").
 LINE_PREFIX = re.compile(r"\d\d:\d\d:\d\d [A-Z]+ \[[^]]*\] [\w.]+: ")
 
 

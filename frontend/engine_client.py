@@ -36,7 +36,7 @@ from common.protocol import (Abort, EngineError, EngineOutputs, EngineRequest, F
                              RequestOutput)
 from common.sampling_params import SamplingParams
 from common.transport import MessageDecoder, arecv, encode, make_socket
-from frontend.errors import OverloadedError, RequestTimeoutError, ServiceUnavailableError, error_with_status
+from frontend.api_errors import OverloadedError, RequestTimeoutError, ServiceUnavailableError, error_with_status
 
 logger = logging.getLogger(__name__)
 

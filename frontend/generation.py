@@ -24,7 +24,7 @@ from frontend.control_client import ControlClient
 from frontend.engine_client import EngineClient
 from frontend.logprobs_format import TokenTexts
 from frontend.metrics import FrontendMetrics, RequestTimer
-from frontend.output_decoder import DecodedDelta, OutputDecoder
+from common.output_decoder import DecodedDelta, OutputDecoder
 from frontend.request_log import RequestLogger
 
 

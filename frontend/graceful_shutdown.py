@@ -27,7 +27,7 @@ import threading
 import uvicorn
 
 from frontend.engine_client import EngineClient
-from frontend.errors import ServiceUnavailableError
+from frontend.api_errors import ServiceUnavailableError
 from tokenizer_pool.client import TokenizerClient
 
 logger = logging.getLogger(__name__)

@@ -22,8 +22,8 @@ from common.grpc_gen import pagedserve_pb2_grpc
 from common.protocol import TokenLogprobs
 from common.sampling_params import MAX_LOGPROBS, SamplingParams
 from common.structured_outputs import StructuredOutputs
-from frontend.choices import SampleResult, best_samples
-from frontend.errors import AuthenticationError, grpc_code
+from common.sample_choices import SampleResult, best_samples
+from frontend.api_errors import AuthenticationError, grpc_code
 from frontend.http_guards import api_key_matches
 from frontend.generation import GenerationDelta, GenerationRequest
 from frontend.logprobs_format import TokenTexts

@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from common.errors import PagedServeError
-from frontend.errors import AuthenticationError, PayloadTooLargeError
+from frontend.api_errors import AuthenticationError, PayloadTooLargeError
 
 PROTECTED_PREFIX = "/v1"
 # Outside /v1 but using the model's tokenizer: as closed as generation (vLLM leaves them open).

@@ -23,7 +23,7 @@ from common.errors import InvalidRequestError
 from common.sampling_params import MAX_LOGPROBS, SamplingParams
 from common.structured_outputs import StructuredOutputs
 from common.tokenizer import _RESERVED_TEMPLATE_KWARGS as RESERVED_TEMPLATE_KWARGS
-from frontend.errors import NotSupportedError
+from frontend.api_errors import NotSupportedError
 from frontend.openai_responses import ModelCard, ModelList, OpenAIBaseModel  # noqa: F401 (api_server's imports)
 from frontend.request_body import UNIMPLEMENTED_VLLM_FIELDS, RequestBody, TextRequest, check_unimplemented
 from frontend.structured_output_request import GUIDED_FIELDS, structured_outputs_from
@@ -59,7 +59,7 @@ class SamplingRequest(TextRequest):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids in the reply
-    use_beam_search: bool = False  # vLLM's: n beams, the n best sequences as choices (frontend.beam_search)
+    use_beam_search: bool = False  # vLLM's: n beams, the n best sequences as choices (frontend.beam_search_stream)
     length_penalty: float = 1.0  # beam search scores: cumulative logprob / length ** length_penalty
     prompt_logprobs: int | None = None
     echo: bool = False

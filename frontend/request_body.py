@@ -9,7 +9,7 @@ from typing import Any
 from pydantic import model_validator
 
 from common.errors import InvalidRequestError
-from frontend.errors import NotSupportedError
+from frontend.api_errors import NotSupportedError
 from frontend.openai_responses import OpenAIBaseModel
 
 # vLLM's extra request fields that change what is generated or returned, which this

@@ -17,7 +17,7 @@ from pydantic import Field, ValidationError
 
 from common.errors import InvalidRequestError
 from common.sampling_params import MAX_LOGPROBS
-from frontend.errors import NotSupportedError
+from frontend.api_errors import NotSupportedError
 from frontend.openai_protocol import ChatCompletionRequest
 from frontend.request_body import UNIMPLEMENTED_VLLM_FIELDS, TextRequest, check_unimplemented
 

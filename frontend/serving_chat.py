@@ -13,8 +13,8 @@ from common.errors import InvalidRequestError
 from common.protocol import TokenLogprobs
 from common.sampling_params import SamplingParams
 from frontend import sse
-from frontend.beam_search import beam_search_deltas, beam_search_params
-from frontend.choices import SampleResult, best_samples
+from frontend.beam_search_stream import beam_search_deltas, beam_search_params
+from common.sample_choices import SampleResult, best_samples
 from frontend.generation import GenerationDelta, GenerationRequest
 from frontend.logprobs_format import TokenTexts, chat_logprobs, prompt_logprobs_json
 from frontend.openai_protocol import ChatCompletionRequest, ChatTemplateRequest

@@ -14,13 +14,13 @@ from fastapi.responses import Response
 from common.protocol import TokenLogprobs
 from frontend import sse
 from frontend.async_utils import merge_async_iterators
-from frontend.beam_search import beam_search_deltas, beam_search_params
-from frontend.choices import SampleResult, best_samples
+from frontend.beam_search_stream import beam_search_deltas, beam_search_params
+from common.sample_choices import SampleResult, best_samples
 from frontend.generation import GenerationDelta, GenerationRequest
 from frontend.logprobs_format import TokenTexts, completion_logprobs, prompt_logprobs_json
 from frontend.openai_protocol import CompletionRequest
 from frontend.openai_responses import CompletionChoice, CompletionResponse, UsageInfo
-from frontend.output_decoder import DecodedDelta
+from common.output_decoder import DecodedDelta
 from frontend.prompt_extras import echoed_prompt, encoded_prompt, with_bad_words_tokenized
 from frontend.replies import event_stream, json_reply
 from frontend.state import SYSTEM_FINGERPRINT, FrontendState, request_ids

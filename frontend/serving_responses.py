@@ -18,7 +18,7 @@ from fastapi.responses import Response
 from starlette.datastructures import QueryParams
 
 from common.errors import InvalidRequestError, PagedServeError
-from frontend.errors import NotSupportedError
+from frontend.api_errors import NotSupportedError
 from frontend.openai_responses import ChatCompletionResponse
 from frontend.replies import event_stream, json_reply
 from frontend.responses_draft import ResponseDraft

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from frontend.control_client import ControlClient
 from frontend.engine_client import EngineClient
-from frontend.errors import ModelNotFoundError
+from frontend.api_errors import ModelNotFoundError
 from frontend.generation import Generator
 from frontend.metrics import FrontendMetrics
 from frontend.request_log import RequestLogger

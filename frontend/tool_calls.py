@@ -24,7 +24,7 @@ from typing import Any
 
 from common.errors import InvalidRequestError
 from common.structured_outputs import StructuredOutputs
-from frontend.errors import NotSupportedError
+from frontend.api_errors import NotSupportedError
 from frontend.openai_responses import OpenAIBaseModel
 from frontend.tool_parser_base import new_tool_call_id
 from frontend.tool_parsers import TOOL_PARSERS, ToolParser

@@ -61,7 +61,7 @@ class Server:
         self.log_path = tmp / "serve.log"
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "common.cli", "serve", "--dtype", "float32", "--port", str(self.port),
+            [sys.executable, "-m", "pagedserve.cli", "serve", "--dtype", "float32", "--port", str(self.port),
              "--grpc-port", str(self.grpc_port), "--runtime-dir", str(self.runtime_dir),
              "--kv-cache-memory", "1GiB", *extra_args],
             cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)

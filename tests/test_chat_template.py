@@ -50,7 +50,7 @@ def test_a_bad_template_in_the_environment_stops_startup(command, tmp_path):
 
 
 def test_serve_hands_the_template_from_the_environment_on(tmp_path, monkeypatch):
-    from common.serve import build_parser, component_commands
+    from pagedserve.serve import build_parser, component_commands
 
     (tmp_path / "t.jinja").write_text(TEMPLATE)
     monkeypatch.chdir(tmp_path)

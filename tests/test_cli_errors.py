@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def run(args: list[str], env: dict[str, str] | None = None, timeout: float = 60) -> tuple[int, str]:
-    proc = subprocess.run([sys.executable, "-m", "common.cli", *args], cwd=REPO, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "pagedserve.cli", *args], cwd=REPO, capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, **(env or {})})
     return proc.returncode, proc.stdout + proc.stderr
 
@@ -142,7 +142,7 @@ def test_the_frontend_refuses_an_unknown_tool_call_parser_from_the_environment()
 def test_serve_stops_at_once_on_a_bad_setting_a_component_inherits(tmp_path):
     """Before: the frontend read PAGEDSERVE_REQUEST_TIMEOUT, exited with a usage
     error at each restart, and serve never became ready."""
-    proc = subprocess.Popen([sys.executable, "-m", "common.cli", "serve", "--runtime-dir", str(tmp_path / "run"),
+    proc = subprocess.Popen([sys.executable, "-m", "pagedserve.cli", "serve", "--runtime-dir", str(tmp_path / "run"),
                              "--port", str(free_port()), "--grpc-port", str(free_port())],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PAGEDSERVE_REQUEST_TIMEOUT": "abc"}, start_new_session=True)

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from common.cli import COMMANDS
+from pagedserve.cli import COMMANDS
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("common", "scheduler", "worker", "frontend", "tokenizer_pool")
+PACKAGES = ("pagedserve", "common", "scheduler", "worker", "frontend", "tokenizer_pool")
 
 
 @pytest.fixture(scope="module")

@@ -13,9 +13,9 @@ import re
 import pytest
 
 import common.cli_args
-from common.cli import COMMANDS
+from pagedserve.cli import COMMANDS
 from common.errors import ConfigError
-from common.serve import build_parser, checked_settings
+from pagedserve.serve import build_parser, checked_settings
 
 # variable -> (bad value, what the error must say)
 BAD_VALUES: dict[str, tuple[str, ...]] = {
@@ -117,7 +117,7 @@ def test_the_table_covers_every_variable_a_component_parser_reads(monkeypatch):
 
 
 def frontend_argv(argv: list[str]) -> list[str]:
-    from common.serve import component_commands
+    from pagedserve.serve import component_commands
 
     components = component_commands(build_parser().parse_args(argv), "/run")
     return next(c for c in components if c.name == "frontend").argv

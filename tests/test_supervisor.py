@@ -18,7 +18,7 @@ from local_ports import free_port
 from serve_helpers import session_processes
 
 from common.errors import USAGE_ERROR
-from common.supervisor import Component, Supervisor
+from pagedserve.process_supervisor import Component, Supervisor
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -102,7 +102,7 @@ def test_serve_gives_up_when_a_component_exits_with_a_usage_error(tmp_path):
     config that passed serve's check but cannot be read) used to be restarted
     forever; serve now stops everything and exits 2, its last line the reason."""
     (tmp_path / "generation_config.json").write_text("{not json")
-    proc = subprocess.Popen([sys.executable, "-m", "common.cli", "serve", "--runtime-dir", str(tmp_path / "run"),
+    proc = subprocess.Popen([sys.executable, "-m", "pagedserve.cli", "serve", "--runtime-dir", str(tmp_path / "run"),
                              "--port", str(free_port()), "--grpc-port", str(free_port()), "--dtype", "float32",
                              "--kv-cache-memory", "256MiB", "--generation-config", str(tmp_path)],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -67,7 +67,7 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
 def tiny_llama_engine(directory: Path, **engine_overrides: Any):
     """(transformers' tiny random Llama, the offline engine on it): float32 on CPU,
     torch attention, 4-token blocks, no tokenizer (prompts are token ids)."""
-    from worker.llm import LLM
+    from pagedserve.offline.llm import LLM
 
     hf_model = build_tiny_hf_model("LlamaForCausalLM", directory)
     settings = dict(skip_tokenizer_init=True, dtype="float32", device="cpu", attention_backend="torch",

@@ -22,7 +22,7 @@ from common.errors import InvalidRequestError
 from common.protocol import (ChatMessage, DetokenizeJob, MessageType, RenderChatJob, TokenizeJob,
                              TokenizerReply)
 from common.transport import MessageDecoder, arecv, encode, make_socket
-from tokenizer_pool.errors import TokenizerUnavailableError
+from tokenizer_pool.pool_errors import TokenizerUnavailableError
 
 logger = logging.getLogger(__name__)
 

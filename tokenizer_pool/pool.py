@@ -18,8 +18,8 @@ from common.proctitle import set_process_title
 from common.tokenizer import load_chat_template
 from common.transport import stop_authenticator
 from tokenizer_pool.router import Router
-from tokenizer_pool.supervisor import WorkerSupervisor
-from tokenizer_pool.worker import DEFAULT_HEARTBEAT_INTERVAL
+from tokenizer_pool.pool_supervisor import WorkerSupervisor
+from tokenizer_pool.tokenize_worker import DEFAULT_HEARTBEAT_INTERVAL
 
 logger = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ import zmq
 from common.protocol import MessageType, TokenizerReady, TokenizerReply
 from common.transport import BadFrame, MessageDecoder, bind_exclusive, encode, make_socket
 from tokenizer_pool.balancer import Balancer, Job, PendingJob, QueueFull
-from tokenizer_pool.errors import POOL_ERROR_PREFIX, UNAVAILABLE_STATUS
+from tokenizer_pool.pool_errors import POOL_ERROR_PREFIX, UNAVAILABLE_STATUS
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from common.benchmarks.workloads import BenchRequest, load_workload_file, save_workload
+from pagedserve.bench.workloads import BenchRequest, load_workload_file, save_workload
 from tiny_models import build_tiny_hf_model
 
 REPO = Path(__file__).resolve().parents[2]
@@ -18,7 +18,7 @@ SMALL_ENGINE = ["--dtype", "float32", "--kv-cache-memory", "64MiB"]
 
 
 def bench(*args: str, timeout: float = 240) -> str:
-    proc = subprocess.run([sys.executable, "-m", "common.cli", "bench", *args], cwd=REPO, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "pagedserve.cli", "bench", *args], cwd=REPO, capture_output=True,
                           text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
@@ -69,7 +69,7 @@ def test_throughput_reports_tokens_and_scheduler_time(tiny):
 
 def test_throughput_refuses_a_bad_sampling_choice(tiny):
     root, _ = tiny
-    proc = subprocess.run([sys.executable, "-m", "common.cli", "bench", "throughput", "--workload",
+    proc = subprocess.run([sys.executable, "-m", "pagedserve.cli", "bench", "throughput", "--workload",
                            str(root / "tiny.jsonl"), "--model", str(root / "model"), "--top-p", "1.5"],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "top_p" in proc.stderr and "Traceback" not in proc.stderr

@@ -5,13 +5,13 @@ import json
 import subprocess
 import sys
 
-from common.benchmarks.workloads import BenchRequest, save_workload
+from pagedserve.bench.workloads import BenchRequest, save_workload
 from serve_helpers import REPO, Server, metric_samples
 
 
 def bench_serving(server: Server, workload, *extra: str) -> dict:
     proc = subprocess.run(
-        [sys.executable, "-m", "common.cli", "bench", "serving", "--base-url", server.base_url, "--rate", "20",
+        [sys.executable, "-m", "pagedserve.cli", "bench", "serving", "--base-url", server.base_url, "--rate", "20",
          "--workload", str(workload), "--json", "--no-progress", *extra],
         cwd=REPO, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -49,7 +49,7 @@ def test_serving_benchmark_streams_every_request(tmp_path):
     assert result["output_tokens_per_s"] > 0 and result["total_tokens_per_s"] > result["output_tokens_per_s"]
 
     human = subprocess.run(
-        [sys.executable, "-c", "from common.benchmarks.serving import format_serving; import json, sys; "
+        [sys.executable, "-c", "from pagedserve.bench.serving import format_serving; import json, sys; "
          "print(format_serving(json.loads(sys.argv[1])))", json.dumps(result)],
         cwd=REPO, capture_output=True, text=True, check=True).stdout
     assert "time to first token" in human and "p99" in human

@@ -8,9 +8,9 @@ import zlib
 import numpy as np
 import pytest
 
-from common.benchmarks.compare import best_of, comparison_record, format_comparison, last_json_line
-from common.benchmarks.png_chart import PALETTE, bar_chart, line_panels, nice_ticks
-from common.benchmarks.serving import RequestRecord, arrival_offsets, percentile, summarize
+from pagedserve.bench.compare import best_of, comparison_record, format_comparison, last_json_line
+from pagedserve.bench.png_chart import PALETTE, bar_chart, line_panels, nice_ticks
+from pagedserve.bench.serving import RequestRecord, arrival_offsets, percentile, summarize
 
 
 def test_percentile_interpolates():

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from common.benchmarks.workloads import (NAMED_WORKLOADS, BenchRequest, generate_workload, load_workload_file,
+from pagedserve.bench.workloads import (NAMED_WORKLOADS, BenchRequest, generate_workload, load_workload_file,
                                          resolve_workload, save_workload, workload_summary)
 
 

@@ -18,5 +18,5 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def offline_llm():
-    from worker.llm import LLM
+    from pagedserve.offline.llm import LLM
     return LLM(model=MODEL, dtype="float32", kv_cache_memory=1 << 30)

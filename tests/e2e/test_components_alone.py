@@ -17,7 +17,7 @@ from serve_helpers import MODEL, REPO
 
 def start(name: str, args: list[str], log_dir) -> tuple[subprocess.Popen, object]:
     log = open(log_dir / f"{name}.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "common.cli", name, *args], cwd=REPO, stdout=log,
+    proc = subprocess.Popen([sys.executable, "-m", "pagedserve.cli", name, *args], cwd=REPO, stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True)
     return proc, log
 

@@ -8,7 +8,7 @@ import pytest
 from common.errors import InvalidRequestError
 from common.sampling_params import SamplingParams
 from tiny_models import build_tiny_llama_with_smollm2_tokenizer
-from worker.llm import LLM
+from pagedserve.offline.llm import LLM
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

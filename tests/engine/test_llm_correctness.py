@@ -8,7 +8,7 @@ import pytest
 
 from common.sampling_params import SamplingParams
 from tiny_models import build_tiny_hf_model, hf_greedy
-from worker.llm import LLM
+from pagedserve.offline.llm import LLM
 
 NEW_TOKENS = 32
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)

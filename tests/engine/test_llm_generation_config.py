@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from tiny_models import build_tiny_hf_model, hf_greedy
-from worker.llm import LLM
+from pagedserve.offline.llm import LLM
 
 
 def test_generate_without_params_uses_the_models_recommendation(tmp_path):

@@ -9,7 +9,7 @@ from common.bad_words import spellings
 from common.errors import InvalidRequestError
 from common.sampling_params import SamplingParams
 from tiny_models import build_tiny_llama_with_smollm2_tokenizer
-from worker.llm import LLM
+from pagedserve.offline.llm import LLM
 
 PROMPT = "The quick brown fox jumps over the lazy dog because"
 

@@ -9,7 +9,7 @@ import pytest
 
 from common.sampling_params import SamplingParams
 from tiny_models import build_tiny_hf_model, hf_greedy
-from worker.llm import LLM
+from pagedserve.offline.llm import LLM
 
 TRAINED_LEN = 32  # max_position_embeddings of the tiny models
 

@@ -8,7 +8,7 @@ import torch
 from common.model_files import resolve_model_dir
 from common.sampling_params import SamplingParams
 from tiny_models import hf_greedy
-from worker.llm import LLM
+from pagedserve.offline.llm import LLM
 
 PROMPTS = ["The capital of France is", "def quicksort(arr):\n",
            "Write a haiku about the sea.", "1, 2, 3, 4,",

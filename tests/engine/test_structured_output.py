@@ -16,7 +16,7 @@ from common.sampling_params import SamplingParams
 from common.structured_outputs import StructuredOutputs, build_grammar
 from test_llm_correctness import assert_no_leaked_blocks
 from tiny_models import build_tiny_llama_with_smollm2_tokenizer
-from worker.llm import LLM
+from pagedserve.offline.llm import LLM
 
 EOS = 2  # <|im_end|> in SmolLM2's tokenizer
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},

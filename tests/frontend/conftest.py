@@ -1,5 +1,5 @@
 """Fixtures for the frontend tests: a real frontend process (`python -m
-frontend.cli`) and a real tokenizer pool process, both using a tiny byte-level
+frontend.frontend_cli`) and a real tokenizer pool process, both using a tiny byte-level
 BPE tokenizer with a ChatML template, in front of a fake scheduler and a fake
 control service running in the test process."""
 from __future__ import annotations
@@ -84,7 +84,7 @@ class Server:
 
 def start_frontend(args: list[str], log_path: Path) -> tuple[Process, str, str]:
     """A frontend process; returns it, its base URL and its gRPC address once it is healthy."""
-    frontend = Process("frontend.cli", args, log_path)
+    frontend = Process("frontend.frontend_cli", args, log_path)
     try:
         match = frontend.wait_for_log(r"OpenAI API on (https?://[\d.]+:\d+)/v1, gRPC(?: \(TLS\))? on ([\d.]+:\d+)")
         wait_healthy(match.group(1) + "/health")
@@ -95,7 +95,7 @@ def start_frontend(args: list[str], log_path: Path) -> tuple[Process, str, str]:
 
 
 def wait_healthy(url: str, timeout: float = 30.0) -> None:
-    from common.serve import health_ok
+    from pagedserve.serve import health_ok
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -123,7 +123,7 @@ def server(tmp_path_factory) -> Server:
     control_address = f"127.0.0.1:{free_port()}"
     control = FakeControl(MAX_MODEL_LEN, len(tokenizer)).start(control_address)
     tokenizer_address = f"tcp://127.0.0.1:{free_port()}"
-    pool = Process("tokenizer_pool.cli", [
+    pool = Process("tokenizer_pool.tokenizer_pool_cli", [
         "--model", str(tokenizer_dir), "--tokenizer-pool-size", "1", "--frontend-address", tokenizer_address,
         "--backend-address", f"tcp://127.0.0.1:{free_port()}"], tmp / "pool.log")
     frontend_args = [

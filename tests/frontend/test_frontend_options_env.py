@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from frontend.cli import build_parser
+from frontend.frontend_cli import build_parser
 
 
 @pytest.mark.parametrize("value", ["False", "FALSE", "no", "off", "0", "", " false "])
@@ -34,7 +34,7 @@ def test_empty_settings_take_the_defaults(monkeypatch):
 
 
 def test_an_empty_chat_template_setting_is_the_models(monkeypatch):
-    from tokenizer_pool.cli import build_parser as tokenizer_parser
+    from tokenizer_pool.tokenizer_pool_cli import build_parser as tokenizer_parser
 
     monkeypatch.setenv("PAGEDSERVE_CHAT_TEMPLATE", "")
     assert tokenizer_parser().parse_args([]).chat_template is None

@@ -83,8 +83,8 @@ def test_a_bad_list_is_a_usage_error(flag, value):
 
 
 def test_serve_hands_the_settings_to_the_frontend(tmp_path):
-    from common.serve import build_parser, component_commands
-    from frontend.cli import build_parser as frontend_parser
+    from pagedserve.serve import build_parser, component_commands
+    from frontend.frontend_cli import build_parser as frontend_parser
 
     args = build_parser().parse_args(["--allowed-origins", f'["{PAGE}"]', "--allow-credentials",
                                       "--response-role", "bot", "--enable-log-requests", "--max-log-len", "7",

@@ -152,7 +152,7 @@ def test_grpc_carries_the_extras_and_refuses_bad_ones(server):
 
 
 def test_the_server_flag_names_tokens_by_id_unless_a_request_says_otherwise(server, tmp_path):
-    from frontend.cli import build_parser
+    from frontend.frontend_cli import build_parser
     from frontend.frontend_options import frontend_options_argv
     from tests.frontend.conftest import start_frontend
 

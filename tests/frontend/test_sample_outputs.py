@@ -7,10 +7,10 @@ import pytest
 
 from common.protocol import FinishReason, RequestOutput, TokenLogprobs
 from common.sampling_params import SamplingParams
-from frontend.choices import SampleResult, best_samples
+from common.sample_choices import SampleResult, best_samples
 from frontend.generation import GenerationRequest, _SampleStreams
 from frontend.logprobs_format import MIN_LOGPROB, TokenTexts, chat_logprobs, completion_logprobs, prompt_logprobs_json
-from frontend.output_decoder import DecodedDelta
+from common.output_decoder import DecodedDelta
 from tests.frontend.conftest import build_tiny_tokenizer
 
 

@@ -4,7 +4,7 @@ while streaming is never part of a stop string."""
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from frontend.stop_checker import StopChecker
+from common.stop_checker import StopChecker
 
 
 def reference(text: str, stops: list[str], include: bool) -> tuple[str, str | None]:

@@ -69,8 +69,8 @@ def test_a_missing_key_or_certificate_stops_startup(command, certificate):
 
 
 def test_serve_hands_the_files_on_by_absolute_path(tmp_path, certificate, monkeypatch):
-    from common.serve import build_parser, component_commands
-    from frontend.cli import build_parser as frontend_parser
+    from pagedserve.serve import build_parser, component_commands
+    from frontend.frontend_cli import build_parser as frontend_parser
 
     key, cert = certificate
     monkeypatch.chdir(key.parent)

@@ -22,8 +22,8 @@ def is_text(parser, text: str) -> bool:
 
 @pytest.mark.parametrize("name", ["hermes", "llama3_json", "mistral", "pythonic"])
 def test_serve_hands_each_parser_to_the_frontend(name, tmp_path):
-    from common.serve import build_parser, component_commands
-    from frontend.cli import build_parser as frontend_parser
+    from pagedserve.serve import build_parser, component_commands
+    from frontend.frontend_cli import build_parser as frontend_parser
 
     args = build_parser().parse_args(["--enable-auto-tool-choice", "--tool-call-parser", name])
     frontend = next(c for c in component_commands(args, str(tmp_path)) if c.name == "frontend")

@@ -19,7 +19,7 @@ from common.logging_setup import setup_logging
 from common.proctitle import set_process_title
 from common.protocol import StepPlan, StepResult, WorkerHello
 from tests.scheduler.fake_worker import FakeWorker
-from worker.service import WorkerService
+from worker.worker_service import WorkerService
 
 
 class ScriptedWorker:

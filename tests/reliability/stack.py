@@ -45,10 +45,10 @@ class Stack:
         self.worker_address = f"tcp://127.0.0.1:{free_port()}"
         self.control_address = f"127.0.0.1:{free_port()}"
         tokenizer_address = f"tcp://127.0.0.1:{free_port()}"
-        self.pool = Process("tokenizer_pool.cli", [
+        self.pool = Process("tokenizer_pool.tokenizer_pool_cli", [
             "--model", str(self.tokenizer_dir), "--tokenizer-pool-size", "1", "--frontend-address", tokenizer_address,
             "--backend-address", f"tcp://127.0.0.1:{free_port()}"], tmp / "pool.log")
-        self.scheduler = Process("common.cli", [
+        self.scheduler = Process("pagedserve.cli", [
             "scheduler", "--model", MODEL_NAME, "--device", "cpu", "--scheduler-address", self.scheduler_address,
             "--worker-address", self.worker_address, "--scheduler-control-address", self.control_address,
             "--disable-log-stats", *scheduler_args], tmp / "scheduler.log")
@@ -74,7 +74,7 @@ class Stack:
             self.tmp / f"worker{index}.log")
 
     def start_frontend(self, name: str, extra_args: list[str] = ()) -> Process:
-        return Process("frontend.cli", [*self.frontend_args, "--port", "0", "--grpc-port", "0", *extra_args],
+        return Process("frontend.frontend_cli", [*self.frontend_args, "--port", "0", "--grpc-port", "0", *extra_args],
                        self.tmp / f"{name}.log")
 
     @staticmethod

@@ -90,7 +90,7 @@ def test_grpc_with_the_key_succeeds(fast_stack):
 
 
 def test_serve_hands_the_key_to_the_frontend_through_its_environment(tmp_path):
-    from common.serve import build_parser, component_commands
+    from pagedserve.serve import build_parser, component_commands
 
     args = build_parser().parse_args(["--api-key", "s3cret", "--max-waiting-requests", "7"])
     components = {c.name: c for c in component_commands(args, str(tmp_path))}

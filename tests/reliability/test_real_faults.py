@@ -121,7 +121,7 @@ def start_second_frontend(server, tmp_path) -> tuple[subprocess.Popen, str]:
     run = server.runtime_dir
     log = open(tmp_path / "frontend2.log", "wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "common.cli", "frontend", "--model", MODEL, "--port", str(port),
+        [sys.executable, "-m", "pagedserve.cli", "frontend", "--model", MODEL, "--port", str(port),
          "--grpc-port", str(free_port()), "--scheduler-address", f"ipc://{run}/scheduler",
          "--scheduler-control-address", f"unix:{run}/control", "--tokenizer-address", f"ipc://{run}/tokenizer"],
         cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -14,16 +14,16 @@ import zmq
 from common.transport import MAX_MESSAGE_BYTES, CurveKeys, curve_keys_from_env, make_socket, stop_authenticator
 
 REPO = Path(__file__).resolve().parents[2]
-PACKAGES = ["common", "scheduler", "worker", "frontend", "tokenizer_pool"]
+PACKAGES = ["pagedserve", "common", "scheduler", "worker", "frontend", "tokenizer_pool"]
 ADDRESS_FLAGS = ("address", "host", "join")
 
 
 def component_parsers():
-    from common import serve
-    from frontend import cli as frontend_cli
-    from scheduler import cli as scheduler_cli
-    from tokenizer_pool import cli as tokenizer_cli
-    from worker import cli as worker_cli
+    from pagedserve import serve
+    from frontend import frontend_cli
+    from scheduler import scheduler_cli
+    from tokenizer_pool import tokenizer_pool_cli as tokenizer_cli
+    from worker import worker_cli
     return {"frontend": frontend_cli.build_parser(), "scheduler": scheduler_cli.build_parser(),
             "worker": worker_cli.build_parser(), "serve": serve.build_parser(),
             "tokenizer": tokenizer_cli.add_tokenizer_args(__import__("argparse").ArgumentParser())}
@@ -162,7 +162,7 @@ def test_a_tokenizer_router_with_curve_stops_on_sigterm(tmp_path):
     log_path = tmp_path / "router.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "common.cli", "tokenizer", "--tokenizer-pool-size", "0",
+            [sys.executable, "-m", "pagedserve.cli", "tokenizer", "--tokenizer-pool-size", "0",
              "--frontend-address", f"tcp://127.0.0.1:{free_port()}",
              "--backend-address", f"tcp://127.0.0.1:{free_port()}"],
             cwd=REPO, stdout=log, stderr=subprocess.STDOUT,

@@ -13,7 +13,7 @@ from common.protocol import ChatMessage, TokenizeJob, TokenizerReady, TokenizerR
 from common.tokenizer import apply_chat_template
 from common.transport import MessageDecoder, MessageType, encode
 from tokenizer_pool.client import TokenizerClient
-from tokenizer_pool.errors import TokenizerUnavailableError
+from tokenizer_pool.pool_errors import TokenizerUnavailableError
 from tokenizer_pool.pool import local_connect_address
 
 from tokenizer_pool_helpers import CORPUS, cmdline, cpu_ticks, launch_pool

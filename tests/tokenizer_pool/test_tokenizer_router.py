@@ -9,7 +9,7 @@ import zmq
 
 from common.protocol import MessageType, TokenizeJob, TokenizerReady, TokenizerReply
 from common.transport import MessageDecoder, encode
-from tokenizer_pool.errors import POOL_ERROR_PREFIX
+from tokenizer_pool.pool_errors import POOL_ERROR_PREFIX
 from tokenizer_pool.router import Router
 
 pytestmark = pytest.mark.timeout(60)

@@ -1,6 +1,6 @@
 """Helpers for the tokenizer pool tests: a tiny byte-level BPE tokenizer with a
 ChatML template saved as an HF directory, /proc inspection, and a runner for
-`python -m tokenizer_pool.cli` as a real process group on free local ports."""
+`python -m tokenizer_pool.tokenizer_pool_cli` as a real process group on free local ports."""
 from __future__ import annotations
 
 import os
@@ -81,12 +81,12 @@ def wait_until(predicate, timeout: float = 20.0, interval: float = 0.05) -> bool
 
 
 class PoolProcess:
-    """`python -m tokenizer_pool.cli ...` in its own session, stderr kept in a file."""
+    """`python -m tokenizer_pool.tokenizer_pool_cli ...` in its own session, stderr kept in a file."""
 
     def __init__(self, args: list[str], log_path: Path):
         self.log_path = log_path
         self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen([sys.executable, "-m", "tokenizer_pool.cli", *args], cwd=REPO,
+        self.proc = subprocess.Popen([sys.executable, "-m", "tokenizer_pool.tokenizer_pool_cli", *args], cwd=REPO,
                                      stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
                                      env={**os.environ, "PAGEDSERVE_LOG_LEVEL": "INFO"})
 

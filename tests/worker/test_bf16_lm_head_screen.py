@@ -12,10 +12,10 @@ import torch
 
 from worker.attention import cpu_kernels
 from worker.greedy_refine import near_top_scan, refine_greedy
-from worker.llm import LLM
+from pagedserve.offline.llm import LLM
 from worker.models import packed_linear
 from worker.models.bf16_lm_head_screen import OUTLIER_CHANNELS, build_bf16_screen, outlier_channels
-from worker.benchmarks.throughput import greedy_params
+from pagedserve.bench.throughput import greedy_params
 from tests.tiny_models import build_tiny_hf_model
 
 module = cpu_kernels.load()

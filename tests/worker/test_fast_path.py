@@ -9,13 +9,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common.benchmarks.workloads import BenchRequest, NAMED_WORKLOADS, generate_workload
+from pagedserve.bench.workloads import BenchRequest, NAMED_WORKLOADS, generate_workload
 from tiny_models import build_tiny_hf_model, hf_greedy
 from worker.attention import cpu_kernels
 from worker.attention.reference import reference_attention
 from worker.attention.torch_backend import TorchAttentionBackend
-from worker.benchmarks.fast_path_check import first_step_logits, greedy_tokens, relative_l2
-from worker.llm import LLM
+from pagedserve.bench.fast_path_check import first_step_logits, greedy_tokens, relative_l2
+from pagedserve.offline.llm import LLM
 from worker.models import packed_linear
 
 needs_kernel = pytest.mark.skipif(cpu_kernels.load() is None, reason="the C++ kernel cannot be built here")

@@ -44,13 +44,13 @@ def run_json_command(argv: list[str], name: str, env: dict[str, str] | None = No
 
 
 def pagedserve_command(workload_file: str, engine_argv: list[str], extra: list[str] = ()) -> list[str]:
-    return [sys.executable, "-m", "common.cli", "bench", "throughput", "--workload", workload_file,
+    return [sys.executable, "-m", "pagedserve.cli", "bench", "throughput", "--workload", workload_file,
             "--json", *engine_argv, *extra]
 
 
 def transformers_command(workload_file: str, model: str, dtype: str, batch_size: int | None,
                          model_cache_dir: str | None) -> list[str]:
-    argv = [sys.executable, "-m", "common.cli", "bench", "transformers", "--workload", workload_file,
+    argv = [sys.executable, "-m", "pagedserve.cli", "bench", "transformers", "--workload", workload_file,
             "--model", model, "--dtype", dtype, "--json"]
     if batch_size:
         argv += ["--batch-size", str(batch_size)]

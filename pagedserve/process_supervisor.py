@@ -52,7 +52,7 @@ class Component:
     relay: StderrRelay | None = None
 
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "common.cli", *self.argv]
+        return [sys.executable, "-m", "pagedserve.cli", *self.argv]
 
 
 class Supervisor:

@@ -90,7 +90,7 @@ def die_with_parent(parent_pid: int) -> None:
 def worker_main(model_dir: str, backend_addr: str, worker_id: str, index: int, parent_pid: int,
                 heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL, log_level: str | None = None,
                 chat_template: str | None = None) -> None:
-    """Process entry point (spawned by tokenizer_pool.supervisor). `chat_template`:
+    """Process entry point (spawned by tokenizer_pool.pool_supervisor). `chat_template`:
     the template text replacing the model's (--chat-template)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the parent stops us
     die_with_parent(parent_pid)

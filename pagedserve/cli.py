@@ -10,13 +10,13 @@ import sys
 
 # subcommand -> (module with `main(argv)`, help line)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("common.serve", "start and supervise every component on this host"),
-    "generate": ("worker.generate_cli", "generate text offline (no server) and print it"),
-    "frontend": ("frontend.cli", "the OpenAI-compatible HTTP and gRPC API"),
-    "tokenizer": ("tokenizer_pool.cli", "the tokenizer pool (router + tokenizer processes)"),
-    "scheduler": ("scheduler.cli", "the scheduler (KV blocks, batching, prefix cache)"),
-    "worker": ("worker.cli", "a model worker for one device"),
-    "bench": ("common.bench_cli", "throughput, serving and comparison benchmarks"),
+    "serve": ("pagedserve.serve", "start and supervise every component on this host"),
+    "generate": ("pagedserve.offline.generate_cli", "generate text offline (no server) and print it"),
+    "frontend": ("frontend.frontend_cli", "the OpenAI-compatible HTTP and gRPC API"),
+    "tokenizer": ("tokenizer_pool.tokenizer_pool_cli", "the tokenizer pool (router + tokenizer processes)"),
+    "scheduler": ("scheduler.scheduler_cli", "the scheduler (KV blocks, batching, prefix cache)"),
+    "worker": ("worker.worker_cli", "a model worker for one device"),
+    "bench": ("pagedserve.bench.bench_cli", "throughput, serving and comparison benchmarks"),
 }
 
 

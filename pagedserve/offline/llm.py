@@ -24,8 +24,8 @@ from common.sampling_params import SamplingParams
 from common.structured_outputs import check_grammar
 from common.tokenizer import apply_chat_template, load_tokenizer
 from scheduler.scheduler import Scheduler
-from worker.offline_beam_search import run_beam_search
-from worker.offline_outputs import CompletionOutput, GenerationOutput, OfflineRequest
+from pagedserve.offline.offline_beam_search import run_beam_search
+from pagedserve.offline.offline_outputs import CompletionOutput, GenerationOutput, OfflineRequest
 from worker.worker import Worker
 
 __all__ = ["LLM", "BeamSearchParams", "CompletionOutput", "GenerationOutput"]

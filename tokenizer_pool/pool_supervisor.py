@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 
-from tokenizer_pool.worker import DEFAULT_HEARTBEAT_INTERVAL, worker_main
+from tokenizer_pool.tokenize_worker import DEFAULT_HEARTBEAT_INTERVAL, worker_main
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from common.protocol import TokenLogprobs
-from frontend.output_decoder import DecodedDelta
+from common.output_decoder import DecodedDelta
 
 
 @dataclass(slots=True)

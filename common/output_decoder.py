@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from common.detokenizer import IncrementalDetokenizer
 from common.protocol import FinishReason, RequestOutput, TokenLogprobs
 from common.sampling_params import SamplingParams
-from frontend.stop_checker import StopChecker
+from common.stop_checker import StopChecker
 
 
 @dataclass(slots=True)

@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging("scheduler", args.log_level)
     set_process_title("pagedserve: scheduler")
     from scheduler.control import ControlState, SchedulerControlServicer, start_control_server
-    from scheduler.service import SchedulerService
+    from scheduler.scheduler_service import SchedulerService
 
     import zmq
 

@@ -19,7 +19,7 @@ from typing import Any, AsyncIterator
 from common.beam_search import Beam, BeamSearch, BeamSearchParams
 from common.errors import InvalidRequestError
 from common.sampling_params import SamplingParams
-from frontend.errors import ServiceUnavailableError
+from frontend.api_errors import ServiceUnavailableError
 from frontend.generation import GenerationDelta, GenerationRequest, Generator
 from frontend.metrics import RequestTimer
 

@@ -23,7 +23,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.benchmarks.workloads import BenchRequest
+from pagedserve.bench.workloads import BenchRequest
 
 
 @dataclass(slots=True)

@@ -4,17 +4,27 @@ one batch, and each prompt's result is a `GenerationOutput` whose outputs are
 its `beam_width` best sequences, best first (their cumulative logprob set)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import Any, Protocol, Sequence
 
 from common.beam_search import BeamSearch, BeamSearchParams
+from common.config import EngineConfig
 from common.errors import InvalidRequestError
-from worker.offline_outputs import CompletionOutput, GenerationOutput
-
-if TYPE_CHECKING:
-    from worker.llm import LLM
+from common.sampling_params import SamplingParams
+from pagedserve.offline.offline_outputs import CompletionOutput, GenerationOutput
 
 
-def run_beam_search(llm: "LLM", encoded: Sequence[tuple[str | None, list[int]]],
+class BeamEngine(Protocol):
+    """What beam search needs of the offline engine (`LLM`): one batched step and the vocabulary."""
+    config: EngineConfig
+    tokenizer: Any
+    eos_token_ids: Sequence[int]
+    max_model_len: int
+
+    def generate(self, prompts: Any, sampling_params: SamplingParams,
+                 use_tqdm: bool = True) -> list[GenerationOutput]: ...
+
+
+def run_beam_search(llm: BeamEngine, encoded: Sequence[tuple[str | None, list[int]]],
                     params: BeamSearchParams) -> list[GenerationOutput]:
     params.validate(llm.config.max_logprobs)
     searches = [BeamSearch(params, len(ids), set(llm.eos_token_ids), llm.max_model_len) for _, ids in encoded]
@@ -36,7 +46,7 @@ def run_beam_search(llm: "LLM", encoded: Sequence[tuple[str | None, list[int]]],
             for index, (search, (text, prompt)) in enumerate(zip(searches, encoded))]
 
 
-def _output(llm: "LLM", request_id: str, text: str | None, prompt: list[int], search: BeamSearch) -> GenerationOutput:
+def _output(llm: BeamEngine, request_id: str, text: str | None, prompt: list[int], search: BeamSearch) -> GenerationOutput:
     outputs = []
     for index, beam in enumerate(search.results()):
         token_ids = search.output_token_ids(beam)

@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 
 from common.protocol import RequestOutput, TokenLogprobs, sample_request_id
 from common.sampling_params import SamplingParams
-from frontend.choices import SampleResult, best_samples
-from frontend.output_decoder import DecodedDelta, OutputDecoder, stop_token_reason
+from common.sample_choices import SampleResult, best_samples
+from common.output_decoder import DecodedDelta, OutputDecoder, stop_token_reason
 
 
 @dataclass(slots=True)

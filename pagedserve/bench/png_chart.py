@@ -11,7 +11,7 @@ import zlib
 
 import numpy as np
 
-from common.benchmarks.bitmap_font import GLYPH_HEIGHT, GLYPH_WIDTH, glyph, text_width
+from pagedserve.bench.bitmap_font import GLYPH_HEIGHT, GLYPH_WIDTH, glyph, text_width
 
 WHITE, BLACK, GREY = (255, 255, 255), (30, 30, 30), (210, 210, 210)
 PALETTE = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189), (140, 86, 75)]

@@ -1,4 +1,4 @@
-"""Offline throughput of pagedserve: the one-process engine (`worker.llm.LLM`) on a workload.
+"""Offline throughput of pagedserve: the one-process engine (`pagedserve.offline.llm.LLM`) on a workload.
 
 Every request runs with ignore_eos, so it yields exactly its max_tokens; greedy unless
 a `SamplingChoice` says otherwise.
@@ -14,7 +14,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from common.benchmarks.workloads import BenchRequest, workload_summary
+from pagedserve.bench.workloads import BenchRequest, workload_summary
 from common.config import GiB, EngineConfig
 from common.sampling_params import SamplingParams
 
@@ -44,7 +44,7 @@ def run_throughput(config: EngineConfig, requests: list[BenchRequest], *, detoke
     """Run `requests` through a fresh engine; returns the result record (see `docs/benchmarks.md`)."""
     import torch
 
-    from worker.llm import LLM
+    from pagedserve.offline.llm import LLM
 
     started = time.perf_counter()
     llm = LLM.from_config(config, skip_tokenizer_init=not detokenize)

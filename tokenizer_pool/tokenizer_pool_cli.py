@@ -22,7 +22,7 @@ from common.cli_args import SettingsParser, add_log_level_arg, env_default, env_
 from common.logging_setup import setup_logging
 from common.tokenizer import load_chat_template
 from tokenizer_pool.pool import DEFAULT_LIVENESS_TIMEOUT, run_join_workers, run_tokenizer_pool
-from tokenizer_pool.worker import DEFAULT_HEARTBEAT_INTERVAL
+from tokenizer_pool.tokenize_worker import DEFAULT_HEARTBEAT_INTERVAL
 
 logger = logging.getLogger(__name__)
 

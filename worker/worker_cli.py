@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(build_parser(), argv)
     setup_logging(f"worker {args.rank}", args.log_level)
     set_process_title(f"pagedserve: worker {args.rank}")
-    from worker.service import WorkerService
+    from worker.worker_service import WorkerService
     from worker.worker import Worker
 
     import zmq

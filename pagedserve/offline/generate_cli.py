@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging("generate", "WARNING")
     from common.sampling_params import SamplingParams
-    from worker.llm import LLM
+    from pagedserve.offline.llm import LLM
 
     config = engine_config_from_args(args)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,

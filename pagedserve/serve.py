@@ -26,11 +26,11 @@ from common.errors import USAGE_ERROR, ConfigError
 from common.logging_setup import setup_logging
 from common.proctitle import set_process_title
 from common.runtime_dir import create_runtime_dir, remove_stale_runtime_dirs
-from common.settings_check import check_settings
-from common.supervisor import Component, Supervisor
-from frontend.cli import add_api_args
+from pagedserve.settings_check import check_settings
+from pagedserve.process_supervisor import Component, Supervisor
+from frontend.frontend_cli import add_api_args
 from frontend.frontend_options import add_frontend_options, frontend_options_argv
-from tokenizer_pool.cli import add_chat_template_arg
+from tokenizer_pool.tokenizer_pool_cli import add_chat_template_arg
 
 logger = logging.getLogger("pagedserve.serve")
 

@@ -12,7 +12,7 @@ import time
 from collections import defaultdict
 from typing import Any
 
-from common.benchmarks.workloads import BenchRequest, workload_summary
+from pagedserve.bench.workloads import BenchRequest, workload_summary
 
 
 def run_transformers(model_dir: str, requests: list[BenchRequest], *, dtype: str = "bfloat16",

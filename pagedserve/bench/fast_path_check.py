@@ -17,7 +17,7 @@ from __future__ import annotations
 import gc
 from typing import Any
 
-from common.benchmarks.workloads import BenchRequest
+from pagedserve.bench.workloads import BenchRequest
 from common.config import EngineConfig
 
 
@@ -25,12 +25,12 @@ ACCURACY_CHECKS = ("float32", "bfloat16", "first_token", "kv_cache_bfloat16")
 
 
 def _engine(config: EngineConfig, dtype: str, eager: bool, **changes: Any):
-    from worker.llm import LLM
+    from pagedserve.offline.llm import LLM
     return LLM.from_config(config.replace(dtype=dtype, enforce_eager=eager, **changes), skip_tokenizer_init=True)
 
 
 def greedy_tokens(llm: Any, requests: list[BenchRequest], max_tokens: int | None = None) -> list[list[int]]:
-    from worker.benchmarks.throughput import greedy_params
+    from pagedserve.bench.throughput import greedy_params
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
     params = [greedy_params(max_tokens or r.max_tokens) for r in requests]
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
@@ -41,7 +41,7 @@ def first_step_logits(llm: Any, requests: list[BenchRequest]):
     import torch
 
     from common.protocol import NewRequestData, StepPlan
-    from worker.benchmarks.throughput import greedy_params
+    from pagedserve.bench.throughput import greedy_params
 
     worker = llm.worker
     rows = []

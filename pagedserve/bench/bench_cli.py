@@ -7,7 +7,7 @@
     pagedserve bench transformers --workload W1
     pagedserve bench accuracy --workload W1
 
-Workloads: W1, W2 (seeded, see common.benchmarks.workloads) or a JSONL file.
+Workloads: W1, W2 (seeded, see pagedserve.bench.workloads) or a JSONL file.
 Each command prints a readable report; `--json` prints one JSON line instead
 (compare prints both: the table, then the JSON summary line).
 """
@@ -21,7 +21,7 @@ import os
 import sys
 from typing import Any
 
-from common.benchmarks.workloads import DEFAULT_SEED, NAMED_WORKLOADS, resolve_workload, save_workload
+from pagedserve.bench.workloads import DEFAULT_SEED, NAMED_WORKLOADS, resolve_workload, save_workload
 from common.cli_args import add_engine_args, engine_argv, engine_config_from_args
 from common.errors import InvalidRequestError
 from common.logging_setup import setup_logging
@@ -47,7 +47,7 @@ def _emit(result: dict[str, Any], as_json: bool, formatter) -> None:
 
 # --- throughput -------------------------------------------------------------------------
 def cmd_throughput(args: argparse.Namespace) -> int:
-    from worker.benchmarks.throughput import SamplingChoice, format_throughput, run_throughput
+    from pagedserve.bench.throughput import SamplingChoice, format_throughput, run_throughput
 
     config = engine_config_from_args(args)
     requests = resolve_workload(args.workload, _model_vocab_size(config.model, config.model_cache_dir),
@@ -70,7 +70,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
 def cmd_transformers(args: argparse.Namespace) -> int:
     from common.config import EngineConfig
     from common.model_files import resolve_model_dir
-    from worker.benchmarks.hf_baseline import run_transformers
+    from pagedserve.bench.hf_baseline import run_transformers
 
     model_dir = resolve_model_dir(args.model, args.model_cache_dir)
     dtype = EngineConfig(dtype=args.dtype, device="cpu").resolved_dtype()
@@ -87,7 +87,7 @@ def cmd_transformers(args: argparse.Namespace) -> int:
 
 # --- accuracy of the fast path ---------------------------------------------------------
 def cmd_accuracy(args: argparse.Namespace) -> int:
-    from worker.benchmarks.fast_path_check import ACCURACY_CHECKS, run_accuracy
+    from pagedserve.bench.fast_path_check import ACCURACY_CHECKS, run_accuracy
 
     config = engine_config_from_args(args)
     requests = resolve_workload(args.workload, _model_vocab_size(config.model, config.model_cache_dir),
@@ -108,7 +108,7 @@ def cmd_accuracy(args: argparse.Namespace) -> int:
 
 # --- serving ---------------------------------------------------------------------------
 def cmd_serving(args: argparse.Namespace) -> int:
-    from common.benchmarks.serving import format_serving, run_cache_salt, run_serving
+    from pagedserve.bench.serving import format_serving, run_cache_salt, run_serving
 
     requests = resolve_workload(args.workload, args.vocab_size, args.workload_seed)
     count = args.num_requests or len(requests)
@@ -123,8 +123,8 @@ def cmd_serving(args: argparse.Namespace) -> int:
 
 # --- compare ---------------------------------------------------------------------------
 def cmd_compare(args: argparse.Namespace) -> int:
-    from common.benchmarks import compare
-    from common.benchmarks.png_chart import bar_chart
+    from pagedserve.bench import compare
+    from pagedserve.bench.png_chart import bar_chart
     from common.model_files import resolve_model_dir
 
     config = engine_config_from_args(args)
@@ -185,8 +185,8 @@ def _label(system: str, result: dict[str, Any]) -> str:
 
 # --- sweep -----------------------------------------------------------------------------
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from common.benchmarks import compare
-    from common.benchmarks.png_chart import line_panels
+    from pagedserve.bench import compare
+    from pagedserve.bench.png_chart import line_panels
 
     config = engine_config_from_args(args)
     vocab = _model_vocab_size(config.model, config.model_cache_dir)
@@ -311,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging("bench", os.environ.get("PAGEDSERVE_LOG_LEVEL", "WARNING"))
     if getattr(args, "command", None) == "compare":
-        from common.benchmarks.compare import DEFAULT_VLLM_SCRIPT
+        from pagedserve.bench.compare import DEFAULT_VLLM_SCRIPT
         args.vllm_script = args.vllm_script or str(DEFAULT_VLLM_SCRIPT)
         if args.vllm_python and not os.path.exists(args.vllm_script):
             raise SystemExit(f"error: vLLM script {args.vllm_script} not found (--vllm-script)")

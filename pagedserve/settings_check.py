@@ -15,9 +15,9 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from common.cli import COMMANDS
+from pagedserve.cli import COMMANDS
 from common.errors import ConfigError
-from common.supervisor import Component
+from pagedserve.process_supervisor import Component
 from common.transport import CURVE_SECRET_ENV, curve_keys_from_env
 
 

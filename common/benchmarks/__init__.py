@@ -1,1 +1,0 @@
-"""Benchmark pieces that need no torch: workloads, the HTTP serving client, reports, charts."""

@@ -1,0 +1,1 @@
+"""`pagedserve bench`: offline throughput, serving, accuracy and side-by-side benchmarks."""

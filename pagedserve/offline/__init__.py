@@ -1,0 +1,1 @@
+"""The offline engine: `LLM` runs the scheduler and one worker in this process."""
