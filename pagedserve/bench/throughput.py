@@ -4,7 +4,7 @@ Every request runs with ignore_eos, so it yields exactly its max_tokens; greedy 
 a `SamplingChoice` says otherwise.
 A short untimed warm-up runs first (the model step is compiled at start-up,
 so this only touches the caches); the timed run covers everything from the
-first request added to the last output, like `../shared/peers/vllm_offline.py`.
+first request added to the last output, like `vllm_offline_runner.py`.
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ performance issue:
 - W2: 256 requests, prompts of 16-64 random token ids, 256 output tokens.
 
 A file holds one JSON object a line: {"prompt_token_ids": [...], "max_tokens": N},
-the format `../shared/peers/vllm_offline.py` reads, so every system runs the
+the format `vllm_offline_runner.py` reads, so every system runs the
 very same prompts.
 """
 from __future__ import annotations
