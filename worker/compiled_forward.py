@@ -8,11 +8,10 @@ step's metadata from the step context (see worker.attention.step_context).
 The layers' weights and indices are graph inputs, so one graph serves every
 group. A group is the largest divisor of the layer count up to
 `MAX_LAYERS_PER_GRAPH` (a remainder group would be a second graph): each call
-of a compiled graph costs about 0.2 ms of Python in dynamo's and inductor's
-wrappers, and six layers a call instead of one made SmolLM2's decode forward
-3-7 % faster at 64 sequences and 2 % at 256 (bit for bit the same output)
-for 10 % more compile time; all 30 layers in one graph took 20 s to compile,
-on every start. The token dimension is dynamic,
+of a compiled graph pays a fixed Python cost in dynamo's and inductor's
+wrappers, so a few layers a call beat one (bit for bit the same output),
+while all layers in one graph would make every start compile for much
+longer (docs/performance-notes.md). The token dimension is dynamic,
 so the same graph serves every batch size: nothing recompiles while serving.
 Batches of one token are padded to two because the compiler specializes
 size-1 dimensions (one more graph otherwise). The graph is built

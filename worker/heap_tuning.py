@@ -3,8 +3,8 @@
 A 4,096-token prefill step allocates and frees tens of megabytes of
 activations in every layer. Under glibc's defaults the top of the heap is
 handed back to the kernel once enough of it is free, so the next step
-faults every page in again: on W1's prefill 280-400 thousand minor faults
-and 0.4-0.7 s of system time (docs/benchmarks.md). With a high trim
+faults every page in again (hundreds of thousands of minor faults on a long
+prefill; docs/performance-notes.md). With a high trim
 threshold, the mmap threshold fixed at its maximum and some padding on each
 heap growth, the heap stays at its high-water mark, as under tcmalloc or
 jemalloc, and a step reuses the pages the one before it touched.

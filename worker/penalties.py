@@ -7,9 +7,8 @@ output, as OpenAI documents them): logit - frequency * count - presence *
 [count > 0], after the repetition penalty.
 
 A row only ever sees a few hundred distinct tokens, so the penalties gather,
-adjust and write back just those logits. (Over the whole [rows, vocab] block,
-as counts and masks, a 256-row step took about 150 ms on CPU; this way a few.)
-The arithmetic per logit is the same elementwise float32 ops either way.
+adjust and write back just those logits instead of building counts and masks
+over the whole [rows, vocab] block, which costs a full pass over it. The arithmetic per logit is the same elementwise float32 ops either way.
 """
 from __future__ import annotations
 
