@@ -26,7 +26,7 @@ import threading
 
 import uvicorn
 
-from frontend.engine_client import EngineClient
+from frontend.engine.engine_client import EngineClient
 from frontend.api_errors import ServiceUnavailableError
 from tokenizer_pool.client import TokenizerClient
 
