@@ -141,7 +141,7 @@ async def run_frontend(args: argparse.Namespace) -> None:
     from frontend.engine.request_log import RequestLogger
     from frontend.engine.frontend_metrics import FrontendMetrics
     from frontend.frontend_state import FrontendState
-    from tokenizer_pool.client import TokenizerClient
+    from tokenizer_pool.tokenizer_client import TokenizerClient
 
     # Like vLLM: no `*_created` series (they double the exposition for nothing).
     prometheus_client.disable_created_metrics()

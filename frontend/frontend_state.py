@@ -22,7 +22,7 @@ class FrontendState:
     served_model_names: list[str]
     model_root: str  # what --model named; /v1/models reports it as `root`
     engine: EngineClient
-    tokenizer_client: "TokenizerClient"  # noqa: F821 (tokenizer_pool.client)
+    tokenizer_client: "TokenizerClient"  # noqa: F821 (tokenizer_pool.tokenizer_client)
     tokenizer: object  # the local HF tokenizer, for incremental detokenization
     control: ControlClient
     metrics: FrontendMetrics
