@@ -22,14 +22,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from common.errors import InvalidRequestError, PagedServeError
 from frontend.http_guards import GuardRefusal, RequestGuard
 from frontend.frontend_options import CorsSettings
-from frontend.openai_protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from frontend.serving_chat import create_chat_completion
-from frontend.responses_request import ResponsesRequest
-from frontend.serving_completions import create_completion
-from frontend.serving_responses import (cancel_response, create_response, delete_response, list_input_items,
-                                        retrieve_response)
-from frontend.serving_tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
-from frontend.state import FrontendState
+from frontend.openai.request_bodies import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from frontend.openai.serving_chat import create_chat_completion
+from frontend.openai.responses_request import ResponsesRequest
+from frontend.openai.serving_completions import create_completion
+from frontend.openai.serving_responses import (cancel_response, create_response, delete_response, list_input_items,
+                                               retrieve_response)
+from frontend.openai.serving_tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
+from frontend.frontend_state import FrontendState
 
 logger = logging.getLogger(__name__)
 

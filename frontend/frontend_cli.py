@@ -17,7 +17,7 @@ from common.generation_defaults import SOURCES_HELP, generation_config_source
 from common.logging_setup import setup_logging
 from common.proctitle import set_process_title
 from frontend.frontend_options import TlsFiles, add_frontend_options
-from frontend.tool_parsers import TOOL_PARSERS, TOOL_PARSERS_HELP, check_tool_choice_args
+from frontend.tool_parsers.tool_parser_registry import TOOL_PARSERS, TOOL_PARSERS_HELP, check_tool_choice_args
 
 logger = logging.getLogger(__name__)
 
@@ -133,15 +133,15 @@ async def run_frontend(args: argparse.Namespace) -> None:
     from common.generation_defaults import sampling_defaults
     from common.tokenizer import load_tokenizer
     from frontend.api_server import build_app
-    from frontend.control_client import ControlClient
-    from frontend.engine_client import EngineClient
+    from frontend.engine.control_client import ControlClient
+    from frontend.engine.engine_client import EngineClient
     from frontend.graceful_shutdown import GracefulServer
-    from frontend.grpc_server import start_grpc_server
+    from frontend.grpc.grpc_server import start_grpc_server
     from frontend.frontend_options import CorsSettings
-    from frontend.request_log import RequestLogger
-    from frontend.metrics import FrontendMetrics
-    from frontend.state import FrontendState
-    from tokenizer_pool.client import TokenizerClient
+    from frontend.engine.request_log import RequestLogger
+    from frontend.engine.frontend_metrics import FrontendMetrics
+    from frontend.frontend_state import FrontendState
+    from tokenizer_pool.tokenizer_client import TokenizerClient
 
     # Like vLLM: no `*_created` series (they double the exposition for nothing).
     prometheus_client.disable_created_metrics()

@@ -26,9 +26,9 @@ import threading
 
 import uvicorn
 
-from frontend.engine_client import EngineClient
+from frontend.engine.engine_client import EngineClient
 from frontend.api_errors import ServiceUnavailableError
-from tokenizer_pool.client import TokenizerClient
+from tokenizer_pool.tokenizer_client import TokenizerClient
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ import msgspec
 from common.bad_words import bad_words_token_ids, spellings
 from common.prompt_truncation import truncate_prompt
 from common.sampling_params import SamplingParams
-from frontend.state import FrontendState
+from frontend.frontend_state import FrontendState
 
 
 async def with_bad_words_tokenized(state: FrontendState, params: SamplingParams) -> SamplingParams:

@@ -90,7 +90,7 @@ def test_a_tcp_port_another_grpc_server_listens_on_is_refused_by_the_control_ser
 def test_a_tcp_port_another_grpc_server_listens_on_is_refused_by_the_client_api():
     import asyncio
 
-    from frontend.grpc_server import start_grpc_server
+    from frontend.grpc.grpc_server import start_grpc_server
 
     async def start_and_stop() -> None:
         server, _ = await start_grpc_server(None, "127.0.0.1", port)

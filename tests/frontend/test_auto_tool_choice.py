@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from frontend.tool_parsers import HermesToolParser, partial_marker
+from frontend.tool_parsers.tool_parser_registry import HermesToolParser, partial_marker
 from tests.frontend.tool_stack import ASK, REPLY, TOOLS
 from tool_stream_helpers import finish_reason, streamed_calls, streamed_content
 

@@ -10,7 +10,7 @@ import zmq
 
 from common.protocol import FinishReason
 from common.sampling_params import SamplingParams
-from frontend.engine_client import EngineClient
+from frontend.engine.engine_client import EngineClient
 from frontend.api_errors import ServiceUnavailableError
 from local_ports import free_port
 from tests.frontend.fakes import FakeScheduler

@@ -144,7 +144,7 @@ def test_chat_template_kwargs_keep_whole_numbers_whole():
     or `{{ n }}` needs the int the client wrote."""
     from google.protobuf import struct_pb2
 
-    from frontend.grpc_server import template_kwargs_from_proto
+    from frontend.grpc.grpc_server import template_kwargs_from_proto
 
     struct = struct_pb2.Struct()
     struct.update({"n": 3, "ratio": 0.5, "enable_thinking": False, "nested": {"sizes": [1, 2.5]}, "name": "x"})

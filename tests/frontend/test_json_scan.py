@@ -7,7 +7,7 @@ import json
 
 from hypothesis import given, strategies as st
 
-from frontend.json_scan import JsonScanner
+from frontend.tool_parsers.json_scan import JsonScanner
 
 SCALARS = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text()
 VALUES = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),

@@ -11,7 +11,7 @@ import pytest
 import xgrammar
 
 from common.structured_outputs import build_grammar
-from frontend.tool_calls import resolve_tool_choice, tool_call_output
+from frontend.openai.tool_calls import resolve_tool_choice, tool_call_output
 from tests.frontend.tool_stack import ASK, TOOLS
 from tool_stream_helpers import finish_reason, streamed_calls, streamed_content
 

@@ -8,8 +8,10 @@ import pytest
 from common.protocol import FinishReason, RequestOutput, TokenLogprobs
 from common.sampling_params import SamplingParams
 from common.sample_choices import SampleResult, best_samples
-from frontend.generation import GenerationRequest, _SampleStreams
-from frontend.logprobs_format import MIN_LOGPROB, TokenTexts, chat_logprobs, completion_logprobs, prompt_logprobs_json
+from frontend.engine.generation import _SampleStreams
+from frontend.engine.generation_request import GenerationRequest
+from frontend.engine.token_texts import TokenTexts
+from frontend.openai.logprobs_format import MIN_LOGPROB, chat_logprobs, completion_logprobs, prompt_logprobs_json
 from common.output_decoder import DecodedDelta
 from tests.frontend.conftest import build_tiny_tokenizer
 

@@ -8,9 +8,9 @@ import json
 import pytest
 from hypothesis import given, strategies as st
 
-from frontend.tool_call_stream import tool_call_stream
-from frontend.tool_calls import ToolChoice, tool_call_reply
-from frontend.tool_parsers import TOOL_PARSERS, HermesToolParser
+from frontend.openai.tool_call_stream import tool_call_stream
+from frontend.openai.tool_calls import ToolChoice, tool_call_reply
+from frontend.tool_parsers.tool_parser_registry import TOOL_PARSERS, HermesToolParser
 
 AUTO, REQUIRED, NAMED = ToolChoice("auto", parser=HermesToolParser()), ToolChoice("required"), ToolChoice("named", "f")
 

@@ -2,7 +2,7 @@
 arguments as objects (templates write `arguments | tojson`), as vLLM."""
 from __future__ import annotations
 
-from frontend.openai_protocol import ChatCompletionRequest
+from frontend.openai.request_bodies import ChatCompletionRequest
 
 
 def call(arguments) -> dict:

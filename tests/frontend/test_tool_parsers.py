@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from frontend.tool_parsers import TOOL_PARSERS, Llama3JsonToolParser, MistralToolParser, PythonicToolParser
+from frontend.tool_parsers.tool_parser_registry import (TOOL_PARSERS, Llama3JsonToolParser, MistralToolParser,
+                                                        PythonicToolParser)
 
 
 def calls(parser, text: str) -> tuple[str | None, list[tuple[str, object]]]:
@@ -37,7 +38,7 @@ def test_serve_hands_each_parser_to_the_frontend(name, tmp_path):
 def test_replies_are_decoded_with_special_tokens_when_the_markers_are_some(name, keeps):
     # As vLLM: hermes' <tool_call> (in some models) and mistral's [TOOL_CALLS] are special tokens;
     # llama3_json's <|python_tag|> is one too, but vLLM reads the reply without it.
-    from frontend.openai_protocol import ChatCompletionRequest
+    from frontend.openai.request_bodies import ChatCompletionRequest
 
     def skips(tools, tool_choice=None) -> bool:
         body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], tools=tools,

@@ -12,7 +12,7 @@ from common.errors import InvalidRequestError
 from common.protocol import ChatMessage, TokenizeJob, TokenizerReady, TokenizerReply
 from common.tokenizer import apply_chat_template
 from common.transport import MessageDecoder, MessageType, encode
-from tokenizer_pool.client import TokenizerClient
+from tokenizer_pool.tokenizer_client import TokenizerClient
 from tokenizer_pool.pool_errors import TokenizerUnavailableError
 from tokenizer_pool.pool import local_connect_address
 

@@ -7,7 +7,7 @@ import importlib.util
 
 import pytest
 
-from tokenizer_pool.client import TokenizerClient
+from tokenizer_pool.tokenizer_client import TokenizerClient
 
 pytestmark = [
     pytest.mark.timeout(300),

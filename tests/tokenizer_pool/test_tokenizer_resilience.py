@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from tokenizer_pool.client import TokenizerClient
+from tokenizer_pool.tokenizer_client import TokenizerClient
 from tokenizer_pool_helpers import CORPUS, alive, child_pids, wait_until
 
 pytestmark = pytest.mark.timeout(180)

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import argparse
 
-from frontend.tool_parser_base import ParsedCall, ToolParser, partial_marker
-from frontend.tool_parser_hermes import HermesToolParser
-from frontend.tool_parser_llama3 import Llama3JsonToolParser
-from frontend.tool_parser_mistral import MistralToolParser
-from frontend.tool_parser_pythonic import PythonicToolParser
+from frontend.tool_parsers.tool_parser_base import ParsedCall, ToolParser, partial_marker
+from frontend.tool_parsers.tool_parser_hermes import HermesToolParser
+from frontend.tool_parsers.tool_parser_llama3 import Llama3JsonToolParser
+from frontend.tool_parsers.tool_parser_mistral import MistralToolParser
+from frontend.tool_parsers.tool_parser_pythonic import PythonicToolParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {parser.name: parser for parser in (
     HermesToolParser, Llama3JsonToolParser, MistralToolParser, PythonicToolParser)}

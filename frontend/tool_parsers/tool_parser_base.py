@@ -16,17 +16,12 @@ Common rules (hermes, llama3_json, mistral, pythonic; vLLM's where it has one):
 from __future__ import annotations
 
 import json
-import secrets
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
-if TYPE_CHECKING:  # (tool_call_scan imports this module)
-    from frontend.tool_call_scan import ArgumentsScanner, CallScanner
-
-
-def new_tool_call_id() -> str:
-    return f"chatcmpl-tool-{secrets.token_hex(16)}"
+from frontend.tool_parsers.tool_call_ids import new_tool_call_id
+from frontend.tool_parsers.tool_call_scan import ArgumentsScanner, CallScanner
 
 
 @dataclass(frozen=True, slots=True)

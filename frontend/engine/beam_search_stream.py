@@ -20,8 +20,9 @@ from common.beam_search import Beam, BeamSearch, BeamSearchParams
 from common.errors import InvalidRequestError
 from common.sampling_params import SamplingParams
 from frontend.api_errors import ServiceUnavailableError
-from frontend.generation import GenerationDelta, GenerationRequest, Generator
-from frontend.metrics import RequestTimer
+from frontend.engine.generation import GenerationDelta, Generator
+from frontend.engine.generation_request import GenerationRequest
+from frontend.engine.frontend_metrics import RequestTimer
 
 # Request fields beam search cannot honour, and their defaults.
 _NOT_WITH_BEAM_SEARCH = {

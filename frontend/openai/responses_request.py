@@ -18,8 +18,8 @@ from pydantic import Field, ValidationError
 from common.errors import InvalidRequestError
 from common.sampling_params import MAX_LOGPROBS
 from frontend.api_errors import NotSupportedError
-from frontend.openai_protocol import ChatCompletionRequest
-from frontend.request_body import UNIMPLEMENTED_VLLM_FIELDS, TextRequest, check_unimplemented
+from frontend.openai.request_bodies import ChatCompletionRequest
+from frontend.openai.request_body_base import UNIMPLEMENTED_VLLM_FIELDS, TextRequest, check_unimplemented
 
 # Chat completion fields -> the Responses API field that set them (errors name the client's).
 PARAMS_OF_CHAT_FIELDS = {"messages": "input", "max_completion_tokens": "max_output_tokens",

@@ -12,18 +12,20 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from common.protocol import TokenLogprobs
-from frontend import sse
-from frontend.async_utils import merge_async_iterators
-from frontend.beam_search_stream import beam_search_deltas, beam_search_params
+from frontend.openai import sse
+from frontend.openai.async_utils import merge_async_iterators
+from frontend.engine.beam_search_stream import beam_search_deltas, beam_search_params
 from common.sample_choices import SampleResult, best_samples
-from frontend.generation import GenerationDelta, GenerationRequest
-from frontend.logprobs_format import TokenTexts, completion_logprobs, prompt_logprobs_json
-from frontend.openai_protocol import CompletionRequest
-from frontend.openai_responses import CompletionChoice, CompletionResponse, UsageInfo
+from frontend.engine.generation import GenerationDelta
+from frontend.engine.generation_request import GenerationRequest
+from frontend.engine.token_texts import TokenTexts
+from frontend.openai.logprobs_format import completion_logprobs, prompt_logprobs_json
+from frontend.openai.request_bodies import CompletionRequest
+from frontend.openai.response_bodies import CompletionChoice, CompletionResponse, UsageInfo
 from common.output_decoder import DecodedDelta
 from frontend.prompt_extras import echoed_prompt, encoded_prompt, with_bad_words_tokenized
-from frontend.replies import event_stream, json_reply
-from frontend.state import SYSTEM_FINGERPRINT, FrontendState, request_ids
+from frontend.openai.http_replies import event_stream, json_reply
+from frontend.frontend_state import SYSTEM_FINGERPRINT, FrontendState, request_ids
 
 
 @dataclass(slots=True)

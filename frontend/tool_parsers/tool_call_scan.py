@@ -14,8 +14,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from frontend.json_scan import JsonEvent, JsonScanner
-from frontend.tool_parser_base import new_tool_call_id
+from frontend.tool_parsers.json_scan import JsonEvent, JsonScanner
+from frontend.tool_parsers.tool_call_ids import new_tool_call_id
 
 
 @dataclass(slots=True)

@@ -10,7 +10,7 @@ from pydantic import model_validator
 
 from common.errors import InvalidRequestError
 from frontend.api_errors import NotSupportedError
-from frontend.openai_responses import OpenAIBaseModel
+from frontend.openai.response_bodies import OpenAIBaseModel
 
 # vLLM's extra request fields that change what is generated or returned, which this
 # server does not implement: asking for anything with them is a 400 (accepted as

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from frontend.tool_call_scan import CallScanner
-from frontend.tool_parser_base import CallReader, ToolParser, partial_marker
+from frontend.tool_parsers.tool_call_scan import CallScanner
+from frontend.tool_parsers.tool_parser_base import CallReader, ToolParser, partial_marker
 
 
 class HermesToolParser(ToolParser):

@@ -5,12 +5,12 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
-from frontend.control_client import ControlClient
-from frontend.engine_client import EngineClient
+from frontend.engine.control_client import ControlClient
+from frontend.engine.engine_client import EngineClient
 from frontend.api_errors import ModelNotFoundError
-from frontend.generation import Generator
-from frontend.metrics import FrontendMetrics
-from frontend.request_log import RequestLogger
+from frontend.engine.generation import Generator
+from frontend.engine.frontend_metrics import FrontendMetrics
+from frontend.engine.request_log import RequestLogger
 from frontend.responses_store import ResponseStore
 
 # Changes whenever the server (and so, possibly, its outputs) changes.
@@ -22,7 +22,7 @@ class FrontendState:
     served_model_names: list[str]
     model_root: str  # what --model named; /v1/models reports it as `root`
     engine: EngineClient
-    tokenizer_client: "TokenizerClient"  # noqa: F821 (tokenizer_pool.client)
+    tokenizer_client: "TokenizerClient"  # noqa: F821 (tokenizer_pool.tokenizer_client)
     tokenizer: object  # the local HF tokenizer, for incremental detokenization
     control: ControlClient
     metrics: FrontendMetrics

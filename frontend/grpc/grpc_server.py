@@ -25,11 +25,12 @@ from common.structured_outputs import StructuredOutputs
 from common.sample_choices import SampleResult, best_samples
 from frontend.api_errors import AuthenticationError, grpc_code
 from frontend.http_guards import api_key_matches
-from frontend.generation import GenerationDelta, GenerationRequest
-from frontend.logprobs_format import TokenTexts
+from frontend.engine.generation import GenerationDelta
+from frontend.engine.generation_request import GenerationRequest
+from frontend.engine.token_texts import TokenTexts
 from frontend.prompt_extras import echoed_prompt, encoded_prompt, truncated_prompt, with_bad_words_tokenized
-from frontend.serving_tokenize import detokenize_ids
-from frontend.state import FrontendState, random_id
+from frontend.openai.serving_tokenize import detokenize_ids
+from frontend.frontend_state import FrontendState, random_id
 
 _FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
                    "abort": pb.FINISH_REASON_ABORT}

@@ -8,8 +8,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.requests import Request
 
-from frontend import sse
-from frontend.async_utils import cancel_on_disconnect
+from frontend.openai import sse
+from frontend.openai.async_utils import cancel_on_disconnect
 
 
 def event_stream(events: AsyncIterator[str],

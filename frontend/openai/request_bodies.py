@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI API (pydantic), with vLLM's extra sampling
 fields (top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
 stop_token_ids, prompt_logprobs, ...). Response bodies are in
-`frontend.openai_responses`.
+`frontend.openai.response_bodies`.
 
 Unknown fields are accepted (clients send vendor fields freely). Types are
 checked by pydantic (a 400 naming the field, see api_server), values by
@@ -24,10 +24,10 @@ from common.sampling_params import MAX_LOGPROBS, SamplingParams
 from common.structured_outputs import StructuredOutputs
 from common.tokenizer import _RESERVED_TEMPLATE_KWARGS as RESERVED_TEMPLATE_KWARGS
 from frontend.api_errors import NotSupportedError
-from frontend.openai_responses import ModelCard, ModelList, OpenAIBaseModel  # noqa: F401 (api_server's imports)
-from frontend.request_body import UNIMPLEMENTED_VLLM_FIELDS, RequestBody, TextRequest, check_unimplemented
-from frontend.structured_output_request import GUIDED_FIELDS, structured_outputs_from
-from frontend.tool_calls import ToolChoice, arguments_as_object, resolve_tool_choice, tool_call_output
+from frontend.openai.response_bodies import ModelCard, ModelList, OpenAIBaseModel  # noqa: F401 (api_server's imports)
+from frontend.openai.request_body_base import UNIMPLEMENTED_VLLM_FIELDS, RequestBody, TextRequest, check_unimplemented
+from frontend.openai.structured_output_request import GUIDED_FIELDS, structured_outputs_from
+from frontend.openai.tool_calls import ToolChoice, arguments_as_object, resolve_tool_choice, tool_call_output
 
 
 class StreamOptions(OpenAIBaseModel):
@@ -59,13 +59,14 @@ class SamplingRequest(TextRequest):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids in the reply
-    use_beam_search: bool = False  # vLLM's: n beams, the n best sequences as choices (frontend.beam_search_stream)
+    # vLLM's: n beams, the n best sequences as choices (frontend.engine.beam_search_stream)
+    use_beam_search: bool = False
     length_penalty: float = 1.0  # beam search scores: cumulative logprob / length ** length_penalty
     prompt_logprobs: int | None = None
     echo: bool = False
     priority: int = Field(0, ge=-(1 << 63), lt=1 << 63)  # lower runs first
     cache_salt: str | None = None
-    # Structured outputs, in OpenAI's and vLLM's spellings (see frontend.structured_output_request).
+    # Structured outputs, in OpenAI's and vLLM's spellings (see frontend.openai.structured_output_request).
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
     guided_json: str | dict[str, Any] | None = None

@@ -20,8 +20,8 @@ import secrets
 import string
 from typing import Any, Callable
 
-from frontend.tool_call_scan import ArgumentsScanner, CallScanner
-from frontend.tool_parser_base import CallReader, ToolParser, partial_marker
+from frontend.tool_parsers.tool_call_scan import ArgumentsScanner, CallScanner
+from frontend.tool_parsers.tool_parser_base import CallReader, ToolParser, partial_marker
 
 _ID_CHARACTERS = string.ascii_letters + string.digits
 _NAME = re.compile(r"\s*([\w.\-]+)\s*")

@@ -9,12 +9,12 @@ import time
 from typing import Any
 
 from common.sampling_params import SamplingParams
-from frontend import sse
-from frontend.openai_responses import ChatCompletionResponse, UsageInfo
-from frontend.responses_items import call_id_of, function_call_item, message_item, usage_object
-from frontend.responses_request import ResponsesRequest
+from frontend.openai import sse
+from frontend.openai.response_bodies import ChatCompletionResponse, UsageInfo
+from frontend.openai.responses_items import call_id_of, function_call_item, message_item, usage_object
+from frontend.openai.responses_request import ResponsesRequest
 from frontend.responses_store import StoredResponse
-from frontend.state import FrontendState
+from frontend.frontend_state import FrontendState
 
 
 class ResponseDraft:

@@ -1,7 +1,7 @@
 """POST /v1/responses (OpenAI's Responses API, as vLLM serves it), and for a
 stored response GET and DELETE /v1/responses/{id}, GET .../input_items and
 POST .../cancel. A response is a chat completion underneath
-(`frontend.responses_request` makes one); its reply comes back as output
+(`frontend.openai.responses_request` makes one); its reply comes back as output
 items (`responses_items`): a message with output_text, or function calls.
 A stream sends the API's events as the reply is generated (`responses_stream`).
 
@@ -19,16 +19,16 @@ from starlette.datastructures import QueryParams
 
 from common.errors import InvalidRequestError, PagedServeError
 from frontend.api_errors import NotSupportedError
-from frontend.openai_responses import ChatCompletionResponse
-from frontend.replies import event_stream, json_reply
-from frontend.responses_draft import ResponseDraft
-from frontend.responses_items import input_item_resources, item_list
-from frontend.responses_request import ResponsesRequest, speak_responses
+from frontend.openai.response_bodies import ChatCompletionResponse
+from frontend.openai.http_replies import event_stream, json_reply
+from frontend.openai.responses_draft import ResponseDraft
+from frontend.openai.responses_items import input_item_resources, item_list
+from frontend.openai.responses_request import ResponsesRequest, speak_responses
 from frontend.responses_store import StoredResponse
-from frontend.responses_stream import response_events
-from frontend.serving_chat import collect_chat_completion, start_chat_generation
-from frontend.state import FrontendState
-from frontend.tool_call_stream import tool_call_stream
+from frontend.openai.responses_stream import response_events
+from frontend.openai.serving_chat import collect_chat_completion, start_chat_generation
+from frontend.frontend_state import FrontendState
+from frontend.openai.tool_call_stream import tool_call_stream
 
 DEFAULT_LISTED_ITEMS = 20  # OpenAI's default `limit` of input_items
 

@@ -9,7 +9,7 @@
   one or more, returned as tool calls (finish reason "tool_calls").
 - "auto" (the default with tools): free text in which the model may write
   tool calls its own way; `--enable-auto-tool-choice --tool-call-parser NAME`
-  names the parser that finds them (`frontend.tool_parsers`). Without it, a
+  names the parser that finds them (`frontend.tool_parsers.tool_parser_registry`). Without it, a
   400, as vLLM.
 
 `parallel_tool_calls` false allows one call: "required" is constrained to a list
@@ -25,9 +25,9 @@ from typing import Any
 from common.errors import InvalidRequestError
 from common.structured_outputs import StructuredOutputs
 from frontend.api_errors import NotSupportedError
-from frontend.openai_responses import OpenAIBaseModel
-from frontend.tool_parser_base import new_tool_call_id
-from frontend.tool_parsers import TOOL_PARSERS, ToolParser
+from frontend.openai.response_bodies import OpenAIBaseModel
+from frontend.tool_parsers.tool_call_ids import new_tool_call_id
+from frontend.tool_parsers.tool_parser_registry import TOOL_PARSERS, ToolParser
 
 
 class FunctionCall(OpenAIBaseModel):

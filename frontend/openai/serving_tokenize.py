@@ -15,11 +15,11 @@ from __future__ import annotations
 from pydantic import Field
 
 from common.errors import InvalidRequestError
-from frontend.openai_protocol import ChatMessageParam, ChatTemplateRequest
-from frontend.openai_responses import OpenAIBaseModel
-from frontend.request_body import TextRequest
-from frontend.serving_chat import render_chat_prompt
-from frontend.state import FrontendState
+from frontend.openai.request_bodies import ChatMessageParam, ChatTemplateRequest
+from frontend.openai.response_bodies import OpenAIBaseModel
+from frontend.openai.request_body_base import TextRequest
+from frontend.openai.serving_chat import render_chat_prompt
+from frontend.frontend_state import FrontendState
 
 
 class TokenizeRequest(TextRequest, ChatTemplateRequest):

@@ -5,10 +5,8 @@ default: prompts are the clients' data."""
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from frontend.generation import GenerationRequest
+from frontend.engine.generation_request import GenerationRequest
 
 logger = logging.getLogger("pagedserve.requests")
 
@@ -18,7 +16,7 @@ class RequestLogger:
         self.tokenizer = tokenizer
         self.max_log_len = max_log_len  # prompt tokens shown; None: all of them
 
-    def received(self, request: "GenerationRequest") -> None:
+    def received(self, request: GenerationRequest) -> None:
         ids = request.prompt_token_ids
         shown = ids if self.max_log_len is None else ids[:self.max_log_len]
         cut = f" (first {len(shown)} of {len(ids)})" if len(shown) < len(ids) else ""

@@ -20,8 +20,8 @@ from __future__ import annotations
 import json
 from typing import Any, Callable
 
-from frontend.python_literals import NotALiteral, keyword_argument
-from frontend.tool_parser_base import CallReader, ToolParser
+from frontend.tool_parsers.python_literals import NotALiteral, keyword_argument
+from frontend.tool_parsers.tool_parser_base import CallReader, ToolParser
 
 _CLOSERS = {"(": ")", "[": "]", "{": "}"}
 

@@ -12,7 +12,7 @@ import secrets
 from typing import Any
 
 from common.errors import InvalidRequestError
-from frontend.openai_responses import UsageInfo
+from frontend.openai.response_bodies import UsageInfo
 
 MAX_LISTED_ITEMS = 100  # OpenAI's bound on `limit`
 

@@ -12,19 +12,21 @@ from fastapi.responses import Response
 from common.errors import InvalidRequestError
 from common.protocol import TokenLogprobs
 from common.sampling_params import SamplingParams
-from frontend import sse
-from frontend.beam_search_stream import beam_search_deltas, beam_search_params
+from frontend.openai import sse
+from frontend.engine.beam_search_stream import beam_search_deltas, beam_search_params
 from common.sample_choices import SampleResult, best_samples
-from frontend.generation import GenerationDelta, GenerationRequest
-from frontend.logprobs_format import TokenTexts, chat_logprobs, prompt_logprobs_json
-from frontend.openai_protocol import ChatCompletionRequest, ChatTemplateRequest
-from frontend.openai_responses import (ChatChoice, ChatCompletionChunk, ChatCompletionResponse, ChatMessage,
-                                       ChatStreamChoice, DeltaMessage, UsageInfo)
+from frontend.engine.generation import GenerationDelta
+from frontend.engine.generation_request import GenerationRequest
+from frontend.engine.token_texts import TokenTexts
+from frontend.openai.logprobs_format import chat_logprobs, prompt_logprobs_json
+from frontend.openai.request_bodies import ChatCompletionRequest, ChatTemplateRequest
+from frontend.openai.response_bodies import (ChatChoice, ChatCompletionChunk, ChatCompletionResponse, ChatMessage,
+                                             ChatStreamChoice, DeltaMessage, UsageInfo)
 from frontend.prompt_extras import truncated_prompt, with_bad_words_tokenized
-from frontend.replies import event_stream, json_reply
-from frontend.state import SYSTEM_FINGERPRINT, FrontendState, request_ids
-from frontend.tool_call_stream import ToolCallStream, tool_call_stream
-from frontend.tool_calls import tool_call_reply
+from frontend.openai.http_replies import event_stream, json_reply
+from frontend.frontend_state import SYSTEM_FINGERPRINT, FrontendState, request_ids
+from frontend.openai.tool_call_stream import ToolCallStream, tool_call_stream
+from frontend.openai.tool_calls import tool_call_reply
 
 
 @dataclass(slots=True)

@@ -23,8 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from frontend.tool_call_scan import CallScanner
-from frontend.tool_calls import ToolChoice, new_tool_call_id, tool_call_reply
+from frontend.openai.tool_calls import ToolChoice, tool_call_reply
+from frontend.tool_parsers.tool_call_ids import new_tool_call_id
+from frontend.tool_parsers.tool_call_scan import CallScanner
 
 
 @dataclass(slots=True)

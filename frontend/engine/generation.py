@@ -13,30 +13,20 @@ from __future__ import annotations
 import asyncio
 import time
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import AsyncIterator
 
 from common.errors import InvalidRequestError
 from common.protocol import RequestOutput, TokenLogprobs, sample_request_id
 from common.sampling_params import MAX_LOGPROBS, SamplingParams
 from common.structured_outputs import StructuredOutputs, check_grammar
-from frontend.control_client import ControlClient
-from frontend.engine_client import EngineClient
-from frontend.logprobs_format import TokenTexts
-from frontend.metrics import FrontendMetrics, RequestTimer
+from frontend.engine.control_client import ControlClient
+from frontend.engine.engine_client import EngineClient
+from frontend.engine.frontend_metrics import FrontendMetrics, RequestTimer
 from common.output_decoder import DecodedDelta, OutputDecoder
-from frontend.request_log import RequestLogger
-
-
-@dataclass(slots=True)
-class GenerationRequest:
-    """Stop strings and detokenization switches come with the sampling params."""
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    arrival_time: float = field(default_factory=time.monotonic)
-    priority: int = 0
-    cache_salt: str | None = None
+from frontend.engine.generation_request import GenerationRequest
+from frontend.engine.request_log import RequestLogger
+from frontend.engine.token_texts import TokenTexts
 
 
 @dataclass(slots=True)

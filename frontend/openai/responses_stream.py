@@ -18,10 +18,10 @@ from contextlib import aclosing
 from typing import Any, AsyncIterator
 
 from common.protocol import TokenLogprobs
-from frontend.generation import GenerationDelta
-from frontend.responses_draft import ResponseDraft
-from frontend.responses_items import call_id_of, function_call_item, message_item, new_item_id, text_part
-from frontend.tool_call_stream import StreamStep, ToolCallStream
+from frontend.engine.generation import GenerationDelta
+from frontend.openai.responses_draft import ResponseDraft
+from frontend.openai.responses_items import call_id_of, function_call_item, message_item, new_item_id, text_part
+from frontend.openai.tool_call_stream import StreamStep, ToolCallStream
 
 
 async def response_events(draft: ResponseDraft, reply: Any, deltas: AsyncIterator[GenerationDelta],

@@ -1,0 +1,1 @@
+"""The gRPC API (proto/pagedserve.proto), served beside the HTTP API."""
