@@ -55,13 +55,17 @@ def cmdline(pid: int) -> str:
 
 
 class Server:
-    def __init__(self, tmp: Path, extra_args: list[str]):
+    """`pagedserve serve` on free ports. `dtype`: float32 (the exact reference most
+    tests compare with), or None for the default a user gets."""
+
+    def __init__(self, tmp: Path, extra_args: list[str], *, dtype: str | None = "float32"):
         self.port, self.grpc_port = free_port(), free_port()
         self.runtime_dir = tmp / "run"
         self.log_path = tmp / "serve.log"
         self._log = open(self.log_path, "wb")
+        dtype_args = [] if dtype is None else ["--dtype", dtype]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pagedserve.cli", "serve", "--dtype", "float32", "--port", str(self.port),
+            [sys.executable, "-m", "pagedserve.cli", "serve", *dtype_args, "--port", str(self.port),
              "--grpc-port", str(self.grpc_port), "--runtime-dir", str(self.runtime_dir),
              "--kv-cache-memory", "1GiB", *extra_args],
             cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -58,13 +58,16 @@ def supervised():
         supervisor.stop_all()
 
 
-def test_a_usage_error_stops_the_supervisor_with_the_reason(supervised, caplog, capfd):
+def test_a_usage_error_stops_the_supervisor_with_the_reason(supervised, caplog, capfd, monkeypatch):
     sleeper = Script("scheduler", ["import time; time.sleep(60)"])
     supervisor = supervised(fails("pagedserve frontend: error: argument --port: bad", USAGE_ERROR), sleeper)
     with caplog.at_level(logging.INFO, logger="pagedserve.supervisor"):
         poll_until(supervisor, lambda: supervisor.stopping)
-        time.sleep(1.2)  # past the 1 s backoff: no restart may come
-        supervisor.poll()
+        assert supervisor.components[0].restart_at is None  # no restart scheduled
+        far_future = time.monotonic() + 3600  # past any backoff, without waiting for it
+        with monkeypatch.context() as m:
+            m.setattr(time, "monotonic", lambda: far_future)
+            supervisor.poll()
     assert supervisor.exit_code == USAGE_ERROR
     assert supervisor.components[0].restarts == 0
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
@@ -89,7 +92,8 @@ def test_a_killed_component_gets_no_last_words(supervised, caplog):
     supervisor = supervised(Script("worker", ["import sys, time; print('loading', file=sys.stderr); "
                                               "sys.stderr.flush(); time.sleep(60)"]))
     worker = supervisor.components[0]
-    time.sleep(0.5)
+    # It must have said something before the kill, or "no last words" proves nothing.
+    poll_until(supervisor, lambda: worker.relay.last_line() == "loading")
     worker.process.kill()
     with caplog.at_level(logging.WARNING, logger="pagedserve.supervisor"):
         poll_until(supervisor, lambda: worker.restart_at is not None)

@@ -83,7 +83,7 @@ class FakeScheduler:
         with self._lock:
             return Received(list(self.received.requests), list(self.received.aborts), list(self.received.hellos))
 
-    def wait_for(self, predicate, timeout: float = 5.0) -> bool:
+    def wait_for(self, predicate, timeout: float = 30.0) -> bool:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if predicate(self.snapshot()):

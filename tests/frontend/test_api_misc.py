@@ -1,7 +1,6 @@
 """/v1/models, /health, /metrics, /version, and aborting requests whose HTTP
 client went away."""
 import re
-import time
 
 import httpx
 import openai
@@ -148,9 +147,7 @@ def test_non_streamed_disconnect_aborts_the_request(server, path, body):
         pattern = "cmpl-gone-[0-9a-f]{8}-0"
     else:
         pattern = "chatcmpl-gone-[0-9a-f]{8}"  # X-Request-Id and a random suffix
-    started = time.monotonic()
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.api_url + path, json=body, headers={"X-Request-Id": "gone"}, timeout=0.5)
     assert server.scheduler.wait_for(lambda r: any(re.fullmatch(pattern, i) for i in r.aborts)), \
         "no Abort after the client left"
-    assert time.monotonic() - started < 5

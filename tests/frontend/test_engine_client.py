@@ -2,7 +2,6 @@
 outputs, hello/heartbeat, abort on early close, and failing fast (503) when
 the scheduler dies or stalls, then reconnecting."""
 import asyncio
-import time
 from contextlib import aclosing
 
 import pytest
@@ -13,6 +12,7 @@ from common.sampling_params import SamplingParams
 from frontend.engine.engine_client import EngineClient
 from frontend.api_errors import ServiceUnavailableError
 from local_ports import free_port
+from polling import async_wait_for
 from tests.frontend.fakes import FakeScheduler
 
 EOS = 99
@@ -53,7 +53,7 @@ def test_generate_routes_outputs_and_says_hello(address, transport, tmp_path):
         try:
             a, b = await asyncio.gather(collect(client, "a", [10, 11], max_tokens=3),
                                         collect(client, "b", [12], max_tokens=None))
-            await asyncio.sleep(0.35)  # a few heartbeats
+            await async_wait_for(lambda: len(scheduler.snapshot().hellos) >= 3, "a hello and two heartbeats")
             return client.frontend_id, a, b
         finally:
             await client.close()
@@ -121,14 +121,12 @@ def test_no_scheduler_fails_fast_with_503(address):
         client = EngineClient(address, connect_grace=0.3)
         await client.start()
         try:
-            start = time.monotonic()
-            with pytest.raises(ServiceUnavailableError):
+            with pytest.raises(ServiceUnavailableError):  # run() fails the test if it waits instead
                 await collect(client, "x", [10])
-            return time.monotonic() - start
         finally:
             await client.close()
 
-    assert run(main()) < 2.0
+    run(main())
 
 
 def test_scheduler_death_fails_in_flight_requests_then_reconnects(address):
@@ -143,16 +141,12 @@ def test_scheduler_death_fails_in_flight_requests_then_reconnects(address):
             async with aclosing(stream):
                 await stream.__anext__()
                 scheduler.stop()  # the scheduler process dies mid-request
-                start = time.monotonic()
                 with pytest.raises(ServiceUnavailableError):
                     async for _ in stream:
                         pass
-                assert time.monotonic() - start < 3.0
             assert not client.connected
             scheduler = make_scheduler(address)  # restarted: the client reconnects by itself
-            deadline = time.monotonic() + 10
-            while not client.connected and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
+            await async_wait_for(lambda: client.connected, "the client to reconnect")
             outputs = await collect(client, "after", [10], max_tokens=2)
             assert [t for o in outputs for t in o.new_token_ids] == [5, 6]
         finally:
@@ -187,7 +181,7 @@ def test_stall_fails_requests_only_when_the_health_probe_fails(address, healthy)
     probes = []
 
     async def probe() -> bool:
-        probes.append(time.monotonic())
+        probes.append(healthy)
         return healthy
 
     async def main():
@@ -195,13 +189,16 @@ def test_stall_fails_requests_only_when_the_health_probe_fails(address, healthy)
         await client.start()
         try:
             if healthy:
-                with pytest.raises(asyncio.TimeoutError):  # still waiting: a busy scheduler is not dead
-                    await asyncio.wait_for(collect(client, "stalled", [10]), 1.5)
+                # Still waiting after the watchdog asked twice: a busy scheduler is not dead.
+                request = asyncio.ensure_future(collect(client, "stalled", [10]))
+                await async_wait_for(lambda: len(probes) >= 2 or request.done(), "two health probes")
+                assert not request.done()
+                request.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await request
             else:
-                start = time.monotonic()
                 with pytest.raises(ServiceUnavailableError, match="stopped responding"):
                     await collect(client, "stalled", [10])
-                assert time.monotonic() - start < 2.0
         finally:
             await client.close()
 

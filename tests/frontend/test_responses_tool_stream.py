@@ -6,7 +6,6 @@ client's stream helper builds the same response as the non-stream one."""
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import pytest
@@ -102,9 +101,7 @@ def test_leaving_a_streamed_tool_response_aborts_it(server):
         created = next(line for line in lines if line.startswith("data: "))
         next(line for line in lines if "response.output_text.delta" in line)
     response_id = httpx.Response(200, content=created[len("data: "):]).json()["response"]["id"]
-    started = time.monotonic()
     assert server.scheduler.wait_for(lambda r: response_id in r.aborts), "no Abort after the client left"
-    assert time.monotonic() - started < 5
 
 
 @pytest.mark.parametrize("form", list(FORMATS.values()), ids=list(FORMATS))

@@ -93,7 +93,7 @@ class Stack:
     def stats(self) -> control_pb2.SchedulerStats:
         return self.control.GetStats(control_pb2.Empty(), timeout=5)
 
-    def wait_all_blocks_free(self, timeout: float = 5.0) -> control_pb2.SchedulerStats:
+    def wait_all_blocks_free(self, timeout: float = 60.0) -> control_pb2.SchedulerStats:
         return wait_all_blocks_free(self.stats, timeout)
 
     def logs(self) -> str:
@@ -118,7 +118,7 @@ def wait_healthy(base_url: str, timeout: float = 60.0) -> None:
     raise AssertionError(f"{base_url} never became healthy")
 
 
-def wait_all_blocks_free(get_stats, timeout: float = 5.0) -> control_pb2.SchedulerStats:
+def wait_all_blocks_free(get_stats, timeout: float = 60.0) -> control_pb2.SchedulerStats:
     """Poll the scheduler until nothing runs or waits and every KV block is free."""
     deadline = time.monotonic() + timeout
     while True:

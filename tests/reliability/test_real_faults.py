@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,6 +21,7 @@ import pytest
 from common.grpc_gen import pagedserve_pb2 as pb
 from common.grpc_gen import pagedserve_pb2_grpc as pb_grpc
 from local_ports import free_port
+from polling import wait_for
 from serve_helpers import MODEL, REPO, Server, cmdline
 from tests.reliability.clients import many_streams, scheduler_stats, stream_completion
 from tests.reliability.stack import wait_all_blocks_free, wait_healthy
@@ -90,30 +92,41 @@ def test_tokenizer_process_killed_under_load_fails_no_request(server):
                 "max_tokens": 1, "temperature": 0}
         return httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=120).status_code
 
+    log_start = len(server.log())
+    # The victim is stopped first: the router hands it one job (each idle worker
+    # gets one before either gets a second) that it never answers, so once two
+    # requests are done it holds a job. It leaves the pool with that job either
+    # when killed or, if the machine is slow enough that this takes longer than the
+    # router's 5 s liveness timeout, as silent: either way its job is re-dispatched.
+    os.kill(workers[0], signal.SIGSTOP)
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         futures = [pool.submit(chat, i) for i in range(32)]
-        time.sleep(0.3)
-        os.kill(workers[0], signal.SIGKILL)
+        try:
+            wait_for(lambda: sum(f.done() for f in futures) >= 2, "two requests to finish", timeout=120)
+        finally:
+            os.kill(workers[0], signal.SIGKILL)  # never leave it stopped
         statuses = [f.result() for f in futures]
     assert statuses == [200] * 32
-    deadline = time.monotonic() + 30
-    while "restarting tokenizer worker" not in server.log():
-        assert time.monotonic() < deadline, server.log()[-3000:]
-        time.sleep(0.2)
+    wait_for(lambda: "restarting tokenizer worker" in server.log()[log_start:], "the tokenizer worker to restart")
+    assert re.search(r"left the pool \((process exited|silent for more than 5s)\); re-dispatching 1 job\(s\)",
+                     server.log()[log_start:]), server.log()[log_start:][-3000:]
 
 
 def test_clients_that_go_away_have_their_requests_aborted(server):
-    all_blocks_free(server)
+    """Aborted, not run to the end: the blocks come back with fewer than the 400 tokens generated."""
+    before = all_blocks_free(server).num_generation_tokens
     with httpx.stream("POST", server.base_url + "/v1/completions", json={**greedy("Once upon a time", 400),
                                                                          "stream": True}, timeout=60) as response:
         next(line for line in response.iter_lines() if line.startswith("data: "))
-    all_blocks_free(server, timeout=2.0)
+    after = all_blocks_free(server, timeout=120).num_generation_tokens
+    assert 0 < after - before < 400
     with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
         call = pb_grpc.PagedServeStub(channel).Generate(pb.GenerateRequest(
             text="Once upon a time", sampling_params=pb.SamplingParams(max_tokens=400, ignore_eos=True)), timeout=60)
         next(call)
         call.cancel()
-    all_blocks_free(server, timeout=2.0)
+    before, after = after, all_blocks_free(server, timeout=120).num_generation_tokens
+    assert 0 < after - before < 400
 
 
 def start_second_frontend(server, tmp_path) -> tuple[subprocess.Popen, str]:
@@ -171,17 +184,13 @@ def test_scheduler_killed_in_flight_requests_fail_fast_then_service_resumes(serv
         for _ in range(8):
             assert started.acquire(timeout=120)
         os.kill(scheduler_pid, signal.SIGKILL)
-        killed = time.monotonic()
-        results = [f.result() for f in futures]
-        failed_within = time.monotonic() - killed
-    assert failed_within < 10, failed_within
+        results = [f.result() for f in futures]  # failed, not left hanging (the client waits up to 300 s)
     for result in results:
         assert result.errors and result.errors[0]["type"] == "service_unavailable", result
     # Meanwhile, a new request is refused at once rather than left hanging
     # (the supervisor restarts the scheduler only after a one-second backoff).
-    asked = time.monotonic()
     early = httpx.post(server.base_url + "/v1/completions", json=greedy("Hi", 4), timeout=30)
-    assert early.status_code == 503 and time.monotonic() - asked < 5, early.text
+    assert early.status_code == 503, early.text
 
     deadline = time.monotonic() + 120
     while True:

