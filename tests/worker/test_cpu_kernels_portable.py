@@ -25,7 +25,10 @@ pytestmark = pytest.mark.skipif(not cpu_extension.expected(), reason="no C++ com
 @pytest.fixture(scope="module")
 def portable() -> Any:
     """The extension without AVX-512 (one build, cached like the native one)."""
-    return cpu_extension.build(PORTABLE_FLAGS, prefix="pagedserve_cpu_kernels_portable")
+    ldflags = list(cpu_extension.LDFLAGS)
+    module = cpu_extension.build(PORTABLE_FLAGS, prefix="pagedserve_cpu_kernels_portable")
+    assert cpu_extension.LDFLAGS == ldflags, "a build changed the flags, and so the next build's cache name"
+    return module
 
 
 @pytest.fixture

@@ -76,10 +76,6 @@ def extension_name(flags: Sequence[str] = CFLAGS, csrc: Path | None = None, pref
     return f"{prefix}_{digest.hexdigest()[:12]}"
 
 
-def _extension_name() -> str:
-    return extension_name()
-
-
 def compiler_present() -> bool:
     """Whether the C++ compiler torch builds with (`CXX`, default `c++`) is on PATH."""
     return shutil.which(os.environ.get("CXX", "c++")) is not None
@@ -142,9 +138,11 @@ def build(flags: Sequence[str] = CFLAGS, csrc: Path | None = None, prefix: str =
         if not os.path.exists(os.path.join(build_dir, f"{name}.so")):  # else torch only loads it
             logger.info("Building the CPU kernels %s (first use on this machine)...", name)
         try:
+            # Copies of the flag lists: torch appends to the lists it is given, which would change
+            # the next build's cache name.
             return load_extension(name=name, sources=[str(path) for path in source_files(csrc)],
                                   extra_include_paths=[str(csrc)], extra_cflags=list(flags),
-                                  extra_ldflags=LDFLAGS, verbose=False)
+                                  extra_ldflags=list(LDFLAGS), verbose=False)
         except Exception as exc:
             text = str(exc).strip()
             raise KernelBuildError(f"building {name} failed:\n{_first_errors(text) or text[-2000:]}") from exc
