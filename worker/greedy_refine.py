@@ -19,7 +19,7 @@ import logging
 
 import torch
 
-from worker.attention import cpu_kernels
+from worker.kernels import cpu_ops
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class NearTopScan:
     reductions take 27 ms, a tenth of a W2 decode step). A failed compile runs it eagerly."""
 
     def __init__(self, compile: bool, use_kernel: bool = True):
-        self._use_kernel = use_kernel and cpu_kernels.load() is not None
+        self._use_kernel = use_kernel and cpu_ops.load() is not None
         self._compiled = torch.compile(near_top_scan, dynamic=True) if compile else None  # compiles at first call
 
     def warm_up(self, vocab_size: int, model_dtype: torch.dtype, device: torch.device | str) -> None:
@@ -63,7 +63,7 @@ class NearTopScan:
 
     def __call__(self, logits: torch.Tensor, model_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if self._use_kernel and logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16):
-            return cpu_kernels.near_top_scan(logits.contiguous(), model_dtype)
+            return cpu_ops.near_top_scan(logits.contiguous(), model_dtype)
         # One row is cheap eagerly, and a compiled graph would specialize on it.
         if self._compiled is None or logits.shape[0] < 2:
             return near_top_scan(logits, model_dtype)

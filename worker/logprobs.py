@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from common.protocol import PromptLogprobs, TokenLogprobs
-from worker.attention import cpu_kernels
+from worker.kernels import cpu_ops
 
 # Prompt positions scored per lm_head call: bounds the [positions, vocab] buffers.
 PROMPT_LOGITS_CHUNK = 256
@@ -29,8 +29,8 @@ def token_logprobs(logits: torch.Tensor, chosen: torch.Tensor, num_top: Sequence
     kernel extension does it without materializing log_softmax."""
     max_top = min(max(num_top, default=0), logits.shape[1])
     if (max_top <= KERNEL_MAX_TOP and logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16)
-            and cpu_kernels.load() is not None):
-        chosen_logprobs, ranks, top_logprobs, top_ids = cpu_kernels.token_logprobs_rows(
+            and cpu_ops.load() is not None):
+        chosen_logprobs, ranks, top_logprobs, top_ids = cpu_ops.token_logprobs_rows(
             logits.contiguous(), chosen.to(torch.int64).contiguous(), max_top)
         return _entries(chosen.tolist(), chosen_logprobs.tolist(), ranks.tolist(), top_ids.tolist(),
                         top_logprobs.tolist(), num_top)

@@ -16,14 +16,14 @@ every token tied with the k-th), and last top-p on the distribution top-k left
 (renormalized): the smallest prefix, by descending probability, whose mass
 reaches p; the most likely token always stays.
 
-On CPU the C++ kernel (`worker.cpu_sampling_source`) does all of it; the
+On CPU the C++ kernel (`worker/csrc/random_sampling.cpp`) does all of it; the
 PyTorch version below is its reference and the path for other devices.
 """
 from __future__ import annotations
 
 import torch
 
-from worker.attention import cpu_kernels
+from worker.kernels import cpu_ops
 
 GOLDEN = 0x9E3779B97F4A7C15
 MIX_1 = 0xBF58476D1CE4E5B9
@@ -118,10 +118,10 @@ def sample_random_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: t
                        top_p: torch.Tensor | None, min_p: torch.Tensor | None, keys: torch.Tensor) -> torch.Tensor:
     """`sample_random_rows_reference`, by the C++ kernel for CPU float32/bfloat16 logits when it is built."""
     if (logits.device.type != "cpu" or logits.dtype not in (torch.float32, torch.bfloat16)
-            or cpu_kernels.load() is None):
+            or cpu_ops.load() is None):
         return sample_random_rows_reference(logits, temperature, top_k, top_p, min_p, keys)
     rows = logits.shape[0]
-    return cpu_kernels.sample_random_rows(
+    return cpu_ops.sample_random_rows(
         logits.contiguous(), temperature.float().contiguous(),
         top_k.contiguous() if top_k is not None else torch.zeros(rows, dtype=torch.int64),
         top_p.float().contiguous() if top_p is not None else torch.ones(rows),

@@ -11,14 +11,14 @@ import torch.nn.functional as F
 
 from pagedserve.bench.workloads import BenchRequest, NAMED_WORKLOADS, generate_workload
 from tiny_models import build_tiny_hf_model, hf_greedy
-from worker.attention import cpu_kernels
+from worker.kernels import cpu_extension, cpu_ops
 from worker.attention.reference import reference_attention
 from worker.attention.torch_backend import TorchAttentionBackend
 from pagedserve.bench.fast_path_check import first_step_logits, greedy_tokens, relative_l2
 from pagedserve.offline.llm import LLM
 from worker.models import packed_linear
 
-needs_kernel = pytest.mark.skipif(cpu_kernels.load() is None, reason="the C++ kernel cannot be built here")
+needs_kernel = pytest.mark.skipif(not cpu_extension.expected(), reason="no C++ compiler, or PAGEDSERVE_CPU_KERNELS=0")
 
 
 # --- attention: kernel and PyTorch fallback against the reference -----------------------
@@ -89,10 +89,10 @@ def test_kernel_cache_write_matches_index_copy(dtype, cache_dtype):
     expected = [torch.zeros(12, 16, 3, 64, dtype=cache_dtype) for _ in range(2)]
     actual = [torch.zeros(12, 16, 3, 64, dtype=cache_dtype) for _ in range(2)]
     write_kv_cache(key, value, *expected, slots)
-    cpu_kernels.write_kv_cache(key, value, *actual, slots)
+    cpu_ops.write_kv_cache(key, value, *actual, slots)
     assert torch.equal(actual[0], expected[0]) and torch.equal(actual[1], expected[1])
     with pytest.raises(RuntimeError, match="slot out of range"):
-        cpu_kernels.write_kv_cache(key, value, *actual, torch.full((37,), 12 * 16))
+        cpu_ops.write_kv_cache(key, value, *actual, torch.full((37,), 12 * 16))
 
 
 @needs_kernel
@@ -107,7 +107,7 @@ def test_kernel_rotary_rounds_like_eager(tokens, head_dim):
     qkv[0, :4] = torch.tensor([3e38, -3e38, float("inf"), float("nan")])
     angles = torch.rand(tokens, head_dim // 2, generator=g) * 100
     cos, sin = (torch.cat([f(angles)] * 2, dim=-1).bfloat16() for f in (torch.cos, torch.sin))
-    q, k = cpu_kernels.rotary_qk(qkv, cos, sin, heads, kv_heads)
+    q, k = cpu_ops.rotary_qk(qkv, cos, sin, heads, kv_heads)
     q_ref = apply_rotary(qkv[:, :heads * head_dim].view(tokens, heads, head_dim), cos, sin)
     k_ref = apply_rotary(qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim),
                          cos, sin)
@@ -116,16 +116,16 @@ def test_kernel_rotary_rounds_like_eager(tokens, head_dim):
         same = (got.view(torch.int16) == want.view(torch.int16)) | (got.isnan() & want.isnan())
         assert bool(same.all())
     with pytest.raises(RuntimeError, match="narrower"):
-        cpu_kernels.rotary_qk(qkv[:, :heads * head_dim], cos, sin, heads, kv_heads)
+        cpu_ops.rotary_qk(qkv[:, :heads * head_dim], cos, sin, heads, kv_heads)
     with pytest.raises(RuntimeError, match="bfloat16"):
-        cpu_kernels.rotary_qk(qkv.float(), cos, sin, heads, kv_heads)
+        cpu_ops.rotary_qk(qkv.float(), cos, sin, heads, kv_heads)
 
 
 def test_kernel_switch_off_falls_back(monkeypatch):
-    monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "0")
-    monkeypatch.setattr(cpu_kernels, "_module", None)
-    monkeypatch.setattr(cpu_kernels, "_failed", False)
-    assert cpu_kernels.load() is None
+    monkeypatch.setenv(cpu_extension.ENV_SWITCH, "0")
+    monkeypatch.setattr(cpu_extension, "_module", None)
+    monkeypatch.setattr(cpu_extension, "_failed", False)
+    assert cpu_ops.load() is None
     assert TorchAttentionBackend().use_cpu_kernel is False
     with pytest.raises(RuntimeError, match="unavailable"):
         TorchAttentionBackend(use_cpu_kernel=True)
@@ -136,7 +136,9 @@ PACKED_DTYPES = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.flo
 
 
 def needs_packed(dtype: torch.dtype) -> None:
-    if not cpu_kernels.packed_linear_available(dtype):
+    if cpu_extension.expected():
+        cpu_extension.require()  # a failed build fails the test, never skips it
+    if not cpu_ops.packed_linear_available(dtype):
         pytest.skip(f"the CPU kernel's {dtype} matmul needs {'AVX512-BF16' if dtype == torch.bfloat16 else 'AVX-512'}"
                     " and a compiler")
 

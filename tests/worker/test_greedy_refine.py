@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from common.sampling_params import SamplingParams
-from worker.attention import cpu_kernels
+from worker.kernels import cpu_extension, cpu_ops
 from worker.greedy_refine import NearTopScan, near_top_scan, refine_greedy, rounding_step
 from worker.sampler import Sampler, SamplingMetadata
 
@@ -93,7 +93,7 @@ def test_compiled_near_top_scan_matches_eager():
     assert torch.equal(expected_ids, logits.float().argmax(dim=-1))
 
 
-@pytest.mark.skipif(cpu_kernels.load() is None, reason="the C++ kernels cannot be built here")
+@pytest.mark.skipif(not cpu_extension.expected(), reason="no C++ compiler, or PAGEDSERVE_CPU_KERNELS=0")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_kernel_near_top_scan_matches_eager(dtype):
     g = torch.Generator().manual_seed(2)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker.attention import cpu_kernels
+from worker.kernels import cpu_extension, cpu_ops
 from worker.random_race import (apply_min_p, apply_top_k_top_p, as_int64, counter_uniform, sample_random_rows,
                                 sample_random_rows_reference)
 
@@ -67,7 +67,7 @@ def regimes(rows: int, vocab: int, seed: int):
     return logits, temperature, top_k, top_p, min_p, keys
 
 
-needs_kernel = pytest.mark.skipif(cpu_kernels.load() is None, reason="the CPU kernel extension is not built here")
+needs_kernel = pytest.mark.skipif(not cpu_extension.expected(), reason="no C++ compiler, or PAGEDSERVE_CPU_KERNELS=0")
 
 
 @needs_kernel

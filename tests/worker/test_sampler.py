@@ -6,7 +6,7 @@ import torch
 
 from common.sampling_params import SamplingParams
 from worker import random_race
-from worker.attention import cpu_kernels
+from worker.kernels import cpu_extension, cpu_ops
 from worker.random_race import apply_min_p, apply_top_k_top_p, top_k_top_p_sorted
 from worker.sampler import Sampler, SamplingMetadata, step_seed
 
@@ -14,10 +14,10 @@ from worker.sampler import Sampler, SamplingMetadata, step_seed
 @pytest.fixture(autouse=True, params=["kernel", "torch"])
 def race_path(request, monkeypatch):
     """Every test runs on both random-sampling paths: the C++ kernel and PyTorch."""
-    if request.param == "kernel" and cpu_kernels.load() is None:
-        pytest.skip("the CPU kernel extension is not built here")
+    if request.param == "kernel" and not cpu_extension.expected():
+        pytest.skip("no C++ compiler, or PAGEDSERVE_CPU_KERNELS=0")
     if request.param == "torch":
-        monkeypatch.setattr(random_race.cpu_kernels, "load", lambda: None)
+        monkeypatch.setattr(random_race.cpu_ops, "load", lambda: None)
     return request.param
 
 

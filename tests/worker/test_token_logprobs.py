@@ -4,10 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker.attention import cpu_kernels
+from worker.kernels import cpu_extension, cpu_ops
 from worker.logprobs import KERNEL_MAX_TOP, select_logprobs, token_logprobs
 
-pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="the CPU kernel extension is not built here")
+pytestmark = pytest.mark.skipif(not cpu_extension.expected(), reason="no C++ compiler, or PAGEDSERVE_CPU_KERNELS=0")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

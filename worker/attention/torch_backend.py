@@ -1,5 +1,5 @@
 """Paged attention on CPU: the compiled C++ kernel when it is available (see
-`worker.attention.cpu_kernels`), else plain PyTorch, which also serves other devices.
+`worker.kernels.cpu_extension`), else plain PyTorch, which also serves other devices.
 
 PyTorch path: decodes (one query token each) are grouped into a few length buckets; each
 bucket gathers its K/V from the cache through the block tables and runs two
@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from worker.attention import cpu_kernels
+from worker.kernels import cpu_ops
 from worker.attention.metadata import AttentionMetadata
 
 
@@ -32,7 +32,7 @@ class TorchAttentionBackend:
     def __init__(self, use_cpu_kernel: bool | None = None) -> None:
         self._plans_meta: AttentionMetadata | None = None
         self._decode_plans: dict[tuple, DecodePlan] = {}
-        self.use_cpu_kernel = use_cpu_kernel is not False and cpu_kernels.load() is not None
+        self.use_cpu_kernel = use_cpu_kernel is not False and cpu_ops.load() is not None
         if use_cpu_kernel and not self.use_cpu_kernel:
             raise RuntimeError("the CPU paged attention kernel is unavailable (see the log for why)")
 
@@ -42,12 +42,12 @@ class TorchAttentionBackend:
         """query [T, H, D], key/value [T, KVH, D], caches [num_blocks, block_size, KVH, D] -> [T, H, D]."""
         use_kernel = self.use_cpu_kernel and query.device.type == "cpu" and kernel_dtypes(query.dtype, k_cache.dtype)
         if use_kernel and _rows_contiguous(key) and _rows_contiguous(value) and key.dtype == query.dtype:
-            cpu_kernels.write_kv_cache(key, value, k_cache, v_cache, meta.slot_mapping)
+            cpu_ops.write_kv_cache(key, value, k_cache, v_cache, meta.slot_mapping)
         else:
             write_kv_cache(key, value, k_cache, v_cache, meta.slot_mapping)
         if use_kernel:
             output = torch.empty(query.shape, dtype=query.dtype)
-            cpu_kernels.paged_attention(output, query.contiguous(), k_cache, v_cache, meta.block_tables,
+            cpu_ops.paged_attention(output, query.contiguous(), k_cache, v_cache, meta.block_tables,
                                         meta.query_start_loc, meta.seq_lens, scale, sliding_window)
             return output
         output = torch.empty_like(query)

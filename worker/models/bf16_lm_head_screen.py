@@ -1,5 +1,5 @@
 """The int8 screen of a bfloat16 lm_head for greedy steps (`screened_bf16_argmax` in
-`worker.cpu_bf16_screen_source`): the same tokens as the plain bfloat16 lm_head
+`worker/csrc/bf16_screen.h`): the same tokens as the plain bfloat16 lm_head
 followed by `worker.greedy_refine`, without computing most logits exactly.
 
 W [N, K] is split by input channel. The few channels where the final hidden
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.attention import cpu_kernels
+from worker.kernels import cpu_ops
 from worker.greedy_refine import settle_near_ties
 from worker.models.packed_linear import PANEL, panels
 
@@ -42,7 +42,7 @@ class Bf16ScreenedLmHead:
         """Each row's greedy token from the bf16 lm_head `weight` [N, K] (its packing `bf16_packed`),
         as `refine_greedy` settles it from the plain logits; None for hidden states that are not finite."""
         info = torch.finfo(torch.bfloat16)
-        result = cpu_kernels.load().screened_bf16_argmax(
+        result = cpu_ops.load().screened_bf16_argmax(
             hidden, weight, bf16_packed, self.packed, self.outlier_packed, self.rest, self.outliers, self.column_terms,
             self.offset_share, weight.shape[0], float(info.eps), float(info.tiny))
         if not result:
@@ -61,7 +61,7 @@ def outlier_channels(calibration_hidden: torch.Tensor, count: int = OUTLIER_CHAN
 
 
 def screen_available(weight: torch.Tensor) -> bool:
-    module = cpu_kernels.load() if weight.device.type == "cpu" else None
+    module = cpu_ops.load() if weight.device.type == "cpu" else None
     return (module is not None and module.bf16_screen_available() and weight.dtype == torch.bfloat16
             and weight.dim() == 2 and weight.shape[1] > OUTLIER_CHANNELS and weight.shape[1] % 2 == 0
             and weight.is_contiguous())

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.attention import cpu_kernels
+from worker.kernels import cpu_ops
 from worker.attention.metadata import AttentionMetadata
 from worker.attention.step_context import paged_attention, step_context
 from worker.models.packed_linear import linear, linear_silu, pack_gated, pack_weight
@@ -84,7 +84,7 @@ def decoder_layer(layer: DecoderLayer, hidden: torch.Tensor, cos: torch.Tensor, 
     q, k, v = qkv.split([s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim,
                          s.num_kv_heads * s.head_dim], dim=-1)
     if layer.fused_rotary:
-        q, k = cpu_kernels.rotary_qk(qkv, cos, sin, s.num_heads, s.num_kv_heads)
+        q, k = cpu_ops.rotary_qk(qkv, cos, sin, s.num_heads, s.num_kv_heads)
     else:
         q = apply_rotary(q.view(num_tokens, s.num_heads, s.head_dim), cos, sin)
         k = apply_rotary(k.view(num_tokens, s.num_kv_heads, s.head_dim), cos, sin)

@@ -1,5 +1,5 @@
 """Linear layers on CPU with their weights pre-packed for the kernel extension's
-matmul, `pagedserve::packed_linear` (see worker.cpu_linear_source): bfloat16 on
+matmul, `pagedserve::packed_linear` (see worker/csrc/packed_linear.cpp): bfloat16 on
 CPUs with AVX512-BF16, float32 on any AVX-512 CPU.
 
 A weight [N, K] is packed once at load time into panels of 16 output columns,
@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from worker.attention import cpu_kernels
+from worker.kernels import cpu_ops
 
 PANEL = 16  # output columns per panel (one AVX-512 register of float32)
 GATED_BLOCK = 2  # gate panels per block of a gated packing (GATED_PANELS / 2 in the C++ source)
@@ -23,7 +23,7 @@ GATED_BLOCK = 2  # gate panels per block of a gated packing (GATED_PANELS / 2 in
 
 def packing_supported(weight: torch.Tensor) -> bool:
     return (weight.device.type == "cpu" and weight.dim() == 2
-            and cpu_kernels.packed_linear_available(weight.dtype))
+            and cpu_ops.packed_linear_available(weight.dtype))
 
 
 def step_unit(dtype: torch.dtype) -> int:

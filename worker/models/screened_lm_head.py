@@ -1,5 +1,5 @@
 """The int16 screen of a float32 lm_head for greedy steps (`screened_argmax` in
-`worker.cpu_argmax_source`): W [N, K] scaled per column into int16, packed
+`worker/csrc/lm_head_argmax.cpp`): W [N, K] scaled per column into int16, packed
 like a bfloat16 weight ([ceil(N / 16), ceil(K / 2), 16, 2], the operand layout of
 `vpdpwssd`), with each column's scale, its largest rounding error and its l1 norm,
 which bound how far the int16 logits can be from the float32 ones.
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.attention import cpu_kernels
+from worker.kernels import cpu_ops
 from worker.models.packed_linear import panels
 
 ROW_LEVELS = 2047  # SCREEN_ROW_LEVELS in the C++ source
@@ -33,7 +33,7 @@ class ScreenedLmHead:
 
     def argmax(self, hidden: torch.Tensor, float_packed: torch.Tensor) -> torch.Tensor:
         """Each row's argmax of hidden @ W.T, as `pagedserve::packed_linear_argmax` gives it."""
-        module = cpu_kernels.load()
+        module = cpu_ops.load()
         return module.screened_argmax(hidden, self.packed, self.col_scale, self.col_error, self.col_l1,
                                       self.weight, float_packed, self.weight.shape[0])
 
@@ -45,7 +45,7 @@ def weight_levels(in_features: int) -> int:
 
 def screen_lm_head(weight: torch.Tensor) -> ScreenedLmHead | None:
     """The screen of a float32 CPU lm_head [N, K], or None where it cannot run or help."""
-    module = cpu_kernels.load() if weight.device.type == "cpu" else None
+    module = cpu_ops.load() if weight.device.type == "cpu" else None
     if (module is None or weight.dtype != torch.float32 or weight.dim() != 2
             or not module.screened_argmax_available() or not torch.isfinite(weight).all()):
         return None

@@ -1,53 +1,54 @@
-"""Prefill scoring against transposed keys, the part of the CPU paged attention
-kernel's C++ source shared by float32 (here) and bfloat16 (`cpu_attention_bf16`);
-`cpu_attention_source` puts the pieces together.
+// Prefill scoring against transposed keys, shared by float32 (here: run_item_f32) and bfloat16
+// (attention_bf16.h). Items of at least TRANSPOSED_MIN_ROWS query rows per KV head (head_dim a
+// multiple of 16) score without horizontal sums: the 16 keys of a chunk are transposed once per
+// KV head into key lanes, and every query row of that head adds its broadcast query elements
+// times those lanes into one register of 16 scores, so one transpose serves all the rows of the
+// head. A span of SCORE_CHUNKS chunks is scored at once (SCORE_ROWS rows x SCORE_CHUNKS chunks
+// of accumulators); the rows' query elements are transposed into lanes once per item. Values are
+// weighed over the same spans (`weigh_values<SCORE_CHUNKS>`); softmax is run_item_avx512's. The
+// results are bit for bit those of the one-chunk path. Decode items keep `score_chunk`.
+#pragma once
 
-Prefill items (at least TRANSPOSED_MIN_ROWS query rows per KV head, head_dim a
-multiple of 16) score without horizontal sums: the 16 keys of a chunk are
-transposed once per KV head into key lanes, and every query row of that head
-then adds its broadcast query elements times those lanes into one register of
-16 scores. One transpose serves all the rows of the head (24 in a SmolLM2
-tile). In float32, register d of the transpose holds dim d of the 16 keys and
-each step is one FMA; `score_chunk`'s 16 accumulators and transposing
-horizontal sum per row and chunk cost about as much shuffling as multiplying,
-and prefill attention ran at a quarter of the FMA peak with them. Decode
-items, bound by memory and with three rows per head, keep `score_chunk`.
+#include "attention_avx512.h"
 
-A span of three chunks is scored at once, 8 rows x 3 chunks of accumulators,
-so that each key register loaded serves 8 rows and each broadcast query
-element 3 chunks; the rows' query elements are transposed into lanes once
-per item (`transpose_dwords`, as the keys) so that one pointer reaches them all. The values are
-weighed over the same spans (`weigh_values<SCORE_CHUNKS>`: the accumulators
-stay in registers over 48 keys instead of 16). Against one chunk by 8 rows
-(one key register per 8 FMAs, the query rows through 8 spilled pointers),
-float32 prefill attention took 0.85 of the time, and 0.80 together with
-tiles of 16 tokens instead of 8 (`TILE_ROWS`): 4,453 tokens of 14 prompts of
-32-512, median of 12 alternating pairs in one process; 512-token chunks over
-3,500-4,200 positions of context 0.77. The results are bit for bit the same.
-Softmax is `run_item_avx512`'s.
-"""
+namespace {
 
-TRANSPOSED_PATH = r"""
 // Rows per KV head from which an item takes the transposed scoring: below, the transpose costs
 // about what it saves (and decode items, bound by memory, went no faster with it).
 constexpr int64_t TRANSPOSED_MIN_ROWS = 6;
 #if defined(__AVX512F__)
-constexpr int SCORE_ROWS = 8;    // query rows scored together
-constexpr int SCORE_CHUNKS = 3;  // key chunks scored together: 8 x 3 accumulators + 3 key registers
+constexpr int SCORE_ROWS = 8;                     // query rows scored together
+constexpr int SCORE_CHUNKS = 3;                   // key chunks scored together: 8 x 3 accumulators + 3 key registers
 constexpr int64_t SPAN_KEYS = SCORE_CHUNKS * 16;  // keys transposed and scored together
 
 // Calls f(std::integral_constant<int, R>{}) with R = count (1 .. SCORE_ROWS): fixed-size row loops unroll.
 template <typename F>
 inline void with_rows(int64_t count, F&& f) {
   switch (count) {
-    case 8: f(std::integral_constant<int, 8>{}); break;
-    case 7: f(std::integral_constant<int, 7>{}); break;
-    case 6: f(std::integral_constant<int, 6>{}); break;
-    case 5: f(std::integral_constant<int, 5>{}); break;
-    case 4: f(std::integral_constant<int, 4>{}); break;
-    case 3: f(std::integral_constant<int, 3>{}); break;
-    case 2: f(std::integral_constant<int, 2>{}); break;
-    default: f(std::integral_constant<int, 1>{}); break;
+    case 8:
+      f(std::integral_constant<int, 8>{});
+      break;
+    case 7:
+      f(std::integral_constant<int, 7>{});
+      break;
+    case 6:
+      f(std::integral_constant<int, 6>{});
+      break;
+    case 5:
+      f(std::integral_constant<int, 5>{});
+      break;
+    case 4:
+      f(std::integral_constant<int, 4>{});
+      break;
+    case 3:
+      f(std::integral_constant<int, 3>{});
+      break;
+    case 2:
+      f(std::integral_constant<int, 2>{});
+      break;
+    default:
+      f(std::integral_constant<int, 1>{});
+      break;
   }
 }
 
@@ -67,7 +68,8 @@ inline void transpose16(__m512i* r) {
   }
   for (int e = 0; e < 4; ++e) {
     const __m512i a = _mm512_shuffle_i32x4(u[e], u[4 + e], 0x88), b = _mm512_shuffle_i32x4(u[e], u[4 + e], 0xDD);
-    const __m512i c = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0x88), d = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0xDD);
+    const __m512i c = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0x88),
+                  d = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0xDD);
     r[e] = _mm512_shuffle_i32x4(a, c, 0x88);
     r[8 + e] = _mm512_shuffle_i32x4(a, c, 0xDD);
     r[4 + e] = _mm512_shuffle_i32x4(b, d, 0x88);
@@ -89,9 +91,8 @@ inline void transpose_blocks(int64_t dwords, float* kt, int64_t ld, Load&& load)
 
 // The raw dwords of the keys' rows: for float32, row d holds dim d; for bf16 pairs, dims 2p and 2p + 1.
 inline void transpose_dwords(const void* const* keys, int64_t dwords, float* kt, int64_t ld) {
-  transpose_blocks(dwords, kt, ld, [&](int j, int64_t b) {
-    return _mm512_loadu_si512(static_cast<const uint32_t*>(keys[j]) + b);
-  });
+  transpose_blocks(dwords, kt, ld,
+                   [&](int j, int64_t b) { return _mm512_loadu_si512(static_cast<const uint32_t*>(keys[j]) + b); });
 }
 
 // bfloat16 keys widened to float32 (F32Dot over a bfloat16 cache): row d holds dim d.
@@ -103,9 +104,15 @@ inline void transpose_widened(const c10::BFloat16* const* keys, int64_t dim, flo
 template <typename F>
 inline void with_chunks(int64_t chunks, F&& f) {
   switch (chunks) {
-    case 3: f(std::integral_constant<int, 3>{}); break;
-    case 2: f(std::integral_constant<int, 2>{}); break;
-    default: f(std::integral_constant<int, 1>{}); break;
+    case 3:
+      f(std::integral_constant<int, 3>{});
+      break;
+    case 2:
+      f(std::integral_constant<int, 2>{});
+      break;
+    default:
+      f(std::integral_constant<int, 1>{});
+      break;
   }
 }
 
@@ -120,8 +127,7 @@ struct F32Dot {
 // the rows' query elements step by step ([steps][16], rows in the first lanes), so that one
 // pointer reaches them all.
 template <typename Dot, int R, int C>
-inline void score_tile(const typename Dot::Unit* qt, const float* kt, int64_t steps, float scale,
-                       float* const* out) {
+inline void score_tile(const typename Dot::Unit* qt, const float* kt, int64_t steps, float scale, float* const* out) {
   __m512 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
@@ -163,29 +169,31 @@ void run_item_transposed(const Problem<Q, T>& p, const WorkItem& item, Scratch& 
       }
       transpose_dwords(q, steps, s.queries.data() + (h * groups + k / SCORE_ROWS) * steps * 16, 16);
     }
-  for_each_span_head<SCORE_CHUNKS>(p, p.k_cache, item, g, zero_row, [&](int64_t offset, int64_t h,
-                                                                       const T* const* head_rows, int64_t chunks) {
-    // The keys' raw dwords are the Dot's units (float32, or bf16 pairs for vdpbf16ps) unless F32Dot
-    // reads a bfloat16 cache.
-    constexpr bool kWiden = std::is_same_v<Dot, F32Dot> && !std::is_same_v<T, float>;
-    for (int64_t c = 0; c < chunks; ++c) {
-      const T* const* keys = head_rows + c * CHUNK;
-      if constexpr (kWiden) transpose_widened(keys, steps, kt + c * CHUNK, SPAN_KEYS);
-      else transpose_dwords(reinterpret_cast<const void* const*>(keys), steps, kt + c * CHUNK, SPAN_KEYS);
-    }
-    const int64_t* mine = s.head_rows.data() + h * per_head;
-    for (int64_t k = 0; k < per_head; k += SCORE_ROWS) {
-      const int64_t count = std::min<int64_t>(SCORE_ROWS, per_head - k);
-      float* out[SCORE_ROWS];
-      for (int64_t i = 0; i < count; ++i) out[i] = s.scores.data() + mine[k + i] * g.stride + offset;
-      const U* rows_qt = qt + (h * groups + k / SCORE_ROWS) * steps * 16;
-      with_rows(count, [&](auto r) {
-        with_chunks(chunks, [&](auto c) {
-          score_tile<Dot, decltype(r)::value, decltype(c)::value>(rows_qt, kt, steps, p.scale, out);
-        });
+  for_each_span_head<SCORE_CHUNKS>(
+      p, p.k_cache, item, g, zero_row, [&](int64_t offset, int64_t h, const T* const* head_rows, int64_t chunks) {
+        // The keys' raw dwords are the Dot's units (float32, or bf16 pairs for vdpbf16ps) unless F32Dot
+        // reads a bfloat16 cache.
+        constexpr bool kWiden = std::is_same_v<Dot, F32Dot> && !std::is_same_v<T, float>;
+        for (int64_t c = 0; c < chunks; ++c) {
+          const T* const* keys = head_rows + c * CHUNK;
+          if constexpr (kWiden)
+            transpose_widened(keys, steps, kt + c * CHUNK, SPAN_KEYS);
+          else
+            transpose_dwords(reinterpret_cast<const void* const*>(keys), steps, kt + c * CHUNK, SPAN_KEYS);
+        }
+        const int64_t* mine = s.head_rows.data() + h * per_head;
+        for (int64_t k = 0; k < per_head; k += SCORE_ROWS) {
+          const int64_t count = std::min<int64_t>(SCORE_ROWS, per_head - k);
+          float* out[SCORE_ROWS];
+          for (int64_t i = 0; i < count; ++i) out[i] = s.scores.data() + mine[k + i] * g.stride + offset;
+          const U* rows_qt = qt + (h * groups + k / SCORE_ROWS) * steps * 16;
+          with_rows(count, [&](auto r) {
+            with_chunks(chunks, [&](auto c) {
+              score_tile<Dot, decltype(r)::value, decltype(c)::value>(rows_qt, kt, steps, p.scale, out);
+            });
+          });
+        }
       });
-    }
-  });
   softmax_rows(p, g, s);
   weigh_values<SCORE_CHUNKS>(p, item, g, s, zero_row, [] {});
   write_output(p, g, s);
@@ -199,7 +207,10 @@ void run_item_f32(const Problem<float, T>& p, const WorkItem& item, Scratch& s) 
 constexpr bool kHaveTransposedPath = true;
 #else
 template <typename T>
-void run_item_f32(const Problem<float, T>& p, const WorkItem& item, Scratch& s) { run_item_portable(p, item, s); }
+void run_item_f32(const Problem<float, T>& p, const WorkItem& item, Scratch& s) {
+  run_item_portable(p, item, s);
+}
 constexpr bool kHaveTransposedPath = false;
 #endif
-"""
+
+}  // namespace

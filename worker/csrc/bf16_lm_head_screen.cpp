@@ -1,11 +1,10 @@
-"""The C++ entry points of the bfloat16 lm_head screen (after
-`worker.cpu_bf16_screen_source`, whose rows, sinks and settling they run):
-`screened_bf16_argmax`, the greedy tokens, and `bf16_screen_bounds`, every
-column's approximate logit with its bound, through which tests check the
-bound's claim column by column.
-"""
+// The entry points of the bfloat16 lm_head screen (bf16_screen.h): the greedy tokens of bf16 rows
+// through the int8 screen, and every column's bound for the tests.
+#include <deque>
+#include <mutex>
 
-BF16_SCREEN_ENTRY_SOURCE = r"""
+#include "bf16_screen.h"
+
 namespace {
 
 // The arguments of screened_bf16_argmax checked against each other; x's rows.
@@ -19,21 +18,26 @@ torch::Tensor checked_screen(const torch::Tensor& x, const torch::Tensor& weight
   torch::Tensor rows = checked_rows(x, packed, out_features, c10::nullopt, false);
   const int64_t k = x.size(-1), pairs = packed.size(1), panels = packed.size(0);
   TORCH_CHECK(screen_packed.scalar_type() == at::kChar && screen_packed.dim() == 4 && screen_packed.size(0) == panels &&
-              screen_packed.size(2) == 16 && screen_packed.size(3) == 4 && screen_packed.is_contiguous(),
+                  screen_packed.size(2) == 16 && screen_packed.size(3) == 4 && screen_packed.is_contiguous(),
               "screen_packed must be [panels, rest / 4, 16, 4] int8");
   TORCH_CHECK(outlier_packed.scalar_type() == at::kBFloat16 && outlier_packed.dim() == 4 &&
-              outlier_packed.size(0) == panels && outlier_packed.size(2) == 16 && outlier_packed.size(3) == 2 &&
-              outlier_packed.is_contiguous(), "outlier_packed must be [panels, outliers / 2, 16, 2] bfloat16");
+                  outlier_packed.size(0) == panels && outlier_packed.size(2) == 16 && outlier_packed.size(3) == 2 &&
+                  outlier_packed.is_contiguous(),
+              "outlier_packed must be [panels, outliers / 2, 16, 2] bfloat16");
   TORCH_CHECK(rest.scalar_type() == at::kLong && rest.dim() == 1 && rest.size(0) == 4 * screen_packed.size(1) &&
-              outliers.scalar_type() == at::kLong && outliers.dim() == 1 && outliers.size(0) == 2 * outlier_packed.size(1),
+                  outliers.scalar_type() == at::kLong && outliers.dim() == 1 &&
+                  outliers.size(0) == 2 * outlier_packed.size(1),
               "rest and outliers must list the packings' channels (int64)");
   TORCH_CHECK(rest.max().item<int64_t>() < k && outliers.max().item<int64_t>() < k, "a channel is out of range");
   TORCH_CHECK(column_terms.scalar_type() == at::kFloat && column_terms.dim() == 2 && column_terms.size(0) == 5 &&
-              column_terms.size(1) == panels * 16 && column_terms.is_contiguous(), "column_terms must be [5, panels x 16]");
-  TORCH_CHECK(offset_share.scalar_type() == at::kInt && offset_share.numel() == panels * 16 && offset_share.is_contiguous(),
-              "offset_share must be int32 [panels x 16]");
+                  column_terms.size(1) == panels * 16 && column_terms.is_contiguous(),
+              "column_terms must be [5, panels x 16]");
+  TORCH_CHECK(
+      offset_share.scalar_type() == at::kInt && offset_share.numel() == panels * 16 && offset_share.is_contiguous(),
+      "offset_share must be int32 [panels x 16]");
   TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.dim() == 2 && weight.size(0) == out_features &&
-              weight.size(1) == 2 * pairs && weight.is_contiguous(), "weight must be a contiguous bf16 [N, K], K even");
+                  weight.size(1) == 2 * pairs && weight.is_contiguous(),
+              "weight must be a contiguous bf16 [N, K], K even");
   TORCH_CHECK(out_features * pairs < (int64_t{1} << 31), "the lm_head is too large for 32-bit gathers");
   return rows;
 }
@@ -50,27 +54,41 @@ struct ScreenInputs {
 
   ScreenInputs(const torch::Tensor& rows, int64_t k, int64_t pairs, const torch::Tensor& rest,
                const torch::Tensor& outliers, const torch::Tensor& column_terms, const torch::Tensor& offset_share)
-      : m(rows.size(0)), rest_count(rest.size(0)), outlier_pairs(outliers.size(0) / 2),
-        levels(m * rest_count), outlier_x(m * 2 * outlier_pairs), info(m) {
+      : m(rows.size(0)),
+        rest_count(rest.size(0)),
+        outlier_pairs(outliers.size(0) / 2),
+        levels(m * rest_count),
+        outlier_x(m * 2 * outlier_pairs),
+        info(m) {
     const c10::BFloat16* xr = reinterpret_cast<const c10::BFloat16*>(rows.data_ptr());
     std::atomic<bool> all_finite{true};
     at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r)
-        if (!split_row(xr + r * 2 * pairs, k, pairs, rest.data_ptr<int64_t>(), rest_count,
-                       outliers.data_ptr<int64_t>(), 2 * outlier_pairs, levels.data() + r * rest_count,
-                       outlier_x.data() + r * 2 * outlier_pairs, info[r]))
+        if (!split_row(xr + r * 2 * pairs, k, pairs, rest.data_ptr<int64_t>(), rest_count, outliers.data_ptr<int64_t>(),
+                       2 * outlier_pairs, levels.data() + r * rest_count, outlier_x.data() + r * 2 * outlier_pairs,
+                       info[r]))
           all_finite = false;
     });
     finite = all_finite;
     const float* terms = column_terms.data_ptr<float>();
     const int64_t width = column_terms.size(1);
-    columns = {terms, terms + width, terms + 2 * width, terms + 3 * width, terms + 4 * width,
+    columns = {terms,
+               terms + width,
+               terms + 2 * width,
+               terms + 3 * width,
+               terms + 4 * width,
                offset_share.data_ptr<int32_t>()};
   }
 
   Bf16ScreenSink sink(const torch::Tensor& outlier_packed, ScreenPart* part) const {
-    return {info.data(), reinterpret_cast<const uint32_t*>(outlier_x.data()),
-            reinterpret_cast<const uint32_t*>(outlier_packed.data_ptr()), outlier_pairs, columns, part, 0, 0};
+    return {info.data(),
+            reinterpret_cast<const uint32_t*>(outlier_x.data()),
+            reinterpret_cast<const uint32_t*>(outlier_packed.data_ptr()),
+            outlier_pairs,
+            columns,
+            part,
+            0,
+            0};
   }
 
   // The int8 tiles over every row and column, into the sinks sink_for(thread slot) gives.
@@ -88,14 +106,13 @@ struct ScreenInputs {
 // Greedy tokens of bf16 x [m, K] through the lm_head screen (see the module docstring): {chosen [m],
 // counts [m] (tokens in each row's near-top window), candidate_rows, candidate_tokens (the windows of
 // rows with counts > 1, ascending)}, as `near_top_scan` of the plain logits gives them; empty when a
-// row is not finite. `weight`: W [N, K] (K even); `packed`: its bf16 packing; `screen_packed` [panels, rest / 4, 16, 4] int8;
-// `outlier_packed` [panels, outliers / 2, 16, 2] bf16; `rest`/`outliers`: x's channels in the
-// packings' order (-1: padding); `column_terms` float32 [5, panels x 16]: scale, weight error, l1
-// of the rest, l1 of the outliers, l1; `offset_share` int32 [panels x 16].
+// row is not finite. `weight`: W [N, K] (K even); `packed`: its bf16 packing; `screen_packed` [panels, rest / 4, 16, 4]
+// int8; `outlier_packed` [panels, outliers / 2, 16, 2] bf16; `rest`/`outliers`: x's channels in the packings' order
+// (-1: padding); `column_terms` float32 [5, panels x 16]: scale, weight error, l1 of the rest, l1 of the outliers, l1;
+// `offset_share` int32 [panels x 16].
 std::vector<torch::Tensor> screened_bf16_argmax(torch::Tensor x, torch::Tensor weight, torch::Tensor packed,
-                                                torch::Tensor screen_packed,
-                                                torch::Tensor outlier_packed, torch::Tensor rest,
-                                                torch::Tensor outliers, torch::Tensor column_terms,
+                                                torch::Tensor screen_packed, torch::Tensor outlier_packed,
+                                                torch::Tensor rest, torch::Tensor outliers, torch::Tensor column_terms,
                                                 torch::Tensor offset_share, int64_t out_features, double model_eps,
                                                 double model_tiny) {
   const torch::Tensor rows = checked_screen(x, weight, packed, screen_packed, outlier_packed, rest, outliers,
@@ -187,4 +204,3 @@ bool bf16_screen_available() {
   return false;
 #endif
 }
-"""

@@ -1,19 +1,14 @@
-"""C++ helpers of the CPU kernel extension for rounding like eager bfloat16 PyTorch,
-and the gated MLP's activation `silu(gate) * up` on them (used by the gated matmul's
-epilogue in `worker.cpu_linear_source`; the rotary source uses the rounding). Built
-by `worker.attention.cpu_kernels` after the attention source, whose `exp_ps` (which
-overflows to inf like exp) it uses.
+// Rounding like eager bfloat16 PyTorch (`round_to_bf16`, `round_bf16_ps`, `bf16_bits`), and the
+// gated MLP's activation `silu(gate) * up` on it (`silu_mul_bf16`, the gated matmul's epilogue).
+// The activation rounds where eager bfloat16 PyTorch rounds: silu in float32 rounded to
+// bfloat16, then the product rounded again (round to nearest even, as c10::BFloat16). Eager
+// computes silu as x / (1 + exp(-x)) with SLEEF's exp; the polynomial exp_ps differs from it in
+// the last bits of float32, which changes a bfloat16 result only when it sits on a rounding
+// boundary (the tests compare bit for bit).
+#pragma once
 
-The activation rounds where eager bfloat16 PyTorch rounds: silu in float32 rounded to
-bfloat16, then the product rounded again (round to nearest even, as c10::BFloat16).
-Eager and inductor compute silu as x / (1 + exp(-x)) with SLEEF's exp, about 70
-cycles for 16 values on this machine; the polynomial exp here differs from SLEEF's
-in the last bits of float32, which changes a bfloat16 result only when it sits on a
-rounding boundary (none of 6.3 million random values did; the tests compare bit for
-bit).
-"""
+#include "vector_helpers.h"
 
-ACTIVATION_SOURCE = r"""
 namespace {
 
 inline float round_to_bf16(float x) {  // c10::BFloat16's rounding, kept in a float
@@ -28,7 +23,8 @@ inline __m512 round_bf16_ps(__m512 x) {
   const __m512i rounded = _mm512_and_si512(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))),
                                            _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
   const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-  return _mm512_mask_blend_ps(nan, _mm512_castsi512_ps(rounded), _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
+  return _mm512_mask_blend_ps(nan, _mm512_castsi512_ps(rounded),
+                              _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
 }
 
 // The 16 bf16 values held exactly in floats (rounded above), as bf16 bits: their top halves.
@@ -46,4 +42,3 @@ inline __m512 silu_mul_bf16(__m512 g, __m512 up) {
 #endif
 
 }  // namespace
-"""

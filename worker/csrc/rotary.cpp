@@ -1,24 +1,18 @@
-"""C++ source of the rotary embedding of q and k in bfloat16 (HF's rotate_half layout),
-built into the CPU kernel extension by `worker.attention.cpu_kernels` after the
-activation source, whose `round_bf16_ps`, `bf16_bits` and `round_to_bf16` it uses, and registered
-as the operator `pagedserve::rotary_qk` so that compiled graphs call it without going
-through Python.
+// The rotary embedding of q and k in bfloat16 (HF's rotate_half layout), registered as the
+// operator `pagedserve::rotary_qk` so that compiled graphs call it without going through Python.
+// It reads q and k straight out of the fused qkv projection and writes them contiguous, rounding
+// where eager bfloat16 PyTorch rounds (`x * cos` and `rotate_half(x) * sin` each rounded to
+// bfloat16, then their sum): bit for bit `worker.models.rotary.apply_rotary`.
+#include "bf16_rounding.h"
+#include "kernels.h"
+#include "op_namespace.h"
 
-It reads q and k straight out of the fused qkv projection and writes them
-contiguous, rounding where eager bfloat16 PyTorch rounds (`x * cos` and
-`rotate_half(x) * sin` each rounded to bfloat16, then their sum): bit for bit
-`worker.models.rotary.apply_rotary`. Inductor's fused version of the same
-expression took 2.6 ms a layer for a 4,096-token step (its `cat` of the two
-halves does not vectorize); this one about a tenth of that.
-"""
-
-ROTARY_SOURCE = r"""
 namespace {
 
 // One head: out[i] = x[i] * cos[i] - x[i + half] * sin[i], out[i + half] = x[i + half] * cos[i + half]
 // + x[i] * sin[i + half], each product and the sum rounded to bf16.
-inline void rotate_head(const c10::BFloat16* x, const c10::BFloat16* cos, const c10::BFloat16* sin,
-                        c10::BFloat16* out, int64_t half) {
+inline void rotate_head(const c10::BFloat16* x, const c10::BFloat16* cos, const c10::BFloat16* sin, c10::BFloat16* out,
+                        int64_t half) {
   int64_t i = 0;
 #if defined(__AVX512F__)
   auto store = [](c10::BFloat16* dst, __m512 rounded) {
@@ -37,7 +31,8 @@ inline void rotate_head(const c10::BFloat16* x, const c10::BFloat16* cos, const 
   for (; i < half; ++i) {
     const float x1 = load_float(x + i), x2 = load_float(x + half + i);
     const float first = round_to_bf16(x1 * load_float(cos + i)) - round_to_bf16(x2 * load_float(sin + i));
-    const float second = round_to_bf16(x2 * load_float(cos + half + i)) + round_to_bf16(x1 * load_float(sin + half + i));
+    const float second =
+        round_to_bf16(x2 * load_float(cos + half + i)) + round_to_bf16(x1 * load_float(sin + half + i));
     out[i] = static_cast<c10::BFloat16>(first);
     out[half + i] = static_cast<c10::BFloat16>(second);
   }
@@ -50,8 +45,9 @@ inline void rotate_head(const c10::BFloat16* x, const c10::BFloat16* cos, const 
 std::tuple<torch::Tensor, torch::Tensor> rotary_qk(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
                                                    int64_t heads, int64_t kv_heads) {
   TORCH_CHECK(qkv.device().is_cpu() && cos.device().is_cpu() && sin.device().is_cpu(), "rotary_qk runs on CPU tensors");
-  TORCH_CHECK(qkv.scalar_type() == at::kBFloat16 && cos.scalar_type() == at::kBFloat16 &&
-              sin.scalar_type() == at::kBFloat16, "rotary_qk takes bfloat16");
+  TORCH_CHECK(
+      qkv.scalar_type() == at::kBFloat16 && cos.scalar_type() == at::kBFloat16 && sin.scalar_type() == at::kBFloat16,
+      "rotary_qk takes bfloat16");
   TORCH_CHECK(cos.dim() == 2 && sin.sizes() == cos.sizes() && cos.size(1) % 2 == 0,
               "cos/sin must be [tokens, head_dim] with an even head_dim");
   TORCH_CHECK(qkv.dim() == 2 && qkv.size(0) == cos.size(0), "qkv must be [tokens, features] matching cos/sin");
@@ -80,8 +76,7 @@ std::tuple<torch::Tensor, torch::Tensor> rotary_qk(torch::Tensor qkv, torch::Ten
   return {q, k};
 }
 
-TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
+TORCH_LIBRARY_FRAGMENT(PAGEDSERVE_OPS, m) {
   m.def("rotary_qk(Tensor qkv, Tensor cos, Tensor sin, int heads, int kv_heads) -> (Tensor, Tensor)");
 }
-TORCH_LIBRARY_IMPL(pagedserve, CPU, m) { m.impl("rotary_qk", &rotary_qk); }
-"""
+TORCH_LIBRARY_IMPL(PAGEDSERVE_OPS, CPU, m) { m.impl("rotary_qk", &rotary_qk); }

@@ -1,30 +1,21 @@
-"""C++ source of the greedy lm_head of the CPU kernel extension (after
-`worker.cpu_linear_source`, whose matmul driver it reuses): each row's argmax of
-x @ W.T without the [rows, vocab] logits. `pagedserve::packed_linear_argmax`
-runs the float32 packed matmul into a running argmax; `screened_argmax` finds
-the same column with int16 dot products first.
-
-The float32 lm_head of a greedy step is the largest matmul of a decode step
-(49,152 columns for SmolLM2). On CPUs with AVX512-VNNI, `vpdpwssd` multiplies
-pairs of int16 into int32 at twice float32's FMA rate from half the bytes.
-Each row of x is scaled into int16 (|q| <= 2047) and W was scaled per column at
-load time (`worker.models.screened_lm_head`), so every column gets an
-approximate logit and a rigorous bound on its distance to the float32 logit
-the plain kernel computes: the rounding of x and of W (the largest per-element
-errors times the l1 norms of the other factor) plus float32's own summation
-error (gamma_K times max|x| times ||W_n||_1), with slack for the rounding of the
-bound itself. Only columns whose upper bound reaches the largest lower bound of
-their row can be its argmax; they are computed again exactly as
-`packed_linear_argmax` computes them (bias-free FMAs in K order, one rounding
-each), and the argmax follows its rules (the first of equal values). On W1's
-decode rows that leaves 1-37 columns of 49,152 (4 on average). A row that is
-not finite or all zero (no usable scale) sends the whole call to the plain
-kernel.
-"""
-
-ARGMAX_SOURCE = r"""
+// The greedy lm_head: each row's argmax of x @ W.T without the [rows, vocab] logits.
+// `pagedserve::packed_linear_argmax` runs the float32 packed matmul into a running argmax;
+// `screened_argmax` finds the same column with int16 dot products first (CPUs with
+// AVX512-VNNI: vpdpwssd). Each row of x is scaled into int16 (|q| <= 2047) and W was scaled per
+// column at load time (`worker.models.screened_lm_head`), so every column gets an approximate
+// logit and a rigorous bound on its distance to the float32 logit the plain kernel computes: the
+// rounding of x and of W (the largest per-element errors times the l1 norms of the other factor)
+// plus float32's own summation error (gamma_K times max|x| times ||W_n||_1), with slack for the
+// rounding of the bound itself. Only columns whose upper bound reaches the largest lower bound of
+// their row can be its argmax; they are computed again exactly as `packed_linear_argmax` computes
+// them (bias-free FMAs in K order, one rounding each), and the argmax follows its rules (the first
+// of equal values). A row that is not finite or all zero (no usable scale) sends the whole call
+// to the plain kernel.
 #include <deque>
 #include <mutex>
+
+#include "op_namespace.h"
+#include "screen_parts.h"
 
 namespace {
 
@@ -86,27 +77,30 @@ torch::Tensor packed_linear_argmax(torch::Tensor x, torch::Tensor packed, int64_
   std::deque<ArgmaxPart> parts;  // a deque: a thread's arrays never move while others are added
   linear_run<F32Math, false>(rows.data_ptr<float>(), m, packed.data_ptr<float>(), packed.size(0), packed.size(1),
                              nullptr, out_features, [&](int64_t) {
-    std::lock_guard<std::mutex> guard(lock);
-    parts.push_back({std::vector<float>(m, -std::numeric_limits<float>::infinity()),
-                     std::vector<int64_t>(m, out_features)});
-    return ArgmaxSink{parts.back().best.data(), parts.back().index.data(), 0};
-  });
+                               std::lock_guard<std::mutex> guard(lock);
+                               parts.push_back({std::vector<float>(m, -std::numeric_limits<float>::infinity()),
+                                                std::vector<int64_t>(m, out_features)});
+                               return ArgmaxSink{parts.back().best.data(), parts.back().index.data(), 0};
+                             });
   int64_t* out = indices.data_ptr<int64_t>();
   for (int64_t r = 0; r < m; ++r) {
     float top = -std::numeric_limits<float>::infinity();
     int64_t column = out_features;  // none yet: a row of -inf ends at column 0 below
     for (const ArgmaxPart& part : parts)
-      if (argmax_takes(part.best[r], part.index[r], top, column)) { top = part.best[r]; column = part.index[r]; }
+      if (argmax_takes(part.best[r], part.index[r], top, column)) {
+        top = part.best[r];
+        column = part.index[r];
+      }
     out[r] = column == out_features ? 0 : column;
   }
 #endif
   return indices;
 }
 
-TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
+TORCH_LIBRARY_FRAGMENT(PAGEDSERVE_OPS, m) {
   m.def("packed_linear_argmax(Tensor x, Tensor packed, int out_features) -> Tensor");
 }
-TORCH_LIBRARY_IMPL(pagedserve, CPU, m) { m.impl("packed_linear_argmax", &packed_linear_argmax); }
+TORCH_LIBRARY_IMPL(PAGEDSERVE_OPS, CPU, m) { m.impl("packed_linear_argmax", &packed_linear_argmax); }
 
 bool screened_argmax_available();
 
@@ -115,49 +109,6 @@ namespace {
 constexpr float SCREEN_ROW_LEVELS = 2047.0f;  // |q| of a row of x; the weight's levels keep K q q' < 2^31
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-// int16 pairs into vpdpwssd; the accumulators hold int32 bit patterns in float registers.
-struct I16Math {
-  using Unit = uint32_t;
-  using Vec = __m512i;
-  using Out = float;
-  static constexpr int64_t ROW_BLOCK = 256;
-  static inline Vec load(const uint32_t* p) { return _mm512_loadu_si512(p); }
-  static inline Vec broadcast(uint32_t x) { return _mm512_set1_epi32(static_cast<int>(x)); }
-  static inline __m512 madd(__m512 acc, Vec a, Vec b) {
-    return _mm512_castsi512_ps(_mm512_dpwssd_epi32(_mm512_castps_si512(acc), a, b));
-  }
-};
-
-// What the bound of a row needs: its scale, sum |scale q| (times a column's largest weight
-// error) and its largest element error plus float32's summation error per |x| (times ||W_n||_1).
-struct ScreenRow {
-  float scale, quantized_l1, error_per_weight_l1;
-};
-
-// One thread's columns that may still be a row's argmax: (upper bound, column), and the largest
-// lower bound it has seen; a column is kept while its upper bound reaches that.
-struct ScreenPart {
-  std::vector<float> lower;
-  std::vector<std::vector<std::pair<float, int32_t>>> kept;
-};
-
-// Folds the bounds of 16 columns (from `first`) of a row into a part: the row's largest lower bound
-// so far, and the columns whose upper bound reaches floor(that lower bound); floor must not decrease.
-template <typename Floor>
-inline void keep_columns(ScreenPart* part, int64_t row, int64_t first, __mmask16 valid, __m512 approx, __m512 bound,
-                         Floor floor) {
-  float& lower = part->lower[row];
-  lower = std::max(lower, _mm512_mask_reduce_max_ps(valid, _mm512_sub_ps(approx, bound)));
-  const __m512 upper = _mm512_add_ps(approx, bound);
-  __mmask16 keep = _mm512_mask_cmp_ps_mask(valid, upper, _mm512_set1_ps(floor(lower)), _CMP_GE_OQ);
-  alignas(64) float uppers[16];
-  _mm512_store_ps(uppers, upper);
-  for (; keep; keep &= keep - 1) {
-    const int j = __builtin_ctz(keep);
-    part->kept[row].push_back({uppers[j], static_cast<int32_t>(first + j)});
-  }
-}
-
 struct ScreenSink {
   const ScreenRow* rows;
   const float *col_scale, *col_error, *col_l1;
@@ -169,11 +120,11 @@ struct ScreenSink {
     const int64_t first = col + v * LINEAR_LANES, row_index = row + r;
     const ScreenRow& x = rows[row_index];
     const __m512 dot = _mm512_cvtepi32_ps(_mm512_castps_si512(acc));
-    const __m512 approx = _mm512_mul_ps(dot, _mm512_mul_ps(_mm512_set1_ps(x.scale),
-                                                           _mm512_maskz_loadu_ps(valid, col_scale + first)));
-    __m512 bound = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(valid, col_error + first), _mm512_set1_ps(x.quantized_l1),
-                                   _mm512_mul_ps(_mm512_maskz_loadu_ps(valid, col_l1 + first),
-                                                 _mm512_set1_ps(x.error_per_weight_l1)));
+    const __m512 approx =
+        _mm512_mul_ps(dot, _mm512_mul_ps(_mm512_set1_ps(x.scale), _mm512_maskz_loadu_ps(valid, col_scale + first)));
+    __m512 bound = _mm512_fmadd_ps(
+        _mm512_maskz_loadu_ps(valid, col_error + first), _mm512_set1_ps(x.quantized_l1),
+        _mm512_mul_ps(_mm512_maskz_loadu_ps(valid, col_l1 + first), _mm512_set1_ps(x.error_per_weight_l1)));
     // Slack for the float32 rounding of the bound and of the approximation itself.
     bound = _mm512_fmadd_ps(bound, _mm512_set1_ps(1.001f),
                             _mm512_fmadd_ps(_mm512_abs_ps(approx), _mm512_set1_ps(1e-5f), _mm512_set1_ps(1e-30f)));
@@ -205,7 +156,8 @@ bool quantize_row(const float* x, int64_t k, int64_t pairs, int16_t* q, ScreenRo
     const float level = std::min(SCREEN_ROW_LEVELS, std::max(-SCREEN_ROW_LEVELS, std::nearbyint(x[p] * inverse)));
     q[p] = static_cast<int16_t>(level);
     quantized_l1 += std::fabs(static_cast<double>(scale) * level);
-    error = std::max(error, static_cast<float>(std::fabs(static_cast<double>(x[p]) - static_cast<double>(scale) * level)));
+    error =
+        std::max(error, static_cast<float>(std::fabs(static_cast<double>(x[p]) - static_cast<double>(scale) * level)));
   }
   for (int64_t p = k; p < 2 * pairs; ++p) q[p] = 0;
   // float32's summation error of the exact logit: gamma_K = K u / (1 - K u), u = 2^-24.
@@ -223,16 +175,18 @@ bool quantize_row(const float* x, int64_t k, int64_t pairs, int16_t* q, ScreenRo
 // 2] int16; per column its scale, largest rounding error and l1 norm): see the module docstring.
 // `packed` is W's float32 packing, for rows the screen cannot take.
 torch::Tensor screened_argmax(torch::Tensor x, torch::Tensor screen_packed, torch::Tensor col_scale,
-                              torch::Tensor col_error, torch::Tensor col_l1, torch::Tensor weight,
-                              torch::Tensor packed, int64_t out_features) {
+                              torch::Tensor col_error, torch::Tensor col_l1, torch::Tensor weight, torch::Tensor packed,
+                              int64_t out_features) {
   TORCH_CHECK(screened_argmax_available(), "screened_argmax needs a CPU with AVX512-VNNI");
   TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat, "screened_argmax takes float32");
   TORCH_CHECK(screen_packed.scalar_type() == at::kShort && screen_packed.dim() == 4 && screen_packed.size(2) == 16 &&
-              screen_packed.size(3) == 2 && screen_packed.is_contiguous(), "screen_packed must be [N / 16, K / 2, 16, 2] int16");
+                  screen_packed.size(3) == 2 && screen_packed.is_contiguous(),
+              "screen_packed must be [N / 16, K / 2, 16, 2] int16");
   const int64_t k = x.size(-1), pairs = screen_packed.size(1);
   TORCH_CHECK(weight.dim() == 2 && weight.size(0) == out_features && weight.size(1) == k && weight.is_contiguous(),
               "weight must be a contiguous [out_features, K] tensor");
-  TORCH_CHECK((k + 1) / 2 == pairs && (out_features + 15) / 16 == screen_packed.size(0), "screen_packed does not match");
+  TORCH_CHECK((k + 1) / 2 == pairs && (out_features + 15) / 16 == screen_packed.size(0),
+              "screen_packed does not match");
   for (const torch::Tensor* t : {&col_scale, &col_error, &col_l1})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 1 && t->size(0) >= out_features && t->is_contiguous(),
                 "column terms must be float32 [N]");
@@ -252,12 +206,17 @@ torch::Tensor screened_argmax(torch::Tensor x, torch::Tensor screen_packed, torc
   linear_run<I16Math, false>(reinterpret_cast<const uint32_t*>(quantized.data()), m,
                              reinterpret_cast<const uint32_t*>(screen_packed.data_ptr()), screen_packed.size(0), pairs,
                              nullptr, out_features, [&](int64_t) {
-    std::lock_guard<std::mutex> guard(lock);
-    parts.push_back({std::vector<float>(m, -std::numeric_limits<float>::infinity()),
-                     std::vector<std::vector<std::pair<float, int32_t>>>(m)});
-    return ScreenSink{info.data(), col_scale.data_ptr<float>(), col_error.data_ptr<float>(), col_l1.data_ptr<float>(),
-                      &parts.back(), 0, 0};
-  });
+                               std::lock_guard<std::mutex> guard(lock);
+                               parts.push_back({std::vector<float>(m, -std::numeric_limits<float>::infinity()),
+                                                std::vector<std::vector<std::pair<float, int32_t>>>(m)});
+                               return ScreenSink{info.data(),
+                                                 col_scale.data_ptr<float>(),
+                                                 col_error.data_ptr<float>(),
+                                                 col_l1.data_ptr<float>(),
+                                                 &parts.back(),
+                                                 0,
+                                                 0};
+                             });
   const float* w = weight.data_ptr<float>();
   int64_t* out = indices.data_ptr<int64_t>();
   at::parallel_for(0, m, 8, [&](int64_t begin, int64_t end) {
@@ -270,7 +229,10 @@ torch::Tensor screened_argmax(torch::Tensor x, torch::Tensor screen_packed, torc
         for (const auto& [upper, c] : part.kept[r])
           if (upper >= lower) {
             const float value = exact_dot(xr + r * k, w + static_cast<int64_t>(c) * k, k);
-            if (argmax_takes(value, c, top, column)) { top = value; column = c; }
+            if (argmax_takes(value, c, top, column)) {
+              top = value;
+              column = c;
+            }
           }
       out[r] = column == out_features ? 0 : column;
     }
@@ -286,4 +248,3 @@ bool screened_argmax_available() {
   return false;
 #endif
 }
-"""

@@ -1,45 +1,17 @@
-"""C++ source of the packed matmuls of the CPU kernel extension (built by
-`worker.attention.cpu_kernels`), registered as `pagedserve::packed_linear` and
-`pagedserve::packed_linear_silu` so that compiled graphs call them without going
-through Python. Two element types share one driver:
+// The packed matmul driver shared by the packed linear layers and the screened lm_heads:
+// `linear_run` walks y [m, N] = x [m, K] @ W.T in tiles of rows x panels of 16 output columns
+// (W packed once at load time, `worker.models.packed_linear`), each tile's float32 accumulators
+// held over the whole K and handed to a sink (`StoreSink` writes them; the lm_head sinks keep an
+// argmax or a screen's candidates). Element types: float32 (`F32Math`, any AVX-512 CPU: panels
+// [K, 16, 1], one FMA per K step, each output the products summed in K order whatever the batch)
+// and bfloat16 (`Bf16Math`, AVX512-BF16: panels [K/2, 16, 2] for vdpbf16ps, rounded once to
+// bfloat16). `checked_rows` checks a call's arguments against the packing.
+#pragma once
 
-- bfloat16 (CPUs with AVX512-BF16): W packed once at load time
-  (`worker.models.packed_linear`) into panels of 16 output columns, each
-  [K/2, 16, 2]: one 64-byte load gives the 16 columns of one pair of K, the
-  operand layout of `vdpbf16ps`. Accumulation is float32 (bias included) and
-  the result is rounded once to bfloat16 (round to nearest even), as oneDNN and
-  eager PyTorch do; only the summation order differs.
-- float32 (any AVX-512 CPU): panels [K, 16, 1], one FMA per K step. Each
-  output is bias + the products summed in K order, whatever the batch: a row's
-  result does not depend on which rows share its step (MKL's blocking and
-  threading change with the row count).
-
-`y = x @ W.T + b`: a micro-kernel keeps 8 rows x 48 columns (24 registers) of
-float32 accumulators over the whole K, broadcasting one step of x per row;
-threads split the output columns, walk them once per block of rows (whose x
-stays in L2), and prefetch the weights of their next 48 columns while computing
-the current ones, because at decode sizes every weight is read from DRAM once
-per step.
-
-The gated version computes the MLP's `silu(gate) * up` from a fused gate/up
-weight packed with each block's gate panels next to the up panels of the same
-columns: a tile of 6 rows x (2 + 2) panels holds both factors of 32 outputs, and
-its epilogue applies the activation in registers (bf16: `silu_mul_bf16`,
-rounding as eager does) instead of writing [T, 2 x intermediate] and reading it
-back. For a 4,096-token bf16 step that took 37 instead of 41 ms a layer.
-
-Measured (bf16) on a 2-core AVX512-BF16 machine (vdpbf16ps peak ~466 GFLOP/s)
-over the layers of SmolLM2-135M against oneDNN with pre-packed weights, side by
-side: 64 rows ~400 vs ~350 GFLOP/s, 256 rows ~415 vs ~410, 4096 rows ~400 vs
-~405 (within noise); tiles of 4 x 96 were 10 % slower, and K split into
-L1-sized chunks slower still. float32 figures: docs/benchmarks.md.
-"""
-
-LINEAR_SOURCE = r"""
 #include <atomic>
 
-bool bf16_linear_available();
-bool f32_linear_available();
+#include "bf16_rounding.h"
+#include "kernels.h"
 
 namespace {
 
@@ -119,9 +91,9 @@ struct SinkHasTail<S, std::void_t<decltype(S::kTail)>> : std::true_type {};
 // first `prefetch_lines` lines at `prefetch` (at most `steps` of them: a tile of few rows
 // prefetches part of the next block; more per step slowed the bf16 loop).
 template <typename M, int R, int NV, bool GATED, typename Sink>
-inline void linear_tile(const typename M::Unit* x, int64_t ldx, const typename M::Unit* w, int64_t panel,
-                        int64_t steps, const float* bias, const float* bias_up, const Sink& sink,
-                        int64_t cols, const char* prefetch, int64_t prefetch_lines) {
+inline void linear_tile(const typename M::Unit* x, int64_t ldx, const typename M::Unit* w, int64_t panel, int64_t steps,
+                        const float* bias, const float* bias_up, const Sink& sink, int64_t cols, const char* prefetch,
+                        int64_t prefetch_lines) {
   constexpr int OUT = GATED ? NV / 2 : NV;  // output registers per row
   __mmask16 valid[OUT];
   for (int v = 0; v < OUT; ++v) {
@@ -147,16 +119,18 @@ inline void linear_tile(const typename M::Unit* x, int64_t ldx, const typename M
   if constexpr (SinkHasTail<Sink>::value) sink.tail(acc);  // a sink that finishes the accumulators itself
   for (int v = 0; v < OUT; ++v)
     for (int r = 0; r < R; ++r) {
-      if constexpr (GATED) sink.put_gated(r, v, valid[v], acc[r][v], acc[r][v + OUT]);
-      else sink.put(r, v, valid[v], acc[r][v]);
+      if constexpr (GATED)
+        sink.put_gated(r, v, valid[v], acc[r][v], acc[r][v + OUT]);
+      else
+        sink.put(r, v, valid[v], acc[r][v]);
     }
 }
 
 // All m rows of one block of NV panels; the prefetch of the next block is spread over the row groups.
 template <typename M, int ROWS, int NV, bool GATED, typename Sink>
 void linear_block(const typename M::Unit* x, int64_t m, const typename M::Unit* w, int64_t panel, int64_t steps,
-                  const float* bias, const float* bias_up, const Sink& sink, int64_t cols,
-                  const char* prefetch, int64_t prefetch_lines) {
+                  const float* bias, const float* bias_up, const Sink& sink, int64_t cols, const char* prefetch,
+                  int64_t prefetch_lines) {
   const int64_t groups = (m + ROWS - 1) / ROWS;
   const int64_t per_group = (prefetch_lines + groups - 1) / groups;
   for (int64_t r = 0, g = 0; r < m; r += ROWS, ++g) {
@@ -164,16 +138,37 @@ void linear_block(const typename M::Unit* x, int64_t m, const typename M::Unit* 
     const char* ahead = prefetch + g * per_group * 64;
     const typename M::Unit* xr = x + r * steps;
     const Sink o = sink.at(r, 0);
-#define PAGEDSERVE_TILE(R) linear_tile<M, R, NV, GATED>(xr, steps, w, panel, steps, bias, bias_up, o, cols, ahead, lines)
+#define PAGEDSERVE_TILE(R) \
+  linear_tile<M, R, NV, GATED>(xr, steps, w, panel, steps, bias, bias_up, o, cols, ahead, lines)
     switch (std::min<int64_t>(ROWS, m - r)) {
-      case 8: if constexpr (ROWS >= 8) { PAGEDSERVE_TILE(8); } break;
-      case 7: if constexpr (ROWS >= 7) { PAGEDSERVE_TILE(7); } break;
-      case 6: PAGEDSERVE_TILE(6); break;
-      case 5: PAGEDSERVE_TILE(5); break;
-      case 4: PAGEDSERVE_TILE(4); break;
-      case 3: PAGEDSERVE_TILE(3); break;
-      case 2: PAGEDSERVE_TILE(2); break;
-      default: PAGEDSERVE_TILE(1); break;
+      case 8:
+        if constexpr (ROWS >= 8) {
+          PAGEDSERVE_TILE(8);
+        }
+        break;
+      case 7:
+        if constexpr (ROWS >= 7) {
+          PAGEDSERVE_TILE(7);
+        }
+        break;
+      case 6:
+        PAGEDSERVE_TILE(6);
+        break;
+      case 5:
+        PAGEDSERVE_TILE(5);
+        break;
+      case 4:
+        PAGEDSERVE_TILE(4);
+        break;
+      case 3:
+        PAGEDSERVE_TILE(3);
+        break;
+      case 2:
+        PAGEDSERVE_TILE(2);
+        break;
+      default:
+        PAGEDSERVE_TILE(1);
+        break;
     }
 #undef PAGEDSERVE_TILE
   }
@@ -218,11 +213,20 @@ void linear_run(const typename M::Unit* xp, int64_t m, const typename M::Unit* w
       const float* bb = b ? b + col : nullptr;
       const float* bu = b && GATED ? b + out_features + col : nullptr;
       const auto o = sink.at(r0, col);
-#define PAGEDSERVE_BLOCK(NV) linear_block<M, ROWS, NV, GATED>(xr, rows_here, w, panel, steps, bb, bu, o, cols, prefetch, lines)
+#define PAGEDSERVE_BLOCK(NV) \
+  linear_block<M, ROWS, NV, GATED>(xr, rows_here, w, panel, steps, bb, bu, o, cols, prefetch, lines)
       if constexpr (GATED) {
-        if (nv == 4) PAGEDSERVE_BLOCK(4); else PAGEDSERVE_BLOCK(2);
+        if (nv == 4)
+          PAGEDSERVE_BLOCK(4);
+        else
+          PAGEDSERVE_BLOCK(2);
       } else {
-        if (nv == 3) PAGEDSERVE_BLOCK(3); else if (nv == 2) PAGEDSERVE_BLOCK(2); else PAGEDSERVE_BLOCK(1);
+        if (nv == 3)
+          PAGEDSERVE_BLOCK(3);
+        else if (nv == 2)
+          PAGEDSERVE_BLOCK(2);
+        else
+          PAGEDSERVE_BLOCK(1);
       }
 #undef PAGEDSERVE_BLOCK
       unit = ahead;
@@ -257,78 +261,4 @@ torch::Tensor checked_rows(const torch::Tensor& x, const torch::Tensor& packed, 
   return rows.contiguous();
 }
 
-// x [..., K] through a packed weight of `panels` panels -> [..., out_features], in x's dtype
-// (bfloat16 or float32, the packing's); GATED: the weight is a gated packing of twice
-// out_features columns and the MLP's activation is applied.
-template <bool GATED>
-torch::Tensor packed_matmul(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
-                            const c10::optional<torch::Tensor>& bias) {
-  const torch::Tensor rows = checked_rows(x, packed, out_features, bias, GATED);
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = out_features;
-  torch::Tensor out = torch::empty(shape, x.options());
-  if (rows.size(0) == 0) return out;
-  const torch::Tensor bias_f = bias ? bias->to(at::kFloat).contiguous() : torch::Tensor();
-  const float* bias_ptr = bias ? bias_f.data_ptr<float>() : nullptr;
-#if defined(__AVX512F__)
-  if (x.scalar_type() == at::kFloat) {
-    const StoreSink<F32Math> sink{out.data_ptr<float>(), out_features};
-    linear_run<F32Math, GATED>(rows.data_ptr<float>(), rows.size(0), packed.data_ptr<float>(), packed.size(0),
-                               packed.size(1), bias_ptr, out_features, [&](int64_t) { return sink; });
-  }
-#endif
-#if defined(__AVX512BF16__)
-  if (x.scalar_type() == at::kBFloat16) {
-    const StoreSink<Bf16Math> sink{reinterpret_cast<c10::BFloat16*>(out.data_ptr()), out_features};
-    linear_run<Bf16Math, GATED>(
-        reinterpret_cast<const uint32_t*>(rows.data_ptr()), rows.size(0),
-        reinterpret_cast<const uint32_t*>(packed.data_ptr()), packed.size(0), packed.size(1), bias_ptr,
-        out_features, [&](int64_t) { return sink; });
-  }
-#endif
-  return out;
-}
-
 }  // namespace
-
-bool bf16_linear_available() {
-#if defined(__AVX512BF16__)
-  return true;
-#else
-  return false;
-#endif
-}
-
-bool f32_linear_available() {
-#if defined(__AVX512F__)
-  return true;
-#else
-  return false;
-#endif
-}
-
-// x [..., K], packed [ceil(N / 16), K / unit, 16, unit] of x's dtype (unit 2 for bfloat16, 1 for
-// float32; see packed_linear), bias [N] or none -> [..., N].
-torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features,
-                            c10::optional<torch::Tensor> bias) {
-  return packed_matmul<false>(x, packed, out_features, bias);
-}
-
-// silu(x @ gate.T + gate_bias) * (x @ up.T + up_bias) of a fused gate/up projection packed gated
-// (see packed_linear.pack_gated): x [..., K], packed [2 ceil(N / 16), K / unit, 16, unit], bias
-// [2N] or none -> [..., N]. packed_linear followed by eager F.silu(gate) * up (bf16: bit for
-// bit), without the [..., 2N] pass.
-torch::Tensor packed_linear_silu(torch::Tensor x, torch::Tensor packed, int64_t out_features,
-                                 c10::optional<torch::Tensor> bias) {
-  return packed_matmul<true>(x, packed, out_features, bias);
-}
-
-TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
-  m.def("packed_linear(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
-  m.def("packed_linear_silu(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
-}
-TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
-  m.impl("packed_linear", &packed_linear);
-  m.impl("packed_linear_silu", &packed_linear_silu);
-}
-"""

@@ -1,25 +1,13 @@
-"""C++ source of the greedy near-tie scan (`worker.greedy_refine.near_top_scan` in one
-pass per row over the logits, rows spread over threads), built into the CPU kernel
-extension by `worker.attention.cpu_kernels` after the attention source, whose
-`load_float` and `load16` (widening loads) it uses.
+// The greedy near-tie scan (`worker.greedy_refine.near_top_scan` in one pass per row over the
+// logits, rows spread over threads). Per row of logits [N, vocab] (float32 or bfloat16): the
+// argmax (the first index of the maximum, as torch.argmax) and how many logits lie at or above
+// `max - 2 * spacing(max)`, the spacing of the model dtype's numbers around the maximum
+// (`model_eps` times the power of two at or below |max|). The row is read once from memory and
+// twice more from L2.
+#include "kernels.h"
+#include "near_top.h"
 
-Per row of logits [N, vocab] (float32 or bfloat16): the argmax (the first index of
-the maximum, as torch.argmax) and how many logits lie at or above
-`max - 2 * spacing(max)`, the spacing of the model dtype's numbers around the
-maximum (`model_eps` times the power of two at or below |max|). The inductor-compiled
-PyTorch version reads the row three times from memory and takes 8 ms for 256 rows of
-49,152 bf16 logits; this one reads it once from memory and twice more from L2.
-"""
-
-SCAN_SOURCE = r"""
 namespace {
-
-// Two spacings of the model dtype's numbers below `top`: only values at or above it count as near the top.
-inline float near_top_threshold(float top, float model_eps, float model_tiny) {
-  int exponent = 0;
-  std::frexp(std::max(std::fabs(top), model_tiny), &exponent);  // |top| = m * 2^exponent, m in [0.5, 1)
-  return top - 2.0f * std::ldexp(model_eps, exponent - 1);
-}
 
 template <typename T>
 void scan_row(const T* row, int64_t vocab, float model_eps, float model_tiny, int64_t* argmax, int64_t* count) {
@@ -71,12 +59,13 @@ std::vector<torch::Tensor> near_top_scan(torch::Tensor logits, double model_eps,
   auto scan = [&](auto* data) {
     at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r)
-        scan_row(data + r * vocab, vocab, static_cast<float>(model_eps), static_cast<float>(model_tiny),
-                 argmax_out + r, counts_out + r);
+        scan_row(data + r * vocab, vocab, static_cast<float>(model_eps), static_cast<float>(model_tiny), argmax_out + r,
+                 counts_out + r);
     });
   };
-  if (logits.scalar_type() == torch::kBFloat16) scan(logits.data_ptr<c10::BFloat16>());
-  else scan(logits.data_ptr<float>());
+  if (logits.scalar_type() == torch::kBFloat16)
+    scan(logits.data_ptr<c10::BFloat16>());
+  else
+    scan(logits.data_ptr<float>());
   return {argmax, counts};
 }
-"""

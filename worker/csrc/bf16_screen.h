@@ -1,42 +1,13 @@
-"""C++ source of the int8 screen of a bfloat16 lm_head for greedy steps (after
-`worker.cpu_argmax_source`, whose `ScreenPart` it shares, and
-`worker.cpu_linear_source`, whose matmul driver runs it).
+// The int8 screen of a bfloat16 lm_head for greedy steps: the rows' split into int8 rest
+// channels and bf16 outliers (`split_row`), the sinks that bound every column's logit
+// (`Bf16ScreenSink`, `Bf16BoundSink`) and the exact re-computation of the survivors
+// (`settle_row`). Defines PAGEDSERVE_BF16_SCREEN on CPUs with AVX512-BF16 and AVX512-VNNI;
+// bf16_lm_head_screen.cpp holds the entry points. See worker/models/bf16_lm_head_screen.py for
+// the bound.
+#pragma once
 
-A greedy bfloat16 step otherwise writes [rows, vocab] bfloat16 logits from the
-packed matmul, scans each row for the tokens within two rounding steps of its
-maximum, and settles near ties in float32 (`worker.greedy_refine`). This finds
-the same near-top tokens with the same bfloat16 values while computing most
-logits only approximately, with `vpdpbusd` (u8 x s8 into int32), which has
-twice `vdpbf16ps`'s MAC rate:
-
-- The final hidden states carry a few outlier channels (a row's max |x| is ~45
-  where its median is ~0.6). Those channels (chosen at start-up from a
-  calibration batch, `worker.models.bf16_lm_head_screen`) are multiplied
-  exactly, in bfloat16 pairs, in the tile's tail; the rest are scaled per row
-  into int8 (|q| <= 127, offset by 128 into u8) against W scaled per column.
-- Every column gets an approximate logit and a rigorous bound on its distance
-  to the float32 value the bf16 packed kernel computes (before its rounding to
-  bfloat16): the rounding of x and W (largest element error times the l1 norm
-  of the other factor), the kernel's own float32 summation error (gamma_K
-  max|x| ||W_n||_1), and slack for float32 rounding of the approximation.
-- Let L be the largest lower bound of a row. Its largest bfloat16 logit M is at
-  least L rounded, and the near-top window [M - 2 spacing(M), M] lies above
-  L (1 - 2^-8)(63/64) / (1 + 2^-8) > 31 L / 32 (for L > 0), so only columns
-  whose upper bound reaches 31 L / 32 can be in it. That floor only rises with
-  L, so a tile drops a column as soon as its upper bound falls below the floor
-  of the lower bounds seen so far.
-- The survivors (a few dozen of 49,152 on average) are computed again with
-  `vdpbf16ps` over K in order from zero, lane for lane what the plain kernel
-  computes, and rounded the same way: the maximum, its first column and the
-  near-top window are those of the plain logits, bit for bit.
-
-A row whose largest lower bound is not positive computes every column exactly
-(it never happened on W1 or W2); a row that is not finite sends the whole call
-back to the plain path (an empty result).
-"""
-
-BF16_SCREEN_SOURCE = r"""
-bool bf16_screen_available();
+#include "near_top.h"
+#include "screen_parts.h"
 
 namespace {
 
@@ -103,8 +74,7 @@ struct Bf16ScreenSink {
     const uint32_t* w = outlier_w + col / LINEAR_LANES * outlier_pairs * LINEAR_LANES;
     for (int64_t p = 0; p < outlier_pairs; ++p) {
       __m512bh b[NV];
-      for (int v = 0; v < NV; ++v)
-        b[v] = (__m512bh)_mm512_loadu_si512(w + (v * outlier_pairs + p) * LINEAR_LANES);
+      for (int v = 0; v < NV; ++v) b[v] = (__m512bh)_mm512_loadu_si512(w + (v * outlier_pairs + p) * LINEAR_LANES);
       for (int r = 0; r < R; ++r) {
         const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(outlier_x[(row + r) * outlier_pairs + p]));
         for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], a, b[v]);
@@ -173,16 +143,16 @@ bool split_row(const c10::BFloat16* x, int64_t k, int64_t pairs, const int64_t* 
   double quantized_l1 = 0.0, error = 0.0;
   for (int64_t i = 0; i < rest_count; ++i) {
     const double value = rest[i] >= 0 ? static_cast<double>(static_cast<float>(x[rest[i]])) : 0.0;
-    const float level = std::min(SCREEN_INT8_LEVELS, std::max(-SCREEN_INT8_LEVELS,
-                                                              std::nearbyint(static_cast<float>(value) * inverse)));
+    const float level = std::min(SCREEN_INT8_LEVELS,
+                                 std::max(-SCREEN_INT8_LEVELS, std::nearbyint(static_cast<float>(value) * inverse)));
     levels[i] = static_cast<uint8_t>(static_cast<int>(level) + SCREEN_U8_OFFSET);
     quantized_l1 += std::fabs(static_cast<double>(scale) * level);
     error = std::max(error, std::fabs(value - static_cast<double>(scale) * level));
   }
   // The plain kernel rounds once per product added: 2 x pairs times, gamma_n = n u / (1 - n u).
   const double unit = std::ldexp(1.0, -24), n = 2.0 * pairs, gamma = n * unit / (1.0 - n * unit);
-  out = {scale, static_cast<float>(quantized_l1 * 1.0001), static_cast<float>(error * 1.001 + top * 1e-7),
-         outlier_top, static_cast<float>(gamma * top * 1.001)};
+  out = {scale, static_cast<float>(quantized_l1 * 1.0001), static_cast<float>(error * 1.001 + top * 1e-7), outlier_top,
+         static_cast<float>(gamma * top * 1.001)};
   return true;
 }
 
@@ -219,7 +189,10 @@ bool settle_row(const uint32_t* x, const uint32_t* weight, int64_t pairs, const 
   float top = -std::numeric_limits<float>::infinity();
   for (size_t i = 0; i < values.size(); ++i) {
     if (!std::isfinite(values[i])) return false;
-    if (values[i] > top) { top = values[i]; chosen = columns[i]; }
+    if (values[i] > top) {
+      top = values[i];
+      chosen = columns[i];
+    }
   }
   const float threshold = near_top_threshold(top, model_eps, model_tiny);
   near.clear();
@@ -230,4 +203,3 @@ bool settle_row(const uint32_t* x, const uint32_t* weight, int64_t pairs, const 
 #endif
 
 }  // namespace
-"""

@@ -1,20 +1,19 @@
-"""The AVX-512 half of the CPU paged attention kernel's C++ source (see
-`worker.attention.cpu_attention_source`, which puts the pieces together).
+// The AVX-512 path of the CPU paged attention kernel (float32 or bfloat16, head_dim a multiple
+// of 16). K and V are read straight from the cache: scores of 16 positions come from 16
+// accumulators (FMA, or vdpbf16ps on bfloat16 pairs) and one transposing horizontal sum; exp is
+// a vectorized polynomial; values are widened in registers and added into register-resident
+// accumulators of a few query rows at a time. Decode items are bound by memory about as much as
+// by compute: while one computes, it prefetches the K/V of the thread's next item (`ReadAhead`)
+// so that memory and compute overlap; an item nothing read ahead (a thread's first) reads its
+// own K/V into L2 with plain sequential loads first (`stream_kv`). Without AVX-512,
+// run_item_avx512 runs the portable loops and kHaveAvx512 is false.
+#pragma once
 
-K and V are read straight from the cache: scores of 16 positions come from 16
-accumulators (FMA, or vdpbf16ps on bfloat16 pairs) and one transposing
-horizontal sum; exp is a vectorized polynomial; values are widened in
-registers and added into register-resident accumulators of a few query rows
-at a time. Without AVX-512 the portable loops run instead.
+#include "attention_prefetch.h"
 
-Decode items are bound by memory about as much as by compute (see
-docs/benchmarks.md): while one computes, it prefetches the K/V of the
-thread's next item (`ReadAhead`), so that memory and compute overlap
-instead of taking turns; an item nothing read ahead (a thread's first) reads
-its own K/V into L2 with plain sequential loads first (`stream_kv`).
-"""
+namespace {
 
-AVX512_PATH = r"""#if defined(__AVX512F__)
+#if defined(__AVX512F__)
 // ---------------------------------------------------------------------------------------------
 // AVX-512 path (float32 or bfloat16, head_dim a multiple of 16). K and V are read
 // straight from the cache: scores of 16 positions come from 16 accumulators (FMA,
@@ -23,12 +22,6 @@ AVX512_PATH = r"""#if defined(__AVX512F__)
 // query rows at a time. Nothing is copied: staging K/V in a buffer turned out to
 // be several times slower (the buffer's stores stall the cache loads).
 constexpr int64_t SLICE = 16;  // floats per register
-
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
 
 // Lane j of the result is the sum of the 16 lanes of v[j].
 inline __m512 horizontal_sums(const __m512* v) {
@@ -46,22 +39,6 @@ inline __m512 horizontal_sums(const __m512* v) {
   const __m512 x = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
   const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   return _mm512_permutexvar_ps(order, x);
-}
-
-// exp(x) for x <= 0 (max-subtracted scores): 2^n * p(r) with a degree-6 polynomial.
-inline __m512 exp_ps(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-88.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 poly = _mm512_set1_ps(1.3981999507e-3f);
-  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(8.3334519073e-3f));
-  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(4.1665795894e-2f));
-  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.6666665459e-1f));
-  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(5.0000001201e-1f));
-  poly = _mm512_fmadd_ps(poly, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(poly, n);
 }
 
 // out[j] = scale * (q . keys[j]) for the 16 keys of a chunk (a short chunk points its
@@ -123,102 +100,46 @@ inline void weigh(const float* const* w, const T* const* values, int64_t chunks,
 
 // Kept out of line: inlined into run_item_avx512, it made decode attention 2-3 % slower.
 template <int ROWS, int SPAN, typename T>
-__attribute__((noinline)) void weigh_rows(const float* const* w, const T* const* values, int64_t chunks,
-                                          int64_t dim, float* const* acc) {
+__attribute__((noinline)) void weigh_rows(const float* const* w, const T* const* values, int64_t chunks, int64_t dim,
+                                          float* const* acc) {
   constexpr int WIDTH = ROWS >= 3 ? 4 : 8;  // registers per row: ROWS * WIDTH + WIDTH <= 32
   for (int64_t d = 0; d < dim; d += WIDTH * SLICE) {
     switch (std::min<int64_t>(WIDTH, (dim - d) / SLICE)) {
-      case 1: weigh<1, ROWS, SPAN>(w, values, chunks, d, acc); break;
-      case 2: weigh<2, ROWS, SPAN>(w, values, chunks, d, acc); break;
-      case 3: weigh<3, ROWS, SPAN>(w, values, chunks, d, acc); break;
-      case 4: weigh<4, ROWS, SPAN>(w, values, chunks, d, acc); break;
-      case 5: if constexpr (WIDTH > 4) { weigh<5, ROWS, SPAN>(w, values, chunks, d, acc); } break;
-      case 6: if constexpr (WIDTH > 4) { weigh<6, ROWS, SPAN>(w, values, chunks, d, acc); } break;
-      case 7: if constexpr (WIDTH > 4) { weigh<7, ROWS, SPAN>(w, values, chunks, d, acc); } break;
-      default: if constexpr (WIDTH > 4) { weigh<WIDTH, ROWS, SPAN>(w, values, chunks, d, acc); } break;
+      case 1:
+        weigh<1, ROWS, SPAN>(w, values, chunks, d, acc);
+        break;
+      case 2:
+        weigh<2, ROWS, SPAN>(w, values, chunks, d, acc);
+        break;
+      case 3:
+        weigh<3, ROWS, SPAN>(w, values, chunks, d, acc);
+        break;
+      case 4:
+        weigh<4, ROWS, SPAN>(w, values, chunks, d, acc);
+        break;
+      case 5:
+        if constexpr (WIDTH > 4) {
+          weigh<5, ROWS, SPAN>(w, values, chunks, d, acc);
+        }
+        break;
+      case 6:
+        if constexpr (WIDTH > 4) {
+          weigh<6, ROWS, SPAN>(w, values, chunks, d, acc);
+        }
+        break;
+      case 7:
+        if constexpr (WIDTH > 4) {
+          weigh<7, ROWS, SPAN>(w, values, chunks, d, acc);
+        }
+        break;
+      default:
+        if constexpr (WIDTH > 4) {
+          weigh<WIDTH, ROWS, SPAN>(w, values, chunks, d, acc);
+        }
+        break;
     }
   }
 }
-
-constexpr int64_t STREAM_MAX_QUERIES = 2;  // longer items are compute-bound: their loads overlap
-
-// Reads the K and V cache rows of positions [first, end) of a sequence, block by block, with
-// plain loads (two streams side by side), so that an item's K/V sit in L2 before its compute
-// starts. Short (decode) items otherwise run at a third of the memory bandwidth: their strided,
-// compute-interleaved reads keep few misses in flight, and the chunk-ahead software prefetches
-// (which still pay off from L2 to L1) come too late to hide DRAM latency.
-template <typename Q, typename T>
-inline void stream_kv(const Problem<Q, T>& p, int64_t seq, int64_t first, int64_t end) {
-  const int32_t* table = p.block_tables + seq * p.max_blocks;
-  const int64_t row_bytes = p.kv_heads * p.dim * static_cast<int64_t>(sizeof(T));
-  const char* k_base = reinterpret_cast<const char*>(p.k_cache);
-  const char* v_base = reinterpret_cast<const char*>(p.v_cache);
-  __m512i sink_a = _mm512_setzero_si512(), sink_b = _mm512_setzero_si512();
-  for (int64_t pos = first; pos < end;) {
-    const int64_t block = pos / p.block_size, offset = pos % p.block_size;
-    const int64_t n = std::min<int64_t>(p.block_size - offset, end - pos);
-    const int64_t start = (table[block] * p.block_size + offset) * row_bytes, bytes = n * row_bytes;
-    const char* k = k_base + start;
-    const char* v = v_base + start;
-    int64_t b = 0;
-    for (; b + 128 <= bytes; b += 128) {
-      sink_a = _mm512_or_si512(sink_a, _mm512_or_si512(_mm512_loadu_si512(k + b), _mm512_loadu_si512(v + b)));
-      sink_b = _mm512_or_si512(sink_b, _mm512_or_si512(_mm512_loadu_si512(k + b + 64), _mm512_loadu_si512(v + b + 64)));
-    }
-    for (; b + 64 <= bytes; b += 64)
-      sink_a = _mm512_or_si512(sink_a, _mm512_or_si512(_mm512_loadu_si512(k + b), _mm512_loadu_si512(v + b)));
-    pos += n;
-  }
-  volatile int keep = _mm512_reduce_or_epi32(_mm512_or_si512(sink_a, sink_b));  // loads must stay
-  (void)keep;
-}
-
-// The next decode item's K/V, fetched into L2 while the current item computes: a cursor over its
-// cache lines that issues an even share of prefetches after each (chunk, KV head) step of the
-// current item's two passes. Alone, stream_kv leaves the memory idle during compute; with this,
-// the next item finds its K/V in L2 (decode attention B/A 0.73-0.85 in alternating A/B at
-// 64 x 370 and 256 x 170 positions; prefetching into L1 instead evicted the working set).
-template <typename Q, typename T>
-class ReadAhead {
- public:
-  // `steps`: how many times step() will be called over the current item.
-  ReadAhead(const Problem<Q, T>& p, const WorkItem* next, int64_t steps)
-      : p_(p), row_bytes_(p.kv_heads * p.dim * static_cast<int64_t>(sizeof(T))) {
-    if (!next || next->num_queries > STREAM_MAX_QUERIES) return;
-    const ItemGeometry g(p, *next);
-    table_ = p.block_tables + next->seq * p.max_blocks;
-    pos_ = g.key_lo;
-    end_ = g.key_hi;
-    per_step_ = ((end_ - pos_) * row_bytes_ / 64 + steps - 1) / std::max<int64_t>(1, steps);
-  }
-
-  bool active() const { return pos_ < end_; }
-  bool reading() const { return table_ != nullptr; }  // whether there is a next item to read
-
-  inline void step() {
-    const char* k_base = reinterpret_cast<const char*>(p_.k_cache);
-    const char* v_base = reinterpret_cast<const char*>(p_.v_cache);
-    for (int64_t left = per_step_; left > 0 && pos_ < end_;) {
-      const int64_t block = pos_ / p_.block_size, offset = pos_ % p_.block_size;
-      const int64_t n = std::min<int64_t>(p_.block_size - offset, end_ - pos_);
-      const int64_t start = (table_[block] * p_.block_size + offset) * row_bytes_, bytes = n * row_bytes_;
-      for (; byte_ < bytes && left > 0; byte_ += 64, --left) {
-        _mm_prefetch(k_base + start + byte_, _MM_HINT_T1);
-        _mm_prefetch(v_base + start + byte_, _MM_HINT_T1);
-      }
-      if (byte_ >= bytes) {
-        pos_ += n;
-        byte_ = 0;
-      }
-    }
-  }
-
- private:
-  const Problem<Q, T>& p_;
-  const int64_t row_bytes_;
-  const int32_t* table_ = nullptr;
-  int64_t pos_ = 0, end_ = 0, byte_ = 0, per_step_ = 0;  // byte_: within the block run at pos_
-};
 
 // Softmax in place over each row's scores (max-subtracted, over its visible keys; the
 // others weigh zero); 1 / sum of each row into s.inv_sums.
@@ -251,8 +172,7 @@ void softmax_rows(const Problem<Q, T>& p, const ItemGeometry& g, Scratch& s) {
 // the previous item prefetched this one's K/V; else a decode item reads them into L2 first
 // (reading them again after the read-ahead made decode attention 10 % slower).
 template <typename Q, typename T>
-const T* start_item(const Problem<Q, T>& p, const WorkItem& item, const ItemGeometry& g, Scratch& s,
-                    bool read_ahead) {
+const T* start_item(const Problem<Q, T>& p, const WorkItem& item, const ItemGeometry& g, Scratch& s, bool read_ahead) {
   if (!read_ahead && item.num_queries <= STREAM_MAX_QUERIES) stream_kv(p, item.seq, g.key_lo, g.key_hi);
   s.scores.resize(g.rows * g.stride);
   s.acc.assign(g.rows * p.dim, 0.0f);
@@ -295,27 +215,35 @@ template <int SPAN, typename Q, typename T, typename F>
 void weigh_values(const Problem<Q, T>& p, const WorkItem& item, const ItemGeometry& g, Scratch& s, const T* zero_row,
                   F&& after_step) {
   const int64_t dim = p.dim, per_head = item.num_queries * (p.heads / p.kv_heads);
-  for_each_span_head<SPAN>(p, p.v_cache, item, g, zero_row, [&](int64_t offset, int64_t h, const T* const* head_rows,
-                                                               int64_t chunks) {
-    const int64_t* mine = s.head_rows.data() + h * per_head;
-    for (int64_t k = 0; k < per_head;) {
-      const int64_t count = per_head - k >= 6 ? 6 : std::min<int64_t>(3, per_head - k);
-      const float* w[6];
-      float* acc[6];
-      for (int64_t i = 0; i < count; ++i) {
-        w[i] = s.scores.data() + mine[k + i] * g.stride + offset;
-        acc[i] = s.acc.data() + mine[k + i] * dim;
-      }
-      k += count;
-      switch (count) {
-        case 6: weigh_rows<6, SPAN>(w, head_rows, chunks, dim, acc); break;
-        case 3: weigh_rows<3, SPAN>(w, head_rows, chunks, dim, acc); break;
-        case 2: weigh_rows<2, SPAN>(w, head_rows, chunks, dim, acc); break;
-        default: weigh_rows<1, SPAN>(w, head_rows, chunks, dim, acc); break;
-      }
-    }
-    after_step();
-  });
+  for_each_span_head<SPAN>(p, p.v_cache, item, g, zero_row,
+                           [&](int64_t offset, int64_t h, const T* const* head_rows, int64_t chunks) {
+                             const int64_t* mine = s.head_rows.data() + h * per_head;
+                             for (int64_t k = 0; k < per_head;) {
+                               const int64_t count = per_head - k >= 6 ? 6 : std::min<int64_t>(3, per_head - k);
+                               const float* w[6];
+                               float* acc[6];
+                               for (int64_t i = 0; i < count; ++i) {
+                                 w[i] = s.scores.data() + mine[k + i] * g.stride + offset;
+                                 acc[i] = s.acc.data() + mine[k + i] * dim;
+                               }
+                               k += count;
+                               switch (count) {
+                                 case 6:
+                                   weigh_rows<6, SPAN>(w, head_rows, chunks, dim, acc);
+                                   break;
+                                 case 3:
+                                   weigh_rows<3, SPAN>(w, head_rows, chunks, dim, acc);
+                                   break;
+                                 case 2:
+                                   weigh_rows<2, SPAN>(w, head_rows, chunks, dim, acc);
+                                   break;
+                                 default:
+                                   weigh_rows<1, SPAN>(w, head_rows, chunks, dim, acc);
+                                   break;
+                               }
+                             }
+                             after_step();
+                           });
 }
 
 // `next`: the item this thread runs after this one (none: the last); a decode item reads its K/V
@@ -327,14 +255,16 @@ bool run_item_avx512(const Problem<Q, T>& p, const WorkItem& item, Scratch& s, c
   const int64_t dim = p.dim, per_head = item.num_queries * (p.heads / p.kv_heads);
   const int64_t steps = 2 * ((g.key_hi - g.key_lo + CHUNK - 1) / CHUNK) * p.kv_heads;  // both passes
   ReadAhead<Q, T> ahead(p, item.num_queries <= STREAM_MAX_QUERIES ? next : nullptr, steps);
-  const auto step_ahead = [&] { if (ahead.active()) ahead.step(); };
-  for_each_span_head<1>(p, p.k_cache, item, g, zero_row, [&](int64_t offset, int64_t h, const T* const* head_rows,
-                                                           int64_t) {
-    for (const int64_t* r = s.head_rows.data() + h * per_head; r < s.head_rows.data() + (h + 1) * per_head; ++r)
-      score_chunk(p.query + (g.first_token * p.heads + *r) * dim, head_rows, dim, p.scale,
-                  s.scores.data() + *r * g.stride + offset);
-    step_ahead();
-  });
+  const auto step_ahead = [&] {
+    if (ahead.active()) ahead.step();
+  };
+  for_each_span_head<1>(
+      p, p.k_cache, item, g, zero_row, [&](int64_t offset, int64_t h, const T* const* head_rows, int64_t) {
+        for (const int64_t* r = s.head_rows.data() + h * per_head; r < s.head_rows.data() + (h + 1) * per_head; ++r)
+          score_chunk(p.query + (g.first_token * p.heads + *r) * dim, head_rows, dim, p.scale,
+                      s.scores.data() + *r * g.stride + offset);
+        step_ahead();
+      });
   softmax_rows(p, g, s);
   weigh_values<1>(p, item, g, s, zero_row, step_ahead);
   write_output(p, g, s);
@@ -349,4 +279,5 @@ bool run_item_avx512(const Problem<Q, T>& p, const WorkItem& item, Scratch& s, c
 }
 constexpr bool kHaveAvx512 = false;
 #endif
-"""
+
+}  // namespace

@@ -1,0 +1,49 @@
+// The functions the CPU kernel extension exports to Python (bindings.cpp) and calls across its
+// translation units. Tensors are CPU tensors; each definition checks its arguments (TORCH_CHECK).
+#pragma once
+
+#include <torch/extension.h>
+
+#include <tuple>
+#include <vector>
+
+// paged_attention.cpp: out [T, H, D] = attention of query [T, H, D] over the paged caches
+// [blocks, block_size, KVH, D] of each sequence (int32 metadata); window <= 0: none.
+void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
+                     torch::Tensor block_tables, torch::Tensor query_start, torch::Tensor seq_lens, double scale,
+                     int64_t window);
+// kv_cache_write.cpp: the new tokens' K/V [T, KVH, D] into their slots of the caches.
+void write_kv_cache(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
+                    torch::Tensor slot_mapping);
+// near_top_scan.cpp: (argmax [N], near-top counts [N]) of logits [N, vocab].
+std::vector<torch::Tensor> near_top_scan(torch::Tensor logits, double model_eps, double model_tiny);
+// random_sampling.cpp: one sampled token per row of logits [R, vocab].
+torch::Tensor sample_random_rows(torch::Tensor logits, torch::Tensor temperature, torch::Tensor top_k,
+                                 torch::Tensor top_p, torch::Tensor min_p, torch::Tensor keys);
+// token_logprobs.cpp: {chosen logprobs [R], ranks [R], top logprobs [R, num_top], their ids}.
+std::vector<torch::Tensor> token_logprobs_rows(torch::Tensor logits, torch::Tensor chosen, int64_t num_top);
+// rotary.cpp (operator rotary_qk): rotated (q [T, heads, D], k [T, kv_heads, D]) from a bf16 qkv.
+std::tuple<torch::Tensor, torch::Tensor> rotary_qk(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
+                                                   int64_t heads, int64_t kv_heads);
+// packed_linear.cpp (operators packed_linear, packed_linear_silu): whether this build runs them.
+bool bf16_linear_available();
+bool f32_linear_available();
+// lm_head_argmax.cpp: each row's argmax of x @ W.T (operator packed_linear_argmax), and the same
+// screened with W's int16 packing.
+torch::Tensor packed_linear_argmax(torch::Tensor x, torch::Tensor packed, int64_t out_features);
+torch::Tensor screened_argmax(torch::Tensor x, torch::Tensor screen_packed, torch::Tensor col_scale,
+                              torch::Tensor col_error, torch::Tensor col_l1, torch::Tensor weight, torch::Tensor packed,
+                              int64_t out_features);
+bool screened_argmax_available();
+// bf16_lm_head_screen.cpp: greedy tokens of bf16 rows through the int8 screen, and every
+// column's bound (for the tests).
+std::vector<torch::Tensor> screened_bf16_argmax(torch::Tensor x, torch::Tensor weight, torch::Tensor packed,
+                                                torch::Tensor screen_packed, torch::Tensor outlier_packed,
+                                                torch::Tensor rest, torch::Tensor outliers, torch::Tensor column_terms,
+                                                torch::Tensor offset_share, int64_t out_features, double model_eps,
+                                                double model_tiny);
+torch::Tensor bf16_screen_bounds(torch::Tensor x, torch::Tensor weight, torch::Tensor packed,
+                                 torch::Tensor screen_packed, torch::Tensor outlier_packed, torch::Tensor rest,
+                                 torch::Tensor outliers, torch::Tensor column_terms, torch::Tensor offset_share,
+                                 int64_t out_features);
+bool bf16_screen_available();

@@ -1,0 +1,59 @@
+// The headers every kernel uses and the vector helpers they share: widening loads of float32
+// and bfloat16 (`load_float`, `load16`) and a vectorized exp for x <= 0 that overflows to inf like
+// exp (`exp_ps`). Everything here has internal linkage (an unnamed namespace), as when all the
+// kernels were one translation unit: each .cpp gets its own copy and the same inlining.
+#pragma once
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <utility>
+#include <vector>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+template <typename T>
+inline float load_float(const T* p) {
+  return static_cast<float>(*p);
+}
+inline float load_float(const c10::BFloat16* p) {
+  uint32_t bits = static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(p)) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+// exp(x) for x <= 0 (max-subtracted scores): 2^n * p(r) with a degree-6 polynomial.
+inline __m512 exp_ps(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-88.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 poly = _mm512_set1_ps(1.3981999507e-3f);
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(8.3334519073e-3f));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(4.1665795894e-2f));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.6666665459e-1f));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(5.0000001201e-1f));
+  poly = _mm512_fmadd_ps(poly, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(poly, n);
+}
+#endif
+
+}  // namespace
