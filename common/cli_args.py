@@ -174,6 +174,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="the most logprobs / prompt_logprobs a request may ask for per token; -1: the whole "
                         "vocabulary (default 20; env PAGEDSERVE_MAX_LOGPROBS)")
     g.add_argument("--enforce-eager", action="store_true", help="never compile the model step")
+    g.add_argument("--greedy-rescore-near-ties", action="store_true",
+                   help="bfloat16/float16 models: greedy settles near ties of the top logits by float32 dot "
+                        "products (closer to float32's tokens); default off: the argmax, as vLLM")
     g.add_argument("--model-cache-dir", default=env_default("CACHE_DIR", None),
                    help="where converted GGUF models are kept (default ~/.cache/pagedserve/models)")
     return parser
@@ -190,7 +193,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         num_gpu_blocks_override=args.num_gpu_blocks_override, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
-        enforce_eager=args.enforce_eager, model_cache_dir=args.model_cache_dir, max_logprobs=args.max_logprobs)
+        enforce_eager=args.enforce_eager, model_cache_dir=args.model_cache_dir, max_logprobs=args.max_logprobs,
+        greedy_rescore_near_ties=args.greedy_rescore_near_ties)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -228,4 +232,6 @@ def engine_argv(config: EngineConfig) -> list[str]:
         argv += ["--gpu-memory-utilization", str(config.gpu_memory_utilization)]
     if config.enforce_eager:
         argv.append("--enforce-eager")
+    if config.greedy_rescore_near_ties:
+        argv.append("--greedy-rescore-near-ties")
     return argv

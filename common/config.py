@@ -50,6 +50,9 @@ class EngineConfig:
     enforce_eager: bool = False  # compile the model step unless set (where supported)
     model_cache_dir: str | None = None  # where converted GGUF models are kept
     max_logprobs: int = 20  # the most (prompt) logprobs a request may ask for per token; -1: the vocabulary
+    # bf16/fp16 models: settle greedy near ties (top logits within two rounding steps) by float32
+    # dot products, as float32 would pick; off: the argmax of the model-dtype logits, as vLLM.
+    greedy_rescore_near_ties: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size is None:

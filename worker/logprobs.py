@@ -16,6 +16,7 @@ import torch
 
 from common.protocol import PromptLogprobs, TokenLogprobs
 from worker.kernels import cpu_ops
+from worker.lm_head.interface import LmHead
 
 # Prompt positions scored per lm_head call: bounds the [positions, vocab] buffers.
 PROMPT_LOGITS_CHUNK = 256
@@ -94,16 +95,16 @@ def plan_prompt_logprobs(scheduled: Sequence[tuple[Any, int]], query_starts: Seq
     return planned
 
 
-def compute_prompt_logprobs(model: Any, hidden: torch.Tensor,
+def compute_prompt_logprobs(lm_head: LmHead, hidden: torch.Tensor,
                             planned: Sequence[PromptLogprobsRequest]) -> dict[str, PromptLogprobs]:
-    """Run the lm_head at the planned positions of `hidden` [T, hidden_size]."""
+    """Run `lm_head` at the planned positions of `hidden` [T, hidden_size]."""
     results = {}
     for request in planned:
         positions: list[TokenLogprobs] = []
         for offset in range(0, len(request.targets), PROMPT_LOGITS_CHUNK):
             targets = request.targets[offset:offset + PROMPT_LOGITS_CHUNK]
             start = request.flat_start + offset
-            logits = model.compute_logits(hidden[start:start + len(targets)])
+            logits = lm_head.logits(hidden[start:start + len(targets)])
             chosen = torch.tensor(targets, dtype=torch.int64, device=logits.device)
             positions += token_logprobs(logits, chosen, [request.num_top] * len(targets))
         results[request.request_id] = PromptLogprobs(first_token_index=request.first_token_index,

@@ -1,7 +1,6 @@
 """One engine step on the device: forward, logits for sampling rows only, sample."""
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -9,11 +8,11 @@ import torch
 
 from common.protocol import PromptLogprobs, TokenLogprobs
 from worker.compiled_forward import ModelForward
-from worker.greedy_refine import NearTopScan, refine_greedy
 from worker.input_batch import StepBatch
+from worker.lm_head import LmHead
+from worker.lm_head.bf16_screen_calibration import calibrate_lm_head
 from worker.logprobs import compute_prompt_logprobs
 from worker.sampler import Sampler
-from worker.screen_calibration import calibrate_greedy_screen
 
 
 @dataclass(slots=True)
@@ -25,19 +24,19 @@ class RunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: Any, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], backend: Any,
-                 block_size: int, device: torch.device | str = "cpu", seed: int = 0,
+    def __init__(self, model: Any, lm_head: LmHead, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                 backend: Any, block_size: int, device: torch.device | str = "cpu", seed: int = 0,
                  forward: ModelForward | None = None):
-        """`forward`: how the model runs (compiled or eager, see ModelForward); eager by default."""
+        """`lm_head`: the strategy chosen for the model's lm_head (worker.lm_head.choose_lm_head);
+        `forward`: how the model runs (compiled or eager, see ModelForward); eager by default."""
         self.model = model
+        self.lm_head = lm_head
         self.kv_caches = kv_caches
         self.backend = backend
         self.block_size = block_size
         self.device = torch.device(device)
         self.sampler = Sampler(seed)
         self.forward = forward or ModelForward(model, kv_caches, backend, max_model_len=0, compile=False)
-        # The C++ scan only on CPU: a CUDA worker need not build the CPU extension.
-        self.near_top_scan = NearTopScan(compile=self.forward.compiled, use_kernel=self.device.type == "cpu")
 
     def execute(self, batch: StepBatch) -> RunnerOutput:
         """Run the batch; return the ids of the requests that sampled, their
@@ -49,7 +48,7 @@ class ModelRunner:
         """
         with torch.inference_mode():
             hidden = self.forward(batch.input_ids, batch.positions, batch.attn_metadata)
-            prompt_logprobs = (compute_prompt_logprobs(self.model, hidden, batch.prompt_logprobs)
+            prompt_logprobs = (compute_prompt_logprobs(self.lm_head, hidden, batch.prompt_logprobs)
                                if batch.prompt_logprobs else {})
             sampled_logprobs: dict[str, TokenLogprobs] = {}
             if batch.logits_indices.numel() == 0:
@@ -59,13 +58,13 @@ class ModelRunner:
                 if batch.logits_indices.numel() != hidden.shape[0]:  # else every token samples (all decodes)
                     hidden = hidden.index_select(0, batch.logits_indices)
                 meta = batch.sampling_metadata
-                greedy = self.model.greedy_tokens(hidden) if meta.plain_argmax else None
+                greedy = self.lm_head.greedy(hidden) if meta.plain_argmax else None
                 if greedy is not None:  # every row a plain argmax: no logits needed
                     sampled = greedy.tolist()
                 else:
                     # Only the adjustments (penalties, biases, masks) need float32 logits to add to.
-                    logits = self.model.compute_logits(hidden, upcast=meta.adjustments is not None)
-                    output = self.sampler.sample(logits, meta, self._greedy_refiner(hidden))
+                    logits = self.lm_head.logits(hidden, upcast=meta.adjustments is not None)
+                    output = self.sampler.sample(logits, meta, self.lm_head, hidden)
                     sampled = output.token_ids.tolist()
                     if output.logprobs is not None:
                         sampled_logprobs = {state.request_id: entry for state, entry
@@ -73,19 +72,10 @@ class ModelRunner:
         batch.commit(sampled)
         return RunnerOutput(batch.sampling_request_ids, sampled, sampled_logprobs, prompt_logprobs)
 
-    def _greedy_refiner(self, hidden: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
-        """For bfloat16/float16 models: settle greedy near-ties in float32 (worker.greedy_refine)."""
-        dtype = self.model.lm_head.dtype
-        if dtype == torch.float32 or not dtype.is_floating_point:
-            return None
-        return lambda logits, rows: refine_greedy(logits, rows, hidden, self.model.lm_head, dtype, self.near_top_scan)
-
     def warm_up(self) -> None:
-        """Compile what the first steps would otherwise compile (the greedy near-tie scan), and
-        calibrate the bf16 lm_head's greedy screen (worker.screen_calibration)."""
-        dtype = self.model.lm_head.dtype
-        if dtype != torch.float32 and dtype.is_floating_point:
-            self.near_top_scan.warm_up(self.model.lm_head.shape[0], dtype, self.device)
+        """Compile what the lm_head's first steps would otherwise compile (the near-tie scan, when
+        near ties are re-scored), and calibrate its greedy screen (bf16_screen_calibration)."""
+        self.lm_head.warm_up(self.device)
         if self.kv_caches:
-            calibrate_greedy_screen(self.model, self.forward, self.block_size, self.kv_caches[0][0].shape[0],
-                                    self.device)
+            calibrate_lm_head(self.lm_head, self.forward, self.block_size, self.kv_caches[0][0].shape[0],
+                              self.device)

@@ -13,10 +13,11 @@ from common.config import EngineConfig
 from common.protocol import StepPlan, StepResult, WorkerHello
 from common.tokenizer import eos_token_ids
 from worker.attention import get_attention_backend
-from worker.compiled_forward import ModelForward
+from worker.compiled_forward import ModelForward, inductor_available
 from worker.heap_tuning import keep_freed_memory_mapped
 from worker.input_batch import InputBatch
 from worker.kv_cache import allocate_kv_caches, kv_cache_spec, num_blocks_for
+from worker.lm_head import choose_lm_head
 from worker.model_loader import load_model
 from worker.model_runner import ModelRunner
 from worker.models.rotary import CONTEXT_STRETCHING_ROPE_TYPES, rope_parameters
@@ -46,6 +47,10 @@ class Worker:
 
         self.model, self.hf_config, self.model_dir = load_model(config, self.device, self.dtype)
         self.model.pack_weights()  # on AVX-512 CPUs: matmul weights packed for the CPU kernel
+        # Compiled on CPU unless --enforce-eager (CUDA runs eager: its compile path is untested).
+        compile_step = not config.enforce_eager and self.device.type == "cpu"
+        self.lm_head = choose_lm_head(self.model.lm_head, rescore_near_ties=config.greedy_rescore_near_ties,
+                                      compile_scan=compile_step and inductor_available())
         if self.device.type == "cpu":  # after loading, whose temporary copies may go back to the kernel
             keep_freed_memory_mapped()  # steps then reuse their activations' pages instead of faulting them in
         spec = kv_cache_spec(self.hf_config, config.block_size, self.kv_cache_dtype)
@@ -62,11 +67,10 @@ class Worker:
         eos_ids = eos_token_ids(self.model_dir)
         self.grammar_compiler = GrammarCompiler(self.model_dir, int(self.hf_config.vocab_size), eos_ids)
         self.grammar_compiler.start_warm_up()  # alongside the model's warm-up, which leaves a core mostly idle
-        # Compiled on CPU unless --enforce-eager (CUDA runs eager: its compile path is untested).
         self.forward = ModelForward(self.model, self.kv_caches, self.backend, max_model_len=self.max_model_len,
-                                    compile=not config.enforce_eager and self.device.type == "cpu")
+                                    compile=compile_step)
         self.forward.warm_up(config.block_size)
-        self.runner = ModelRunner(self.model, self.kv_caches, self.backend, config.block_size,
+        self.runner = ModelRunner(self.model, self.lm_head, self.kv_caches, self.backend, config.block_size,
                                   self.device, seed=config.seed, forward=self.forward)
         started = time.perf_counter()
         self.runner.warm_up()

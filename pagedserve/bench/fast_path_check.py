@@ -55,7 +55,7 @@ def first_step_logits(llm: Any, requests: list[BenchRequest]):
         batch = worker.input_batch.build(plan.num_scheduled_tokens)
         with torch.inference_mode():
             hidden = worker.forward(batch.input_ids, batch.positions, batch.attn_metadata)
-            rows.append(worker.model.compute_logits(hidden.index_select(0, batch.logits_indices)))
+            rows.append(worker.lm_head.logits(hidden.index_select(0, batch.logits_indices)))
         worker.input_batch.apply_plan(StepPlan(step_id=i, finished_request_ids=[f"logits-{i}"]))
     return torch.cat(rows)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from common.sampling_params import SamplingParams
+from worker.lm_head.plain_logits import PlainLogitsLmHead
 from worker.logits_processors import LogitsAdjustments, bad_word_bans
 from worker.sampler import Sampler, SamplingMetadata
 
@@ -16,8 +17,24 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], token_ids: list[l
            num_prompt_tokens: list[int], refine: bool = False) -> list[int]:
     meta = SamplingMetadata.build(params, [len(t) - n for t, n in zip(token_ids, num_prompt_tokens)],
                                   token_ids=token_ids, num_prompt_tokens=num_prompt_tokens)
-    refine_greedy = (lambda logits, rows: logits.index_select(0, rows).argmax(-1)) if refine else None
-    return Sampler(seed=1).sample(logits, meta, refine_greedy).token_ids.tolist()
+    if not refine:
+        return Sampler(seed=1).sample(logits, meta).token_ids.tolist()
+    hidden = torch.zeros(logits.shape[0], 4)
+    return Sampler(seed=1).sample(logits, meta, ArgmaxRescoringHead(), hidden).token_ids.tolist()
+
+
+class ArgmaxRescoringHead(PlainLogitsLmHead):
+    """An lm_head that claims to re-score near ties: the sampler hands it the plain greedy rows."""
+
+    def __init__(self):
+        super().__init__(torch.zeros(VOCAB, 4))
+
+    @property
+    def rescores_near_ties(self) -> bool:
+        return True
+
+    def greedy_from_logits(self, logits: torch.Tensor, rows: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        return logits.index_select(0, rows).argmax(-1)
 
 
 def test_allowed_token_ids_greedy_and_random_only_sample_allowed_ids():

@@ -11,7 +11,7 @@ import torch
 
 from worker.attention.reference import reference_attention
 from worker.attention.torch_backend import TorchAttentionBackend
-from worker.greedy_refine import NearTopScan, near_top_scan
+from worker.lm_head.near_tie_rescore import NearTopScan, near_top_scan
 from worker.kernels import cpu_extension
 from worker.logprobs import select_logprobs, token_logprobs
 from worker.models.rotary import apply_rotary

@@ -21,6 +21,7 @@ from common.config import GiB, EngineConfig
 from common.errors import ConfigError
 from worker.attention.torch_backend import TorchAttentionBackend
 from worker.kv_cache import allocate_kv_caches, kv_cache_spec, num_blocks_for
+from worker.lm_head.plain_logits import PlainLogitsLmHead
 from worker.model_loader import load_model
 from worker.models import get_model_class
 
@@ -73,7 +74,7 @@ def run_paged(model, hf_config, sequences: list[torch.Tensor], make_metadata, ma
                              BLOCK_SIZE, num_decodes=sum(1 for n in lengths if n == 1))
         ids = torch.cat([sequences[s][done[s]:done[s] + n] for s, n in zip(active, lengths)])
         positions = torch.cat([torch.arange(done[s], done[s] + n) for s, n in zip(active, lengths)])
-        out = model.compute_logits(model(ids, positions, caches, meta, backend))
+        out = PlainLogitsLmHead(model.lm_head).logits(model(ids, positions, caches, meta, backend))
         assert out.dtype == torch.float32
         for s, piece in zip(active, out.split(lengths)):
             logits[s].append(piece)

@@ -98,7 +98,7 @@ inline void weigh(const float* const* w, const T* const* values, int64_t chunks,
     for (int v = 0; v < NV; ++v) _mm512_storeu_ps(acc[r] + d + v * SLICE, a[r][v]);
 }
 
-// Kept out of line: inlined into run_item_avx512, it made decode attention 2-3 % slower.
+// Kept out of line: inlined into run_item_avx512, it made decode attention slower.
 template <int ROWS, int SPAN, typename T>
 __attribute__((noinline)) void weigh_rows(const float* const* w, const T* const* values, int64_t chunks, int64_t dim,
                                           float* const* acc) {
@@ -170,7 +170,7 @@ void softmax_rows(const Problem<Q, T>& p, const ItemGeometry& g, Scratch& s) {
 // Sizes an item's scratch, lists the rows of each KV head (s.head_rows[h * per_head + i],
 // per_head = queries x GQA group) and returns a zero row for chunks cut short. `read_ahead`:
 // the previous item prefetched this one's K/V; else a decode item reads them into L2 first
-// (reading them again after the read-ahead made decode attention 10 % slower).
+// (not again after the read-ahead: a second pass over them slows decode attention).
 template <typename Q, typename T>
 const T* start_item(const Problem<Q, T>& p, const WorkItem& item, const ItemGeometry& g, Scratch& s, bool read_ahead) {
   if (!read_ahead && item.num_queries <= STREAM_MAX_QUERIES) stream_kv(p, item.seq, g.key_lo, g.key_hi);
@@ -208,7 +208,7 @@ inline void for_each_span_head(const Problem<Q, T>& p, const T* cache, const Wor
 }
 
 // acc += probabilities x values, SPAN chunks at a time, the rows of one KV head six at a time
-// when there are that many (prefill: each widened value register feeds six rows; 3-5 % faster
+// when there are that many (prefill: each widened value register then feeds six rows rather
 // than three) and else three (the GQA group of a decode is often exactly that). after_step()
 // runs after each (span, KV head).
 template <int SPAN, typename Q, typename T, typename F>

@@ -2,7 +2,7 @@
 // channels and bf16 outliers (`split_row`), the sinks that bound every column's logit
 // (`Bf16ScreenSink`, `Bf16BoundSink`) and the exact re-computation of the survivors
 // (`settle_row`). Defines PAGEDSERVE_BF16_SCREEN on CPUs with AVX512-BF16 and AVX512-VNNI;
-// bf16_lm_head_screen.cpp holds the entry points. See worker/models/bf16_lm_head_screen.py for
+// bf16_lm_head_screen.cpp holds the entry points. See worker/lm_head/bf16_int8_screen.py for
 // the bound.
 #pragma once
 

@@ -2,7 +2,7 @@
 // `pagedserve::packed_linear_argmax` runs the float32 packed matmul into a running argmax;
 // `screened_argmax` finds the same column with int16 dot products first (CPUs with
 // AVX512-VNNI: vpdpwssd). Each row of x is scaled into int16 (|q| <= 2047) and W was scaled per
-// column at load time (`worker.models.screened_lm_head`), so every column gets an approximate
+// column at load time (`worker.lm_head.int16_screen`), so every column gets an approximate
 // logit and a rigorous bound on its distance to the float32 logit the plain kernel computes: the
 // rounding of x and of W (the largest per-element errors times the l1 norms of the other factor)
 // plus float32's own summation error (gamma_K times max|x| times ||W_n||_1), with slack for the

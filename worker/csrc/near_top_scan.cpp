@@ -1,4 +1,4 @@
-// The greedy near-tie scan (`worker.greedy_refine.near_top_scan` in one pass per row over the
+// The greedy near-tie scan (`worker.lm_head.near_tie_rescore.near_top_scan` in one pass per row over the
 // logits, rows spread over threads). Per row of logits [N, vocab] (float32 or bfloat16): the
 // argmax (the first index of the maximum, as torch.argmax) and how many logits lie at or above
 // `max - 2 * spacing(max)`, the spacing of the model dtype's numbers around the maximum

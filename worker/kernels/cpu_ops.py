@@ -44,7 +44,7 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
 
 
 def near_top_scan(logits: torch.Tensor, model_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """`worker.greedy_refine.near_top_scan` for contiguous float32/bfloat16 CPU logits
+    """`worker.lm_head.near_tie_rescore.near_top_scan` for contiguous float32/bfloat16 CPU logits
     [N, vocab]: (argmax [N], near-top counts [N])."""
     info = torch.finfo(model_dtype)
     argmax, counts = cpu_extension._module.near_top_scan(logits, float(info.eps), float(info.tiny))

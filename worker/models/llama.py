@@ -1,5 +1,7 @@
 """Llama-family decoder (Llama 2/3, and via small subclasses Mistral and Qwen2) over a
-flattened, unpadded token batch with a paged KV cache.
+flattened, unpadded token batch with a paged KV cache: token ids in, final-norm hidden
+states out. The model holds the lm_head weight (`lm_head`, or the tied embeddings); what
+turns hidden states into logits and greedy tokens is `worker.lm_head`.
 
 Numerics follow transformers' modeling code op for op (RMSNorm in float32 then
 cast back before the weight multiply, rotate_half RoPE, SiLU-gated MLP,
@@ -18,11 +20,8 @@ from torch import nn
 from worker.kernels import cpu_ops
 from worker.attention.metadata import AttentionMetadata
 from worker.attention.step_context import paged_attention, step_context
-from worker.models.packed_linear import linear, linear_silu, pack_gated, pack_weight
+from worker.models.packed_linear import linear, linear_silu, pack_gated, pack_weight, packing_supported
 from worker.models.rotary import RotaryEmbedding, apply_rotary
-from worker.models.bf16_lm_head_screen import (Bf16ScreenedLmHead, build_bf16_screen, outlier_channels,
-                                                screen_available)
-from worker.models.screened_lm_head import ScreenedLmHead, screen_lm_head
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -142,9 +141,6 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = self.embed_tokens if self.tie_word_embeddings else _param(
             s.vocab, s.hidden, dtype=dtype, device=device)
         self.rotary = RotaryEmbedding(hf_config, s.head_dim)
-        self.register_buffer("lm_head_packed", None, persistent=False)  # see pack_weights
-        self.lm_head_screen: ScreenedLmHead | None = None  # see pack_weights and greedy_tokens
-        self.bf16_lm_head_screen: Bf16ScreenedLmHead | None = None  # see calibrate_greedy_screen
 
     # --- architecture rules (overridden by Mistral / Qwen2) -------------------------
     @classmethod
@@ -180,63 +176,20 @@ class LlamaForCausalLM(nn.Module):
             hidden = layers_fn(group, hidden, cos, sin, [layer.layer_index for layer in group])
         return rms_norm(hidden, self.norm, self.sizes.eps)
 
-    @torch.no_grad()
-    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
-        """hidden [N, hidden] -> float32 logits [N, vocab] (matmul in the model dtype, like transformers).
-        upcast=False keeps the model dtype: enough for greedy argmax and for sampling and
-        logprobs, which widen it exactly themselves, and it saves a copy of [N, vocab]."""
-        logits = linear(hidden, self.lm_head, None, self.lm_head_packed)
-        return logits.float() if upcast else logits
-
-    @torch.no_grad()
-    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """hidden [N, hidden] -> each row's greedy token [N] (int64) without writing [N, vocab]
-        logits (for a 256-row decode step that was 50 MB written, faulted in and read back):
-        from the float32 packed lm_head, the argmax (the first on ties); from a calibrated
-        bfloat16 one, through its int8 screen, the token `compute_logits` and
-        `worker.greedy_refine` give. None otherwise (greedy then runs on `compute_logits`)."""
-        packed = self.lm_head_packed
-        if packed is None:
-            return None
-        if packed.dtype == torch.bfloat16 and self.bf16_lm_head_screen is not None:
-            return self.bf16_lm_head_screen.greedy(hidden, packed, self.lm_head)
-        if packed.dtype != torch.float32:
-            return None
-        if self.lm_head_screen is not None:  # the same tokens from int16 products (screened_lm_head)
-            return self.lm_head_screen.argmax(hidden, packed)
-        return torch.ops.pagedserve.packed_linear_argmax(hidden, packed, self.lm_head.shape[0])
-
     def pack_weights(self) -> bool:
-        """Pre-pack the matmul weights for the CPU kernel's matmul (bfloat16 on CPUs with
-        AVX512-BF16, float32 on AVX-512 CPUs; see packed_linear), and with them take the
-        MLP activation through the CPU kernel; in bfloat16 the rotary embedding too (the
-        same rounding as eager, faster than the inductor-compiled versions). Call after
-        load_weights; returns whether anything was packed."""
-        self.lm_head_packed = pack_weight(self.lm_head)
-        if self.lm_head_packed is None:
+        """Pre-pack the layers' matmul weights for the CPU kernel's matmul (bfloat16 on CPUs with
+        AVX512-BF16, float32 on AVX-512 CPUs; see packed_linear), and with them take the MLP
+        activation through the CPU kernel; in bfloat16 the rotary embedding too (the same
+        rounding as eager, faster than the inductor-compiled versions). Call after load_weights;
+        returns whether anything was packed. The lm_head is packed by its strategy (worker.lm_head)."""
+        if not packing_supported(self.lm_head):
             return False
-        if self.lm_head_packed.dtype == torch.float32:
-            self.lm_head_screen = screen_lm_head(self.lm_head)
         for layer in self.layers:
             for name in PACKED_WEIGHTS:
                 pack = pack_gated if name == "gate_up" else pack_weight
                 setattr(layer, name + "_packed", pack(getattr(layer, name + "_weight")))
             layer.fused_rotary = self.lm_head.dtype == torch.bfloat16
         return True
-
-    def wants_greedy_screen_calibration(self) -> bool:
-        """Whether `calibrate_greedy_screen` would arm the bf16 lm_head's int8 screen."""
-        packed = self.lm_head_packed
-        return (packed is not None and packed.dtype == torch.bfloat16 and self.bf16_lm_head_screen is None
-                and screen_available(self.lm_head))
-
-    @torch.no_grad()
-    def calibrate_greedy_screen(self, hidden: torch.Tensor) -> bool:
-        """Arm the int8 screen of the bf16 packed lm_head with the outlier channels of final
-        hidden states [T, hidden] (see worker.models.bf16_lm_head_screen); returns whether it is."""
-        if self.wants_greedy_screen_calibration():
-            self.bf16_lm_head_screen = build_bf16_screen(self.lm_head, outlier_channels(hidden))
-        return self.bf16_lm_head_screen is not None
 
     # --- weights ---------------------------------------------------------------------
     def weight_targets(self) -> dict[str, torch.Tensor]:

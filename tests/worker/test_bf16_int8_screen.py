@@ -1,5 +1,6 @@
 """The int8 screen of the bfloat16 greedy lm_head picks exactly the token the plain path picks
-(bf16 packed logits, the near-top scan, float32 settling of near ties): at model and odd sizes,
+(the argmax of the bf16 packed logits; with the near-tie re-score on, the near-top scan and float32
+settling of near ties): at model and odd sizes,
 on planted exact and near ties, with outlier channels calibrated or not, through its fallbacks,
 and inside the engine. Its bounds hold column by column, also where the int8 rounding errors add
 up to what each term of the bound allows."""
@@ -11,10 +12,11 @@ import pytest
 import torch
 
 from worker.kernels import cpu_extension, cpu_ops
-from worker.greedy_refine import near_top_scan, refine_greedy
+from worker.lm_head.bf16_int8_screen import (OUTLIER_CHANNELS, Bf16Int8ScreenedLmHead, build_bf16_screen,
+                                             outlier_channels)
+from worker.lm_head.near_tie_rescore import NearTieRescore, NearTopScan, near_top_scan, refine_greedy
 from pagedserve.offline.llm import LLM
 from worker.models import packed_linear
-from worker.models.bf16_lm_head_screen import OUTLIER_CHANNELS, build_bf16_screen, outlier_channels
 from pagedserve.bench.throughput import greedy_params
 from tests.tiny_models import build_tiny_hf_model
 
@@ -32,14 +34,18 @@ def plain(weight: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return refine_greedy(logits, torch.arange(x.shape[0]), x, weight, torch.bfloat16), argmax, counts
 
 
-def screened(weight: torch.Tensor, x: torch.Tensor, calibration: torch.Tensor) -> tuple:
-    screen = build_bf16_screen(weight, outlier_channels(calibration))
-    assert screen is not None
+def screened(weight: torch.Tensor, x: torch.Tensor, calibration: torch.Tensor, rescore: bool = True) -> tuple:
+    """(the screened head's greedy tokens, with the near-tie re-score on or off; the kernel's raw result)."""
     packed = packed_linear.pack_weight(weight)
+    near_ties = NearTieRescore(weight, NearTopScan(compile=False)) if rescore else None
+    head = Bf16Int8ScreenedLmHead(weight, packed, near_ties)
+    assert head.wants_calibration() and head.greedy(x) is None  # plain until calibrated
+    assert head.calibrate(calibration) and not head.wants_calibration()
+    screen = head.screen
     raw = module.screened_bf16_argmax(x, weight, packed, screen.packed, screen.outlier_packed, screen.rest,
                                       screen.outliers, screen.column_terms, screen.offset_share, weight.shape[0],
                                       float(BF16.eps), float(BF16.tiny))
-    return screen.greedy(x, packed, weight), raw
+    return head.greedy(x), raw
 
 
 def planted_problem(out_features: int, in_features: int, rows: int, seed: int):
@@ -65,6 +71,8 @@ def test_screened_greedy_is_the_plain_greedy(out_features, in_features, rows):
     tokens, (chosen, near, candidate_rows, candidate_tokens) = screened(weight, x, calibration)
     assert tokens.tolist() == expected.tolist()
     assert chosen.tolist() == argmax.tolist() and near.tolist() == counts.tolist()
+    tokens_without_rescore, _ = screened(weight, x, calibration, rescore=False)
+    assert tokens_without_rescore.tolist() == argmax.tolist()  # the re-score off: the bf16 argmax
     assert counts[0] >= 3  # the planted group is a near tie: settled in float32
     assert candidate_rows.tolist() == sorted(candidate_rows.tolist())
     assert len(candidate_tokens) == int(counts[counts > 1].sum())
@@ -102,19 +110,22 @@ def test_screen_only_for_bfloat16_weights_it_can_bound():
 
 
 @needs_screen
-def test_engine_arms_the_screen_at_start_up_and_keeps_its_tokens(tmp_path):
+@pytest.mark.parametrize("rescore", [False, True], ids=["argmax", "rescore"])
+def test_engine_arms_the_screen_at_start_up_and_keeps_its_tokens(tmp_path, rescore):
     """A bf16 engine calibrates the screen while warming up; its greedy tokens (decodes, chunked
-    prefills, batches of every size) are those of the same engine with the screen taken away."""
+    prefills, batches of every size) are those of the same engine with the screen taken away,
+    with the near-tie re-score off (the default) and on."""
     directory = tmp_path / "tiny"
     build_tiny_hf_model("LlamaForCausalLM", directory)
     llm = LLM(model=str(directory), dtype="bfloat16", block_size=4, num_gpu_blocks_override=512,
-              skip_tokenizer_init=True, max_num_batched_tokens=48)
-    model = llm.worker.model
-    assert model.bf16_lm_head_screen is not None and not model.wants_greedy_screen_calibration()
+              skip_tokenizer_init=True, max_num_batched_tokens=48, greedy_rescore_near_ties=rescore)
+    head = llm.worker.lm_head
+    assert isinstance(head, Bf16Int8ScreenedLmHead) and head.rescores_near_ties == rescore
+    assert head.screen is not None and not head.wants_calibration()
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(256) for _ in range(rng.randint(1, 40))]} for _ in range(12)]
     with_screen = [list(r.outputs[0].token_ids) for r in llm.generate(prompts, greedy_params(20), use_tqdm=False)]
-    screen, model.bf16_lm_head_screen = model.bf16_lm_head_screen, None
+    screen, head.screen = head.screen, None
     without = [list(r.outputs[0].token_ids) for r in llm.generate(prompts, greedy_params(20), use_tqdm=False)]
     assert with_screen == without and sum(map(len, with_screen)) == 240
     assert screen.outliers.numel() == OUTLIER_CHANNELS

@@ -1,4 +1,5 @@
-"""Greedy near-ties of bfloat16 logits are settled by float32 re-scoring."""
+"""With the near-tie re-score on, greedy near-ties of bfloat16 logits are settled by float32
+re-scoring (the option itself, on and off through the engine: test_lm_head_strategies)."""
 from __future__ import annotations
 
 import logging
@@ -9,7 +10,8 @@ import torch.nn.functional as F
 
 from common.sampling_params import SamplingParams
 from worker.kernels import cpu_extension, cpu_ops
-from worker.greedy_refine import NearTopScan, near_top_scan, refine_greedy, rounding_step
+from worker.lm_head.near_tie_rescore import NearTieRescore, NearTopScan, near_top_scan, refine_greedy, rounding_step
+from worker.lm_head.plain_logits import PlainLogitsLmHead
 from worker.sampler import Sampler, SamplingMetadata
 
 
@@ -67,12 +69,16 @@ def test_sampler_refines_only_unadjusted_greedy_rows():
     assert meta.unadjusted_greedy_rows() == [0, 3]
     calls = []
 
-    def refine(l, rows):
-        calls.append(rows.tolist())
-        return refine_greedy(l, rows, hidden, weight, torch.bfloat16)
+    class CountingRescore(NearTieRescore):
+        def pick(self, l, rows, h):
+            calls.append(rows.tolist())
+            return super().pick(l, rows, h)
 
-    out = Sampler(seed=0).sample(logits.clone(), meta, refine).token_ids
+    head = PlainLogitsLmHead(weight, near_ties=CountingRescore(weight, NearTopScan(compile=False)))
+    out = Sampler(seed=0).sample(logits.clone(), meta, head, hidden).token_ids
     plain = Sampler(seed=0).sample(logits.clone(), meta).token_ids
+    assert torch.equal(Sampler(seed=0).sample(logits.clone(), meta, PlainLogitsLmHead(weight), hidden).token_ids,
+                       plain)  # the re-score off: the argmax, no call
     assert calls == [[0, 3]]
     assert out[0] == exact[0] and out[3] == exact[3]
     assert out[1] == plain[1] and out[2] == plain[2]  # adjusted and random rows as before
@@ -116,9 +122,8 @@ def test_all_greedy_batches_take_the_refiners_argmax():
     exact = (hidden.float() @ weight.float().T).argmax(dim=-1)
     meta = SamplingMetadata.build([SamplingParams(temperature=0.0)] * 6, [0] * 6, token_ids=[[1, 2]] * 6,
                                   num_prompt_tokens=[2] * 6)
-    scan = NearTopScan(compile=False)
-    out = Sampler(seed=0).sample(logits, meta, lambda l, rows: refine_greedy(
-        l, rows, hidden, weight, torch.bfloat16, scan)).token_ids
+    head = PlainLogitsLmHead(weight, near_ties=NearTieRescore(weight, NearTopScan(compile=False)))
+    out = Sampler(seed=0).sample(logits, meta, head, hidden).token_ids
     assert torch.equal(out, exact)
 
 

@@ -1,17 +1,18 @@
-"""Greedy picks from reduced-precision logits, settled in float32.
+"""The float32 re-score of greedy near ties of reduced-precision logits: an
+option (`EngineConfig.greedy_rescore_near_ties`, `--greedy-rescore-near-ties`),
+off by default so that greedy picks the argmax of the model-dtype logits as
+vLLM does.
 
 A bfloat16 lm_head hands back logits rounded to 8 significant bits (steps of
 0.125 around 20), so a near tie between the top tokens is decided by
-rounding, not by the model: on W1's prompts the first greedy token of a
-bfloat16 run matched float32's on 92 % of prompts, and on 97 % once the tie
-is settled as below.
-
-Only a token whose rounded logit lies within two rounding steps of the row's
-maximum can hold the largest unrounded logit. Those few candidates (usually
-one to three) are re-scored as float32 dot products of the same bfloat16
+rounding, not by the model. With the option on, such ties are settled as the
+float32 model would settle them: only a token whose rounded logit lies within
+two rounding steps of the row's maximum can hold the largest unrounded logit.
+Those few candidates are re-scored as float32 dot products of the same
 hidden state and weights, and the largest wins; on an exact tie the lowest
 token id wins, as with argmax. The result depends on the row alone, never on
-its batch.
+its batch. `pagedserve bench accuracy --greedy-rescore-near-ties` shows how
+often it brings bfloat16's first tokens to float32's.
 """
 from __future__ import annotations
 
@@ -47,9 +48,8 @@ def near_top_scan(logits: torch.Tensor, model_dtype: torch.dtype) -> tuple[torch
 
 class NearTopScan:
     """`near_top_scan`: on CPU through the C++ kernel extension when it is built (one
-    read of the logits from memory: about 1 ms for 256 rows of 49,152 bf16 logits),
-    else compiled on first use when `compile` is set (8 ms; eagerly, its bfloat16
-    reductions take 27 ms, a tenth of a W2 decode step). A failed compile runs it eagerly."""
+    read of the logits), else compiled on first use when `compile` is set (eager
+    bfloat16 reductions are several times slower). A failed compile runs it eagerly."""
 
     def __init__(self, compile: bool, use_kernel: bool = True):
         self._use_kernel = use_kernel and cpu_ops.load() is not None
@@ -107,3 +107,26 @@ def settle_near_ties(chosen: torch.Tensor, tied: torch.Tensor, hidden_rows: torc
     settled = torch.full((tied.shape[0],), weight.shape[0], dtype=torch.int64, device=chosen.device)
     chosen[tied] = settled.scatter_reduce(0, candidate_rows[winners], tokens[winners], "amin")
     return chosen
+
+
+class NearTieRescore:
+    """The re-score for one lm_head `weight` [vocab, hidden] of a reduced-precision dtype."""
+
+    def __init__(self, weight: torch.Tensor, scan: NearTopScan):
+        if weight.dtype == torch.float32 or not weight.dtype.is_floating_point:
+            raise ValueError(f"near ties are re-scored for reduced-precision lm_heads only, not {weight.dtype}")
+        self.weight = weight
+        self.model_dtype = weight.dtype
+        self.scan = scan
+
+    def pick(self, logits: torch.Tensor, rows: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """`refine_greedy` of `rows` of `logits` [N, vocab] computed from `hidden` [N, hidden]."""
+        return refine_greedy(logits, rows, hidden, self.weight, self.model_dtype, self.scan)
+
+    def settle(self, chosen: torch.Tensor, tied: torch.Tensor, candidate_rows: torch.Tensor,
+               tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """`settle_near_ties` of rows `tied` of `hidden` (a scan's candidates over every row)."""
+        return settle_near_ties(chosen, tied, tied, candidate_rows, tokens, hidden, self.weight)
+
+    def warm_up(self, device: torch.device | str) -> None:
+        self.scan.warm_up(self.weight.shape[0], self.model_dtype, device)

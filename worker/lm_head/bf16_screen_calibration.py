@@ -1,9 +1,9 @@
 """The start-up calibration batch of the bf16 lm_head's int8 screen
-(`worker.models.bf16_lm_head_screen`): a few sequences of seeded random token ids,
+(`worker.lm_head.bf16_int8_screen`): a few sequences of seeded random token ids,
 prefilled through the real model step into KV blocks 1.., whose final hidden
 states show which channels carry the outliers. Random ids suffice: the outlier
 channels are the model's, not the text's (the channels picked from W2's random
-prompts and from W1's agree in speed). Only speed depends on the outcome.
+prompts and from W1's screen equally fast). Only speed depends on the outcome.
 
 Nothing is allocated for it: before the first request every block but the null
 block 0 is free, and the scheduler overwrites a block before it reads one.
@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 
 from worker.attention.metadata import AttentionMetadata
+from worker.lm_head.interface import LmHead
 
 logger = logging.getLogger(__name__)
 
@@ -47,21 +48,20 @@ def calibration_batch(vocab_size: int, block_size: int, num_blocks: int, device:
     return input_ids, offsets.repeat(sequences).to(device), meta
 
 
-def calibrate_greedy_screen(model: object, forward: Callable[..., torch.Tensor], block_size: int,
-                            num_blocks: int, device: torch.device) -> bool:
-    """Run the calibration batch through `forward` and arm the model's screen with its
-    hidden states (`calibrate_greedy_screen`); returns whether the screen is armed."""
-    wants = getattr(model, "wants_greedy_screen_calibration", None)
-    if wants is None or not wants():
+def calibrate_lm_head(lm_head: LmHead, forward: Callable[..., torch.Tensor], block_size: int,
+                      num_blocks: int, device: torch.device) -> bool:
+    """Run the calibration batch through `forward` (input_ids, positions, meta -> final hidden
+    states) and calibrate `lm_head` with them, if it wants it; returns whether it was calibrated."""
+    if not lm_head.wants_calibration():
         return False
-    batch = calibration_batch(model.lm_head.shape[0], block_size, num_blocks, device)
+    batch = calibration_batch(lm_head.vocab_size, block_size, num_blocks, device)
     if batch is None:
         return False
     started = time.perf_counter()
     with torch.inference_mode():
         hidden = forward(*batch)
-    armed = model.calibrate_greedy_screen(hidden)
-    if armed:
+    calibrated = lm_head.calibrate(hidden)
+    if calibrated:
         logger.info("Greedy lm_head screen armed (int8, outlier channels calibrated on %d tokens) in %.1f s",
                     hidden.shape[0], time.perf_counter() - started)
-    return armed
+    return calibrated

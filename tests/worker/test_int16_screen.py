@@ -8,7 +8,7 @@ import torch
 
 from worker.kernels import cpu_extension, cpu_ops
 from worker.models import packed_linear
-from worker.models.screened_lm_head import screen_lm_head, weight_levels
+from worker.lm_head.int16_screen import build_int16_screen, weight_levels
 
 module = cpu_ops.load()
 # A failed build is no reason to skip (test_cpu_kernel_build fails instead): only no compiler or another CPU.
@@ -19,7 +19,7 @@ needs_screen = pytest.mark.skipif(not cpu_extension.expected() or (module is not
 
 def both(weight: torch.Tensor, x: torch.Tensor) -> tuple[list[int], list[int]]:
     packed = packed_linear.pack_weight(weight)
-    screen = screen_lm_head(weight)
+    screen = build_int16_screen(weight)
     assert screen is not None
     plain = torch.ops.pagedserve.packed_linear_argmax(x, packed, weight.shape[0])
     return screen.argmax(x, packed).tolist(), plain.tolist()
@@ -56,11 +56,11 @@ def test_rows_without_a_scale_fall_back_to_the_plain_argmax():
 
 @needs_screen
 def test_screen_only_for_float32_weights_it_can_bound():
-    assert screen_lm_head(torch.randn(64, 32).bfloat16()) is None
+    assert build_int16_screen(torch.randn(64, 32).bfloat16()) is None
     weight = torch.randn(64, 32)
     weight[3, 4] = float("inf")
-    assert screen_lm_head(weight) is None
-    assert screen_lm_head(torch.randn(64, 40000)) is None  # too few int16 levels left for W
+    assert build_int16_screen(weight) is None
+    assert build_int16_screen(torch.randn(64, 40000)) is None  # too few int16 levels left for W
     assert weight_levels(576) == 1023 and 64 <= weight_levels(4096) < 1023
 
 
