@@ -98,11 +98,11 @@ class EngineConfig:
 
     def default_block_size(self) -> int:
         # On CPU, decode attention streams each sequence's K/V block by block: runs of
-        # 48 KiB (128 tokens of 16-bit K for SmolLM2's three KV heads) read about 25 %
-        # faster than runs of 16 tokens (hardware prefetch restarts at every block), as
-        # vLLM's CPU backend also chooses. A float32 cache gets the same bytes per run from
-        # 64 tokens, and half the space lost in each sequence's last block (W2 in
-        # 4 GiB: no preemptions instead of 14). Prefix caching shares whole blocks only.
+        # 48 KiB (128 tokens of 16-bit K for SmolLM2's three KV heads) read faster than
+        # runs of 16 tokens (hardware prefetch restarts at every block), as vLLM's CPU
+        # backend also chooses. A float32 cache gets the same bytes per run from 64
+        # tokens, and loses half the space in each sequence's last block (fewer
+        # preemptions in a full cache). Prefix caching shares whole blocks only.
         if self.resolved_device() == "cuda":
             return 16
         return 64 if self.resolved_kv_cache_dtype() == "float32" else 128
