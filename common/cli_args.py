@@ -52,6 +52,10 @@ def non_negative_float(text: str) -> float:
     return _number(float, text, lambda v: v >= 0, "0 or more")
 
 
+def _positive_int(text: str) -> int:
+    return _number(int, text, lambda v: v >= 1, "1 or more")
+
+
 def non_negative_int(text: str) -> int:
     return _number(int, text, lambda v: v >= 0, "0 or more")
 
@@ -177,6 +181,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--greedy-rescore-near-ties", action="store_true",
                    help="bfloat16/float16 models: greedy settles near ties of the top logits by float32 dot "
                         "products (closer to float32's tokens); default off: the argmax, as vLLM")
+    g.add_argument("--tensor-parallel-size", "-tp", type=_positive_int,
+                   default=env_default("TENSOR_PARALLEL_SIZE", 1),
+                   help="worker ranks sharing each layer (attention heads, MLP columns, vocabulary)")
+    g.add_argument("--pipeline-parallel-size", "-pp", type=_positive_int,
+                   default=env_default("PIPELINE_PARALLEL_SIZE", 1),
+                   help="worker ranks each holding a consecutive share of the layers")
+    g.add_argument("--data-parallel-size", "-dp", type=_positive_int, default=env_default("DATA_PARALLEL_SIZE", 1),
+                   help="engine replicas (a scheduler and its worker group each) behind the frontends")
+    g.add_argument("--distributed-init-method", default=env_default("DISTRIBUTED_INIT_METHOD", None),
+                   help="where a worker group meets: tcp://HOST:PORT of rank 0 (default: torchrun's "
+                        "MASTER_ADDR and MASTER_PORT)")
     g.add_argument("--model-cache-dir", default=env_default("CACHE_DIR", None),
                    help="where converted GGUF models are kept (default ~/.cache/pagedserve/models)")
     return parser
@@ -194,7 +209,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
         enforce_eager=args.enforce_eager, model_cache_dir=args.model_cache_dir, max_logprobs=args.max_logprobs,
-        greedy_rescore_near_ties=args.greedy_rescore_near_ties)
+        greedy_rescore_near_ties=args.greedy_rescore_near_ties,
+        tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
+        data_parallel_size=args.data_parallel_size, distributed_init_method=args.distributed_init_method)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -224,12 +241,18 @@ def engine_argv(config: EngineConfig) -> list[str]:
             "--enable-prefix-caching" if config.enable_prefix_caching else "--no-enable-prefix-caching"]
     optional = {"--max-model-len": config.max_model_len, "--max-num-batched-tokens": config.max_num_batched_tokens,
                 "--num-gpu-blocks-override": config.num_gpu_blocks_override,
-                "--model-cache-dir": config.model_cache_dir}
+                "--model-cache-dir": config.model_cache_dir,
+                "--distributed-init-method": config.distributed_init_method}
     for flag, value in optional.items():
         if value is not None:
             argv += [flag, str(value)]
     if config.gpu_memory_utilization != 0.9:
         argv += ["--gpu-memory-utilization", str(config.gpu_memory_utilization)]
+    for flag, size in (("--tensor-parallel-size", config.tensor_parallel_size),
+                       ("--pipeline-parallel-size", config.pipeline_parallel_size),
+                       ("--data-parallel-size", config.data_parallel_size)):
+        if size != 1:
+            argv += [flag, str(size)]
     if config.enforce_eager:
         argv.append("--enforce-eager")
     if config.greedy_rescore_near_ties:

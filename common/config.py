@@ -53,6 +53,12 @@ class EngineConfig:
     # bf16/fp16 models: settle greedy near ties (top logits within two rounding steps) by float32
     # dot products, as float32 would pick; off: the argmax of the model-dtype logits, as vLLM.
     greedy_rescore_near_ties: bool = False
+    # Parallelism (vLLM's names): worker ranks splitting one replica's model (tensor: heads and
+    # MLP columns; pipeline: layers), and replicas, each a scheduler with its own worker group.
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    distributed_init_method: str | None = None  # tcp://HOST:PORT; None: MASTER_ADDR/MASTER_PORT
 
     def __post_init__(self) -> None:
         if self.block_size is None:
@@ -84,6 +90,13 @@ class EngineConfig:
             raise ConfigError(f"max_logprobs must be -1 (no bound) or at least 0, got {self.max_logprobs}")
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.distributed_init_method is not None and not self.distributed_init_method.startswith(
+                ("tcp://", "env://", "file://")):
+            raise ConfigError("distributed_init_method must be tcp://HOST:PORT, env:// or file://PATH, "
+                              f"got {self.distributed_init_method!r}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ConfigError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
 
@@ -143,6 +156,11 @@ class EngineConfig:
                 f"({num_blocks - 1} usable blocks of {self.block_size} tokens); "
                 f"raise kv_cache_memory or lower max_model_len")
         return self.max_model_len
+
+    @property
+    def world_size(self) -> int:
+        """Worker ranks in one replica's group: tensor x pipeline parallel."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def replace(self, **changes) -> "EngineConfig":
         return dataclasses.replace(self, **changes)

@@ -102,12 +102,35 @@ def component_commands(args: argparse.Namespace, runtime_dir: str) -> list[Compo
                                 "--scheduler-address", addresses["scheduler"],
                                 "--worker-address", addresses["worker"],
                                 "--scheduler-control-address", addresses["control"]]),
-        Component("worker", ["worker", *engine, "--worker-address", addresses["worker"]]),
+        *worker_group(config, engine, addresses["worker"]),
         Component("frontend", ["frontend", *model, *frontend], env=frontend_env),
     ]
     for component in components if args.log_level else []:
         component.argv += ["--log-level", args.log_level]
     return components
+
+
+def worker_group(config, engine: list[str], worker_address: str, name: str = "worker",
+                 group_port: int | None = None) -> list[Component]:
+    """The worker processes of one replica: one, or a rank each of a tensor/pipeline-parallel
+    group meeting at 127.0.0.1:`group_port` (a free port by default). Only rank 0 talks to the
+    scheduler; the others follow it over torch.distributed."""
+    size = config.world_size
+    if size == 1:
+        return [Component(name, ["worker", *engine, "--worker-address", worker_address])]
+    init = ([] if config.distributed_init_method
+            else ["--distributed-init-method", f"tcp://127.0.0.1:{group_port or free_tcp_port()}"])
+    return [Component(name if rank == 0 else f"{name}-rank{rank}",
+                      ["worker", *engine, *init, "--worker-address", worker_address, "--rank", str(rank)],
+                      env={"LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(size)})
+            for rank in range(size)]
+
+
+def free_tcp_port() -> int:
+    """A port nothing listens on now, for a worker group's rendezvous on this host."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def served_model_names(args: argparse.Namespace, model: str) -> list[str]:

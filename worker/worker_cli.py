@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 
 from common.addresses import default_address
 from common.cli_args import SettingsParser, add_engine_args, add_log_level_arg, engine_config_from_args, parse_engine_args, positive_float
@@ -18,7 +19,9 @@ def build_parser() -> SettingsParser:
     parser = SettingsParser(prog="pagedserve worker", description=__doc__)
     parser.add_argument("--worker-address", default=default_address("WORKER_ADDRESS"),
                         help="the scheduler's ZMQ address for workers")
-    parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument("--rank", type=int, default=int(os.environ.get("RANK", "0")),
+                        help="this worker's rank in its tensor/pipeline-parallel group (default: $RANK, as "
+                             "torchrun sets it, else 0); only rank 0 talks to the scheduler")
     parser.add_argument("--handshake-timeout", type=positive_float, default=None,
                         help="give up if the scheduler does not answer within this many seconds")
     add_log_level_arg(parser)
