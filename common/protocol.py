@@ -31,6 +31,8 @@ class MessageType(enum.IntEnum):
     STEP_RESULT = 23
     SHUTDOWN = 24
     WORKER_GOODBYE = 25
+    # rank 0 -> the other ranks of its worker group (over torch.distributed)
+    GROUP_CONTROL = 26
     # frontend <-> tokenizer pool
     TOKENIZE = 30
     RENDER_CHAT = 31
@@ -149,6 +151,8 @@ class WorkerHello(msgspec.Struct, **_STRUCT):
     eos_token_ids: list[int]
     dtype: str
     protocol_version: int = PROTOCOL_VERSION
+    tensor_parallel_size: int = 1  # the ranks behind this worker (only rank 0 talks to the scheduler)
+    pipeline_parallel_size: int = 1
 
 
 class WorkerReady(msgspec.Struct, **_STRUCT):
@@ -215,6 +219,13 @@ class WorkerGoodbye(msgspec.Struct, **_STRUCT):
     reason: str = ""
 
 
+class GroupControl(msgspec.Struct, **_STRUCT):
+    """Rank 0 to the other ranks of its group, between step plans: `keepalive` (an idle
+    group's collectives must not time out), `reset` (a new scheduler session: drop every
+    request), `stop` (the group is shutting down)."""
+    action: str
+
+
 # --------------------------------------------------------------------------
 # frontend <-> tokenizer pool
 
@@ -272,6 +283,7 @@ MESSAGE_TYPES: dict[MessageType, type[msgspec.Struct]] = {
     MessageType.STEP_RESULT: StepResult,
     MessageType.SHUTDOWN: Shutdown,
     MessageType.WORKER_GOODBYE: WorkerGoodbye,
+    MessageType.GROUP_CONTROL: GroupControl,
     MessageType.TOKENIZE: TokenizeJob,
     MessageType.RENDER_CHAT: RenderChatJob,
     MessageType.DETOKENIZE: DetokenizeJob,

@@ -5,6 +5,7 @@ import ctypes
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -27,6 +28,13 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:
         pass
+
+
+def free_tcp_port() -> int:
+    """A port nothing listens on now, for a worker group's rendezvous on this host."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def describe_exit(code: int) -> str:

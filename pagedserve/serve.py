@@ -27,7 +27,7 @@ from common.logging_setup import setup_logging
 from common.proctitle import set_process_title
 from common.runtime_dir import create_runtime_dir, remove_stale_runtime_dirs
 from pagedserve.settings_check import check_settings
-from pagedserve.process_supervisor import Component, Supervisor
+from pagedserve.process_supervisor import Component, Supervisor, free_tcp_port
 from frontend.frontend_cli import add_api_args
 from frontend.frontend_options import add_frontend_options, frontend_options_argv
 from tokenizer_pool.tokenizer_pool_cli import add_chat_template_arg
@@ -124,13 +124,6 @@ def worker_group(config, engine: list[str], worker_address: str, name: str = "wo
                       ["worker", *engine, *init, "--worker-address", worker_address, "--rank", str(rank)],
                       env={"LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(size)})
             for rank in range(size)]
-
-
-def free_tcp_port() -> int:
-    """A port nothing listens on now, for a worker group's rendezvous on this host."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def served_model_names(args: argparse.Namespace, model: str) -> list[str]:

@@ -73,8 +73,8 @@ class ModelForward:
         self.model = model
         self.kv_caches = kv_caches
         self.backend = backend
-        self.dtype: torch.dtype = model.embed_tokens.dtype
-        self.device: torch.device = model.embed_tokens.device
+        self.dtype: torch.dtype = model.dtype
+        self.device: torch.device = model.device
         # The whole rotary table up front: a table that grows would change a graph constant.
         model.rotary.reserve(max_model_len + 1, self.dtype, self.device)
         self.compile_seconds = 0.0

@@ -39,9 +39,11 @@ def _kv_shape(hf_config: Any) -> tuple[int, int, int]:
     return hf_config.num_hidden_layers, num_kv_heads, head_dim
 
 
-def kv_cache_spec(hf_config: Any, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
-    num_layers, num_kv_heads, head_dim = _kv_shape(hf_config)
-    return KVCacheSpec(num_layers, block_size, num_kv_heads, head_dim, dtype)
+def kv_cache_spec(hf_config: Any, block_size: int, dtype: torch.dtype, *, num_layers: int | None = None,
+                  num_kv_heads: int | None = None) -> KVCacheSpec:
+    """The cache of the whole model, or of the layers and KV heads one rank of a worker group holds."""
+    all_layers, all_kv_heads, head_dim = _kv_shape(hf_config)
+    return KVCacheSpec(num_layers or all_layers, block_size, num_kv_heads or all_kv_heads, head_dim, dtype)
 
 
 def num_blocks_for(config: EngineConfig, spec: KVCacheSpec, device: str | torch.device) -> int:
@@ -67,10 +69,10 @@ def num_blocks_for(config: EngineConfig, spec: KVCacheSpec, device: str | torch.
 
 def allocate_kv_caches(hf_config: Any, num_blocks: int, block_size: int, dtype: torch.dtype,
                        device: str | torch.device, *, max_model_len: int | None = None,
-                       ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                       spec: KVCacheSpec | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """One (k_cache, v_cache) pair per layer. Zero-filled so that the null block and
     never-written slots hold finite values (masked positions multiply them by 0)."""
-    spec = kv_cache_spec(hf_config, block_size, dtype)
+    spec = spec or kv_cache_spec(hf_config, block_size, dtype)
     shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
     caches = [(_zeros(shape, dtype, device), _zeros(shape, dtype, device)) for _ in range(spec.num_layers)]
     tokens_per_request = max_model_len or hf_config.max_position_embeddings

@@ -8,6 +8,8 @@ import torch
 
 from common.protocol import PromptLogprobs, TokenLogprobs
 from worker.compiled_forward import ModelForward
+from worker.distributed import parallel_state
+from worker.distributed.stage_results import StageResults
 from worker.input_batch import StepBatch
 from worker.lm_head import LmHead
 from worker.lm_head.bf16_screen_calibration import calibrate_lm_head
@@ -24,11 +26,13 @@ class RunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: Any, lm_head: LmHead, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    def __init__(self, model: Any, lm_head: LmHead | None, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  backend: Any, block_size: int, device: torch.device | str = "cpu", seed: int = 0,
                  forward: ModelForward | None = None):
         """`lm_head`: the strategy chosen for the model's lm_head (worker.lm_head.choose_lm_head);
-        `forward`: how the model runs (compiled or eager, see ModelForward); eager by default."""
+        `forward`: how the model runs (compiled or eager, see ModelForward); eager by default.
+        In a pipeline-parallel group, only the last stage has an lm_head (None elsewhere): it
+        samples and hands the step's tokens to every other rank (`StageResults`)."""
         self.model = model
         self.lm_head = lm_head
         self.kv_caches = kv_caches
@@ -37,6 +41,7 @@ class ModelRunner:
         self.device = torch.device(device)
         self.sampler = Sampler(seed)
         self.forward = forward or ModelForward(model, kv_caches, backend, max_model_len=0, compile=False)
+        self.stage_results = StageResults() if parallel_state.layout().pp_size > 1 else None
 
     def execute(self, batch: StepBatch) -> RunnerOutput:
         """Run the batch; return the ids of the requests that sampled, their
@@ -48,6 +53,10 @@ class ModelRunner:
         """
         with torch.inference_mode():
             hidden = self.forward(batch.input_ids, batch.positions, batch.attn_metadata)
+            if self.lm_head is None:  # an earlier pipeline stage: the last one samples
+                output = self.stage_results.receive()
+                batch.commit(output.sampled_token_ids)
+                return output
             prompt_logprobs = (compute_prompt_logprobs(self.lm_head, hidden, batch.prompt_logprobs)
                                if batch.prompt_logprobs else {})
             sampled_logprobs: dict[str, TokenLogprobs] = {}
@@ -69,13 +78,18 @@ class ModelRunner:
                     if output.logprobs is not None:
                         sampled_logprobs = {state.request_id: entry for state, entry
                                             in zip(batch.sampling_states, output.logprobs) if entry is not None}
-        batch.commit(sampled)
-        return RunnerOutput(batch.sampling_request_ids, sampled, sampled_logprobs, prompt_logprobs)
+        output = RunnerOutput(batch.sampling_request_ids, sampled, sampled_logprobs, prompt_logprobs)
+        if self.stage_results is not None:  # every rank commits the same tokens: the result rank's
+            output = self.stage_results.share(output)
+        batch.commit(output.sampled_token_ids)
+        return output
 
     def warm_up(self) -> None:
         """Compile what the lm_head's first steps would otherwise compile (the near-tie scan, when
         near ties are re-scored), and calibrate its greedy screen (bf16_screen_calibration)."""
+        if self.lm_head is None:
+            return
         self.lm_head.warm_up(self.device)
-        if self.kv_caches:
+        if self.kv_caches and parallel_state.layout().world_size == 1:  # (a forward alone: not in a group)
             calibrate_lm_head(self.lm_head, self.forward, self.block_size, self.kv_caches[0][0].shape[0],
                               self.device)

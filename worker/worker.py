@@ -17,7 +17,10 @@ from worker.compiled_forward import ModelForward, inductor_available
 from worker.heap_tuning import keep_freed_memory_mapped
 from worker.input_batch import InputBatch
 from worker.kv_cache import allocate_kv_caches, kv_cache_spec, num_blocks_for
-from worker.lm_head import choose_lm_head
+from worker.distributed.cpu_binding import bind_rank_cores
+from worker.distributed.parallel_state import group_minimum, init_worker_group
+from worker.lm_head import LmHead, choose_lm_head
+from worker.lm_head.vocab_parallel import VocabParallelLmHead
 from worker.model_loader import load_model
 from worker.model_runner import ModelRunner
 from worker.models.rotary import CONTEXT_STRETCHING_ROPE_TYPES, rope_parameters
@@ -38,23 +41,28 @@ class Worker:
     def __init__(self, config: EngineConfig, rank: int = 0):
         self.config = config
         self.rank = rank
-        torch.set_num_threads(available_cpu_count())
         self.device = torch.device(config.resolved_device())
+        if self.device.type == "cpu":
+            bind_rank_cores()  # a group's ranks on one host: each its share of the cores
+        elif config.world_size > 1:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
+        torch.set_num_threads(available_cpu_count())
+        self.layout = init_worker_group(config, rank, self.device)
         self.dtype_name = config.resolved_dtype()
         self.dtype: torch.dtype = getattr(torch, self.dtype_name)
         self.kv_cache_dtype_name = config.resolved_kv_cache_dtype()
         self.kv_cache_dtype: torch.dtype = getattr(torch, self.kv_cache_dtype_name)
 
-        self.model, self.hf_config, self.model_dir = load_model(config, self.device, self.dtype)
+        self.model, self.hf_config, self.model_dir = load_model(config, self.device, self.dtype, self.layout)
         self.model.pack_weights()  # on AVX-512 CPUs: matmul weights packed for the CPU kernel
         # Compiled on CPU unless --enforce-eager (CUDA runs eager: its compile path is untested).
         compile_step = not config.enforce_eager and self.device.type == "cpu"
-        self.lm_head = choose_lm_head(self.model.lm_head, rescore_near_ties=config.greedy_rescore_near_ties,
-                                      compile_scan=compile_step and inductor_available())
+        self.lm_head = self._lm_head(compile_step)
         if self.device.type == "cpu":  # after loading, whose temporary copies may go back to the kernel
             keep_freed_memory_mapped()  # steps then reuse their activations' pages instead of faulting them in
-        spec = kv_cache_spec(self.hf_config, config.block_size, self.kv_cache_dtype)
-        self.num_blocks = num_blocks_for(config, spec, self.device)
+        spec = kv_cache_spec(self.hf_config, config.block_size, self.kv_cache_dtype,
+                             num_layers=len(self.model.layers), num_kv_heads=self.model.sizes.num_kv_heads)
+        self.num_blocks = group_minimum(num_blocks_for(config, spec, self.device))  # the same block ids on every rank
         model_limit = _model_max_len(self.hf_config)
         self.max_model_len = config.resolve_max_model_len(model_limit=model_limit, num_blocks=self.num_blocks)
         if self.max_model_len < model_limit and config.max_model_len is None:
@@ -62,7 +70,7 @@ class Worker:
                            "(%d blocks of %d tokens); raise --kv-cache-memory to serve longer sequences",
                            self.max_model_len, model_limit, self.num_blocks, config.block_size)
         self.kv_caches = allocate_kv_caches(self.hf_config, self.num_blocks, config.block_size, self.kv_cache_dtype,
-                                            self.device, max_model_len=self.max_model_len)
+                                            self.device, max_model_len=self.max_model_len, spec=spec)
         self.backend = get_attention_backend(config.resolved_attention_backend())
         eos_ids = eos_token_ids(self.model_dir)
         self.grammar_compiler = GrammarCompiler(self.model_dir, int(self.hf_config.vocab_size), eos_ids)
@@ -78,18 +86,31 @@ class Worker:
             self.forward.compile_seconds += time.perf_counter() - started  # reported with the step's
         self.input_batch = InputBatch(config.block_size, self.device, eos_token_ids=eos_ids,
                                       grammar_compiler=self.grammar_compiler)
-        logger.info("Worker %d ready: %s on %s (%s, %s), %d KV blocks, max_model_len %d, %d threads",
-                    rank, config.model, self.device, self.dtype_name if self.kv_cache_dtype == self.dtype
+        logger.info("Worker %s ready: %s on %s (%s, %s), %d KV blocks, max_model_len %d, %d threads",
+                    self.layout.describe() if self.layout.world_size > 1 else rank, config.model, self.device, self.dtype_name if self.kv_cache_dtype == self.dtype
                     else f"{self.dtype_name}, KV cache {self.kv_cache_dtype_name}",
                     f"compiled in {self.forward.compile_seconds:.1f} s" if self.forward.compiled else "eager",
                     self.num_blocks, self.max_model_len, torch.get_num_threads())
+
+    def _lm_head(self, compile_step: bool) -> LmHead | None:
+        """The lm_head strategy on the last pipeline stage (None elsewhere); under tensor
+        parallelism over this rank's share of the vocabulary."""
+        if self.model.lm_head is None:
+            return None
+        head = choose_lm_head(self.model.lm_head, rescore_near_ties=self.config.greedy_rescore_near_ties
+                              and self.layout.tp_size == 1, compile_scan=compile_step and inductor_available())
+        if self.layout.tp_size == 1:
+            return head
+        s = self.model.sizes
+        return VocabParallelLmHead(head, s.vocab, s.vocab_start, s.vocab_real_rows)
 
     def hello(self) -> WorkerHello:
         return WorkerHello(
             rank=self.rank, model_name=self.config.model, num_blocks=self.num_blocks,
             block_size=self.config.block_size, max_model_len=self.max_model_len,
             vocab_size=int(self.hf_config.vocab_size), eos_token_ids=eos_token_ids(self.model_dir),
-            dtype=self.dtype_name)
+            dtype=self.dtype_name, tensor_parallel_size=self.layout.tp_size,
+            pipeline_parallel_size=self.layout.pp_size)
 
     @property
     def num_requests(self) -> int:

@@ -42,15 +42,19 @@ def main(argv: list[str] | None = None) -> int:
 
     import zmq
 
+    config = engine_config_from_args(args)
     try:
-        service = WorkerService(Worker(engine_config_from_args(args), rank=args.rank), args.worker_address,
-                                handshake_timeout_s=args.handshake_timeout)
-    except zmq.ZMQError as e:  # a malformed address
-        logger.error("cannot start the worker: %s", e)
-        return 1
+        worker = Worker(config, rank=args.rank)
     except ConfigError as e:  # settings this model cannot run with (a KV cache too small): a usage error
         logger.error("cannot start the worker: %s", e)
         return USAGE_ERROR
+    if args.rank != 0:
+        return _follow(worker)
+    try:
+        service = WorkerService(worker, args.worker_address, handshake_timeout_s=args.handshake_timeout)
+    except zmq.ZMQError as e:  # a malformed address
+        logger.error("cannot start the worker: %s", e)
+        return 1
 
     on_stop_signals(lambda: setattr(service, "running", False))
     try:
@@ -58,6 +62,28 @@ def main(argv: list[str] | None = None) -> int:
     except TimeoutError as e:  # --handshake-timeout passed
         logger.error("%s at %s within %gs", e, args.worker_address, args.handshake_timeout)
         return 1
+    except Exception as e:
+        if config.world_size == 1:
+            raise
+        return _group_broken(e)
     finally:
         service.close()
     return 0
+
+
+def _follow(worker) -> int:
+    """Ranks other than 0: follow rank 0 until it stops the group (or the group breaks)."""
+    from worker.distributed.group_follower import follow
+
+    try:
+        logger.info("%s", follow(worker))
+    except Exception as e:
+        return _group_broken(e)
+    return 0
+
+
+def _group_broken(error: Exception) -> int:
+    """A rank of the group died (or failed): this one exits too, so that the whole group restarts."""
+    logger.error("the worker group broke (%s: %s); exiting so that the group restarts together",
+                 type(error).__name__, str(error).strip().splitlines()[0] if str(error).strip() else "")
+    return 1

@@ -4,6 +4,10 @@ The handshake (WorkerHello -> WorkerReady) is retried until the scheduler
 answers, so either side may start first or restart. Afterwards the worker
 blocks on its socket: it computes only when the scheduler sends a plan.
 
+In a tensor/pipeline-parallel group this service runs on rank 0 only: it hands
+every plan (and, while idle, a keepalive) to the other ranks, which follow it
+(worker.distributed.group_follower).
+
 A worker started while another one is registered stands by (the scheduler
 answers `standby`) and keeps listening: when the registered worker dies, the
 scheduler promotes it at once and it carries on the lost worker's requests.
@@ -20,6 +24,7 @@ import zmq
 
 from common.protocol import MessageType, Shutdown, StepPlan, WorkerGoodbye, WorkerReady
 from common.transport import MessageDecoder, make_socket, recv, send
+from worker.distributed.group_leader import GroupLeader
 
 if TYPE_CHECKING:  # torch-free at import: test doubles drive this service too
     from worker.worker import Worker
@@ -50,6 +55,7 @@ class WorkerService:
         self.standing_by = False
         self.running = True
         self.goodbye_sent = False
+        self.group = GroupLeader(worker)  # hands plans to the other ranks of a worker group
 
     def handshake(self) -> None:
         """Say hello until the scheduler accepts; raise if it refuses or times out."""
@@ -66,6 +72,7 @@ class WorkerService:
                     answered = True
                     if self._on_ready(msg):
                         return
+            self.group.tell("keepalive")
             if answered:
                 continue
             if deadline is not None and time.monotonic() > deadline:
@@ -78,16 +85,19 @@ class WorkerService:
         while self.running:
             if not self.sock.poll(int(IDLE_HELLO_S * 1000)):
                 send(self.sock, hello)
+                self.group.tell("keepalive")
                 continue
             msg = recv(self.sock, self.decoder)
             if isinstance(msg, StepPlan):
-                send(self.sock, self.worker.execute(msg))
+                send(self.sock, self.group.execute(msg))
             elif isinstance(msg, Shutdown):
                 logger.info("shutdown requested by the scheduler: %s", msg.reason)
+                self.group.tell("stop")
                 return
             elif isinstance(msg, WorkerReady):
                 self._on_ready(msg)
         self._say_goodbye("stopped by a signal")
+        self.group.tell("stop")
 
     def _say_goodbye(self, reason: str) -> None:
         """Tell the scheduler this is no crash: a restart by an operator (or a
@@ -123,7 +133,7 @@ class WorkerService:
 
     def _drop_requests(self) -> None:
         if self.worker.num_requests:
-            self.worker.reset_requests()
+            self.group.reset_requests()
 
     def close(self) -> None:
         self.running = False

@@ -26,6 +26,9 @@ from common.tokenizer import apply_chat_template, load_tokenizer
 from scheduler.scheduler import Scheduler
 from pagedserve.offline.offline_beam_search import run_beam_search
 from pagedserve.offline.offline_outputs import CompletionOutput, GenerationOutput, OfflineRequest
+from pagedserve.offline.follower_ranks import FollowerRanks
+from worker.distributed.group_leader import GroupLeader
+from worker.distributed.parallel_state import close_worker_group
 from worker.worker import Worker
 
 __all__ = ["LLM", "BeamSearchParams", "CompletionOutput", "GenerationOutput"]
@@ -57,7 +60,12 @@ class LLM:
         `generation_config`: where `get_default_sampling_params` (used when
         generate gets none) finds the model's sampling defaults, as vLLM's."""
         self.config = EngineConfig(model=model, **engine_args)
+        self.followers = None  # ranks 1.. of a tensor/pipeline-parallel group, as child processes
+        if self.config.world_size > 1:
+            self.followers = FollowerRanks(self.config)
+            self.config = self.followers.config
         self.worker = Worker(self.config)
+        self.group = GroupLeader(self.worker)
         hello = self.worker.hello()
         self.max_model_len = hello.max_model_len
         self.vocab_size = hello.vocab_size
@@ -68,6 +76,15 @@ class LLM:
         self._ids = itertools.count()
         self.loop_stats = EngineLoopStats()
         self._sampling_defaults = sampling_defaults(self.worker.model_dir, generation_config)
+
+    def shutdown(self) -> None:
+        """Stop the other ranks of a tensor/pipeline-parallel group (a no-op for one worker);
+        another engine with a group can then start in this process."""
+        if self.followers is not None:
+            self.group.tell("stop")
+            self.followers.stop()
+            self.followers = None
+            close_worker_group()
 
     def get_default_sampling_params(self) -> SamplingParams:
         """The API's defaults, with the model's generation config on top (vLLM's)."""
@@ -168,7 +185,7 @@ class LLM:
                 kv = self.scheduler.stats()  # blocks are fullest right after scheduling
                 stats.peak_used_blocks = max(stats.peak_used_blocks, kv.num_total_blocks - kv.num_free_blocks)
                 t1 = clock()
-                result = self.worker.execute(plan)
+                result = self.group.execute(plan)
                 t2 = clock()
                 outputs = self.scheduler.update(plan, result)
                 t3 = clock()

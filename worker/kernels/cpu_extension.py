@@ -67,9 +67,11 @@ def source_files(csrc: Path | None = None) -> list[Path]:
 
 def extension_name(flags: Sequence[str] = CFLAGS, csrc: Path | None = None, prefix: str = NAME_PREFIX) -> str:
     """The cache name of a build: a digest of every .cpp and .h under `csrc` (names and
-    contents), the flags, this CPU's feature flags and torch's version."""
+    contents), the flags, this CPU's feature flags, torch's version and where the sources are
+    (torch's build files name the source paths: two checkouts sharing a build directory
+    would rebuild it in turn, each invalidating the other's)."""
     csrc = csrc or CSRC
-    digest = hashlib.sha256()
+    digest = hashlib.sha256(str(csrc.resolve()).encode())
     for path in sorted([*csrc.glob("*.cpp"), *csrc.glob("*.h")]):
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     digest.update("\n".join([" ".join([*flags, *LDFLAGS]), _cpu_flags(), torch.__version__]).encode())

@@ -17,6 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker.distributed import pipeline_parallel
+from worker.distributed.tensor_parallel import tp_all_reduce, vocab_parallel_embedding
+from worker.distributed.tensor_shard import TensorShard
 from worker.kernels import cpu_ops
 from worker.attention.metadata import AttentionMetadata
 from worker.attention.step_context import paged_attention, step_context
@@ -49,6 +52,7 @@ class DecoderLayer(nn.Module):
         self.sizes = s
         self.sliding_window = sliding_window
         self.layer_index = layer_index  # which KV cache the attention call writes and reads
+        self.tensor_parallel = s.tp_size > 1  # o_proj and down_proj are row-parallel: sum over the ranks
         # Packed copies of the four matmul weights (see packed_linear); None: plain F.linear.
         for name in PACKED_WEIGHTS:
             self.register_buffer(name + "_packed", None, persistent=False)
@@ -89,11 +93,21 @@ def decoder_layer(layer: DecoderLayer, hidden: torch.Tensor, cos: torch.Tensor, 
         k = apply_rotary(k.view(num_tokens, s.num_kv_heads, s.head_dim), cos, sin)
     v = v.view(num_tokens, s.num_kv_heads, s.head_dim)
     attn = paged_attention(q, k, v, layer_index, s.head_dim ** -0.5, layer.sliding_window)
-    hidden = hidden + linear(attn.reshape(num_tokens, -1), layer.o_weight, layer.o_bias, layer.o_packed)
+    hidden = hidden + row_parallel(layer, attn.reshape(num_tokens, -1), layer.o_weight, layer.o_bias, layer.o_packed)
 
     x = rms_norm(hidden, layer.post_norm, s.eps)
     activated = linear_silu(x, layer.gate_up_weight, layer.gate_up_bias, layer.gate_up_packed)
-    return hidden + linear(activated, layer.down_weight, layer.down_bias, layer.down_packed)
+    return hidden + row_parallel(layer, activated, layer.down_weight, layer.down_bias, layer.down_packed)
+
+
+def row_parallel(layer: DecoderLayer, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 packed: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight.T + bias; under tensor parallelism each rank holds some input columns:
+    the partial products are summed over the ranks, then the (whole) bias is added once."""
+    if not layer.tensor_parallel:
+        return linear(x, weight, bias, packed)
+    out = tp_all_reduce(linear(x, weight, None, packed))
+    return out if bias is None else out + bias
 
 
 def decoder_layers(layers: Sequence[DecoderLayer], hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -107,39 +121,55 @@ def decoder_layers(layers: Sequence[DecoderLayer], hidden: torch.Tensor, cos: to
 
 
 class ModelSizes:
-    """The shape numbers every layer needs, read once from the HF config."""
+    """The shape numbers every layer needs, read once from the HF config: per tensor-parallel
+    rank, the heads, MLP columns and vocabulary rows that rank holds (`TensorShard`)."""
 
-    def __init__(self, hf_config: Any):
+    def __init__(self, hf_config: Any, shard: TensorShard = TensorShard()):
+        self.tp_size = shard.size
         self.hidden: int = hf_config.hidden_size
-        self.intermediate: int = hf_config.intermediate_size
         self.num_layers: int = hf_config.num_hidden_layers
-        self.num_heads: int = hf_config.num_attention_heads
-        self.num_kv_heads: int = getattr(hf_config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim: int = getattr(hf_config, "head_dim", None) or self.hidden // self.num_heads
+        total_heads: int = hf_config.num_attention_heads
+        total_kv_heads: int = getattr(hf_config, "num_key_value_heads", None) or total_heads
+        self.head_dim: int = getattr(hf_config, "head_dim", None) or self.hidden // total_heads
+        self.q_head_start, self.num_heads = shard.split(total_heads, "attention heads")
+        self.kv_head_start, self.num_kv_heads = shard.kv_heads(total_kv_heads, total_heads)
+        self.intermediate_start, self.intermediate = shard.split(hf_config.intermediate_size, "MLP columns")
         self.vocab: int = hf_config.vocab_size
+        self.vocab_start, self.vocab_rows, self.vocab_real_rows = shard.vocab(self.vocab)
         self.eps: float = hf_config.rms_norm_eps
 
 
 class LlamaForCausalLM(nn.Module):
     """Subclasses change only the per-architecture rules: biases and sliding windows."""
 
-    def __init__(self, hf_config: Any, *, dtype: torch.dtype | None = None, device: Any = None):
+    def __init__(self, hf_config: Any, *, dtype: torch.dtype | None = None, device: Any = None,
+                 shard: TensorShard = TensorShard(), stage: tuple[int, int] = (0, 1)):
+        """`shard`: this tensor-parallel rank's part of every layer; `stage`: (pipeline rank,
+        pipeline size): the first stage embeds, the last normalizes and holds the lm_head."""
         super().__init__()
         activation = getattr(hf_config, "hidden_act", "silu")
         if activation != "silu":
             raise ValueError(f"{type(self).__name__} supports hidden_act='silu' only, got {activation!r}")
         self.config = hf_config
-        self.sizes = s = ModelSizes(hf_config)
+        self.sizes = s = ModelSizes(hf_config, shard)
+        self.dtype = dtype or torch.get_default_dtype()
+        self.device = torch.device(device or "cpu")
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.sliding_windows = self.layer_sliding_windows(hf_config)
         biases = self.biases(hf_config)
-        self.embed_tokens = _param(s.vocab, s.hidden, dtype=dtype, device=device)
+        self.first_layer, self.end_layer = pipeline_parallel.stage_layers(s.num_layers, *stage)
+        self.is_first_stage, self.is_last_stage = stage[0] == 0, stage[0] == stage[1] - 1
+        vocab_rows = s.vocab_rows if s.tp_size > 1 else s.vocab
+        holds_embeddings = self.is_first_stage or (self.is_last_stage and self.tie_word_embeddings)
+        self.embed_tokens = _param(vocab_rows, s.hidden, dtype=dtype, device=device) if holds_embeddings else None
         self.layers = nn.ModuleList(
-            DecoderLayer(s, biases, self.sliding_windows[i], dtype, device, layer_index=i)
-            for i in range(s.num_layers))
-        self.norm = _param(s.hidden, dtype=dtype, device=device)
-        self.lm_head = self.embed_tokens if self.tie_word_embeddings else _param(
-            s.vocab, s.hidden, dtype=dtype, device=device)
+            DecoderLayer(s, biases, self.sliding_windows[i], dtype, device, layer_index=i - self.first_layer)
+            for i in range(self.first_layer, self.end_layer))
+        self.norm = _param(s.hidden, dtype=dtype, device=device) if self.is_last_stage else None
+        self.lm_head = None
+        if self.is_last_stage:
+            self.lm_head = self.embed_tokens if self.tie_word_embeddings else _param(
+                vocab_rows, s.hidden, dtype=dtype, device=device)
         self.rotary = RotaryEmbedding(hf_config, s.head_dim)
 
     # --- architecture rules (overridden by Mistral / Qwen2) -------------------------
@@ -169,12 +199,21 @@ class LlamaForCausalLM(nn.Module):
         """The pure tensor part of `forward`: needs an open step context and a rotary
         table covering every position (`rotary.reserve`). `layers_fn` runs the layers
         `group_size` at a time (`decoder_layers`, or a compiled version of it)."""
-        hidden = F.embedding(input_ids, self.embed_tokens)
+        s = self.sizes
+        if not self.is_first_stage:  # the previous pipeline stage's output
+            hidden = pipeline_parallel.receive_hidden(int(input_ids.shape[0]), s.hidden, self.dtype, self.device)
+        elif s.tp_size > 1:
+            hidden = vocab_parallel_embedding(input_ids, self.embed_tokens, s.vocab_start)
+        else:
+            hidden = F.embedding(input_ids, self.embed_tokens)
         cos, sin = self.rotary.lookup(positions)
         for first in range(0, len(self.layers), group_size):
             group = list(self.layers[first:first + group_size])
             hidden = layers_fn(group, hidden, cos, sin, [layer.layer_index for layer in group])
-        return rms_norm(hidden, self.norm, self.sizes.eps)
+        if not self.is_last_stage:
+            pipeline_parallel.send_hidden(hidden)
+            return hidden
+        return rms_norm(hidden, self.norm, s.eps)
 
     def pack_weights(self) -> bool:
         """Pre-pack the layers' matmul weights for the CPU kernel's matmul (bfloat16 on CPUs with
@@ -182,42 +221,62 @@ class LlamaForCausalLM(nn.Module):
         activation through the CPU kernel; in bfloat16 the rotary embedding too (the same
         rounding as eager, faster than the inductor-compiled versions). Call after load_weights;
         returns whether anything was packed. The lm_head is packed by its strategy (worker.lm_head)."""
-        if not packing_supported(self.lm_head):
+        if not self.layers or not packing_supported(self.layers[0].qkv_weight):
             return False
         for layer in self.layers:
             for name in PACKED_WEIGHTS:
                 pack = pack_gated if name == "gate_up" else pack_weight
                 setattr(layer, name + "_packed", pack(getattr(layer, name + "_weight")))
-            layer.fused_rotary = self.lm_head.dtype == torch.bfloat16
+            layer.fused_rotary = self.dtype == torch.bfloat16
         return True
 
     # --- weights ---------------------------------------------------------------------
-    def weight_targets(self) -> dict[str, torch.Tensor]:
-        """HF checkpoint name -> the tensor (or fused slice of one) it is copied into."""
+    def _elsewhere(self, name: str) -> bool:
+        """Whether checkpoint tensor `name` belongs to another pipeline stage than this one."""
+        if name.startswith("model.layers."):
+            index = int(name.split(".")[2])
+            return not self.first_layer <= index < self.end_layer
+        return name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
+
+    def weight_targets(self) -> dict[str, tuple[torch.Tensor, tuple[int, int, int] | None]]:
+        """HF checkpoint name -> (the tensor, or fused slice of one, it is copied into; the part
+        of the checkpoint tensor this rank takes: (dim, start, length), None for all of it)."""
         s = self.sizes
-        q_rows, kv_rows = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-        targets: dict[str, torch.Tensor] = {"model.embed_tokens.weight": self.embed_tokens,
-                                            "model.norm.weight": self.norm}
-        if not self.tie_word_embeddings:
-            targets["lm_head.weight"] = self.lm_head
-        for i, layer in enumerate(self.layers):
+        hd = s.head_dim
+        q_rows, kv_rows = s.num_heads * hd, s.num_kv_heads * hd
+        targets: dict[str, tuple[torch.Tensor, tuple[int, int, int] | None]] = {}
+        vocab_part = (0, s.vocab_start, s.vocab_real_rows) if s.tp_size > 1 else None
+        real = s.vocab_real_rows if s.tp_size > 1 else s.vocab
+        if self.embed_tokens is not None:
+            targets["model.embed_tokens.weight"] = (self.embed_tokens[:real], vocab_part)
+        if self.is_last_stage:
+            targets["model.norm.weight"] = (self.norm, None)
+            if not self.tie_word_embeddings:
+                targets["lm_head.weight"] = (self.lm_head[:real], vocab_part)
+        for layer, i in zip(self.layers, range(self.first_layer, self.end_layer)):
             p = f"model.layers.{i}."
-            targets[p + "input_layernorm.weight"] = layer.input_norm
-            targets[p + "post_attention_layernorm.weight"] = layer.post_norm
-            fused = {"self_attn.q_proj": (0, q_rows), "self_attn.k_proj": (q_rows, q_rows + kv_rows),
-                     "self_attn.v_proj": (q_rows + kv_rows, q_rows + 2 * kv_rows),
-                     "mlp.gate_proj": (0, s.intermediate), "mlp.up_proj": (s.intermediate, 2 * s.intermediate)}
-            for name, (lo, hi) in fused.items():
+            targets[p + "input_layernorm.weight"] = (layer.input_norm, None)
+            targets[p + "post_attention_layernorm.weight"] = (layer.post_norm, None)
+            # (slice of the fused tensor, rows of the checkpoint tensor this rank holds)
+            fused = {"self_attn.q_proj": ((0, q_rows), s.q_head_start * hd),
+                     "self_attn.k_proj": ((q_rows, q_rows + kv_rows), s.kv_head_start * hd),
+                     "self_attn.v_proj": ((q_rows + kv_rows, q_rows + 2 * kv_rows), s.kv_head_start * hd),
+                     "mlp.gate_proj": ((0, s.intermediate), s.intermediate_start),
+                     "mlp.up_proj": ((s.intermediate, 2 * s.intermediate), s.intermediate_start)}
+            for name, ((lo, hi), start) in fused.items():
                 weight, bias = ((layer.qkv_weight, layer.qkv_bias) if name.startswith("self_attn")
                                 else (layer.gate_up_weight, layer.gate_up_bias))
-                targets[p + name + ".weight"] = weight[lo:hi]
+                part = (0, start, hi - lo) if s.tp_size > 1 else None
+                targets[p + name + ".weight"] = (weight[lo:hi], part)
                 if bias is not None:
-                    targets[p + name + ".bias"] = bias[lo:hi]
-            for name, weight, bias in (("self_attn.o_proj", layer.o_weight, layer.o_bias),
-                                       ("mlp.down_proj", layer.down_weight, layer.down_bias)):
-                targets[p + name + ".weight"] = weight
+                    targets[p + name + ".bias"] = (bias[lo:hi], part)
+            # Row-parallel: a rank takes the input columns of its heads / MLP columns; the bias is whole.
+            for name, weight, bias, start in (("self_attn.o_proj", layer.o_weight, layer.o_bias, s.q_head_start * hd),
+                                              ("mlp.down_proj", layer.down_weight, layer.down_bias,
+                                               s.intermediate_start)):
+                targets[p + name + ".weight"] = (weight, (1, start, weight.shape[1]) if s.tp_size > 1 else None)
                 if bias is not None:
-                    targets[p + name + ".bias"] = bias
+                    targets[p + name + ".bias"] = (bias, None)
         return targets
 
     @torch.no_grad()
@@ -230,20 +289,28 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if name.endswith("rotary_emb.inv_freq"):
                 continue  # a buffer older checkpoints saved; recomputed from the config
+            if name not in targets and self._elsewhere(name):
+                continue  # another pipeline stage's weight
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue  # some tied checkpoints still store a copy of the embeddings
-            target = targets.get(name)
+            target, part = targets.get(name, (None, None))
             if name in loaded:
                 raise ValueError(f"weight {name} appears twice in the checkpoint")
             if target is None:
                 unexpected.append(name)
                 continue
+            if part is not None:
+                tensor = tensor.narrow(*part)
             if tuple(tensor.shape) != tuple(target.shape):
                 raise ValueError(f"weight {name}: checkpoint shape {tuple(tensor.shape)}, "
                                  f"model expects {tuple(target.shape)}")
             target.copy_(tensor)
             loaded.add(name)
         missing = sorted(set(targets) - loaded)
+        if self.sizes.tp_size > 1:  # the vocabulary's padding rows (on the last rank): zero
+            for tensor in (self.embed_tokens, self.lm_head):
+                if tensor is not None:
+                    tensor[self.sizes.vocab_real_rows:].zero_()
         if unexpected or missing:
             raise ValueError(f"checkpoint does not match {type(self).__name__}: "
                              f"missing {missing[:10]}{'...' if len(missing) > 10 else ''} "
