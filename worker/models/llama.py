@@ -131,8 +131,8 @@ class ModelSizes:
         total_heads: int = hf_config.num_attention_heads
         total_kv_heads: int = getattr(hf_config, "num_key_value_heads", None) or total_heads
         self.head_dim: int = getattr(hf_config, "head_dim", None) or self.hidden // total_heads
-        self.q_head_start, self.num_heads = shard.split(total_heads, "attention heads")
-        self.kv_head_start, self.num_kv_heads = shard.kv_heads(total_kv_heads, total_heads)
+        self.q_head_start, self.num_heads, self.kv_head_start, self.num_kv_heads = shard.attention_heads(
+            total_heads, total_kv_heads)
         self.intermediate_start, self.intermediate = shard.split(hf_config.intermediate_size, "MLP columns")
         self.vocab: int = hf_config.vocab_size
         self.vocab_start, self.vocab_rows, self.vocab_real_rows = shard.vocab(self.vocab)
