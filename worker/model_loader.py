@@ -12,11 +12,10 @@ from tqdm import tqdm
 
 from common.config import EngineConfig
 from common.model_files import resolve_model_dir
+from common.parallel_layout import TensorShard
 from worker.distributed.parallel_state import ParallelLayout
-from worker.distributed.tensor_shard import TensorShard
 from worker.models import get_model_class
-from worker.distributed.pipeline_parallel import stage_layers
-from worker.models.llama import LlamaForCausalLM, ModelSizes
+from worker.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -55,19 +54,6 @@ def load_hf_config(config: EngineConfig) -> tuple[Any, str]:
 
     model_dir = resolve_model_dir(config.model, config.model_cache_dir)
     return AutoConfig.from_pretrained(model_dir, local_files_only=True), model_dir
-
-
-def check_parallel_layout(config: EngineConfig) -> None:
-    """ConfigError unless every rank of `config`'s group can hold its part of the model:
-    checked before any rank starts, so that a bad size fails at once, not in a restart loop."""
-    if config.world_size == 1:
-        return
-    hf_config, _ = load_hf_config(config)
-    for rank in range(config.world_size):
-        layout = ParallelLayout(rank=rank, tp_size=config.tensor_parallel_size,
-                                pp_size=config.pipeline_parallel_size)
-        ModelSizes(hf_config, TensorShard(layout.tp_rank, layout.tp_size))
-        stage_layers(hf_config.num_hidden_layers, layout.pp_rank, layout.pp_size)
 
 
 def load_model(config: EngineConfig, device: str | torch.device, dtype: torch.dtype,

@@ -29,7 +29,7 @@ from pagedserve.offline.offline_outputs import CompletionOutput, GenerationOutpu
 from pagedserve.offline.follower_ranks import FollowerRanks
 from worker.distributed.group_leader import GroupLeader
 from worker.distributed.parallel_state import close_worker_group
-from worker.model_loader import check_parallel_layout
+from common.parallel_layout import check_model_layout
 from worker.worker import Worker
 
 __all__ = ["LLM", "BeamSearchParams", "CompletionOutput", "GenerationOutput"]
@@ -63,7 +63,7 @@ class LLM:
         self.config = EngineConfig(model=model, **engine_args)
         self.followers = None  # ranks 1.. of a tensor/pipeline-parallel group, as child processes
         if self.config.world_size > 1:
-            check_parallel_layout(self.config)
+            check_model_layout(self.config)
             self.followers = FollowerRanks(self.config)
             self.config = self.followers.config
         try:

@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from common.parallel_layout import TensorShard, stage_layers
 from worker.distributed import pipeline_parallel
 from worker.distributed.tensor_parallel import tp_all_reduce, vocab_parallel_embedding
-from worker.distributed.tensor_shard import TensorShard
 from worker.kernels import cpu_ops
 from worker.attention.metadata import AttentionMetadata
 from worker.attention.step_context import paged_attention, step_context
@@ -157,7 +157,7 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.sliding_windows = self.layer_sliding_windows(hf_config)
         biases = self.biases(hf_config)
-        self.first_layer, self.end_layer = pipeline_parallel.stage_layers(s.num_layers, *stage)
+        self.first_layer, self.end_layer = stage_layers(s.num_layers, *stage)
         self.is_first_stage, self.is_last_stage = stage[0] == 0, stage[0] == stage[1] - 1
         vocab_rows = s.vocab_rows if s.tp_size > 1 else s.vocab
         holds_embeddings = self.is_first_stage or (self.is_last_stage and self.tie_word_embeddings)

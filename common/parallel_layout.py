@@ -1,4 +1,7 @@
-"""Which part of each weight a tensor-parallel rank holds (Megatron-style).
+"""How a worker group splits a model: which part of each weight a tensor-parallel
+rank holds (Megatron-style), and which layers a pipeline stage holds. Pure
+arithmetic on the model's config, so that `serve` and the offline LLM check a
+layout before any rank starts.
 
 Key/value heads are split across ranks, each with the query heads that attend
 through it (its GQA group), so attention needs no communication. Where the KV
@@ -12,8 +15,12 @@ the logits are gathered in equal parts (the padding rows are zero and masked).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from common.errors import ConfigError
+
+if TYPE_CHECKING:
+    from common.config import EngineConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,3 +53,40 @@ class TensorShard:
         rows = -(-vocab_size // self.size)
         start = self.rank * rows
         return start, rows, max(0, min(rows, vocab_size - start))
+
+
+def stage_layers(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
+    """[first, end) of the layers pipeline stage `pp_rank` of `pp_size` holds: consecutive,
+    near-equal runs, earlier stages taking the remainder (the last stage also runs the lm_head)."""
+    if pp_size > num_layers:
+        raise ConfigError(f"pipeline_parallel_size {pp_size} exceeds the model's {num_layers} layers")
+    base, extra = divmod(num_layers, pp_size)
+    first = pp_rank * base + min(pp_rank, extra)
+    return first, first + base + (1 if pp_rank < extra else 0)
+
+
+def check_model_layout(config: "EngineConfig") -> None:
+    """check_layout for `config`'s model and group sizes (a no-op for one rank)."""
+    if config.world_size == 1:
+        return
+    import json
+    import os
+
+    from common.model_files import resolve_model_dir
+    model_dir = resolve_model_dir(config.model, config.model_cache_dir)
+    with open(os.path.join(model_dir, "config.json")) as f:
+        model_config = json.load(f)
+    model_config = model_config.get("text_config", model_config)
+    check_layout(model_config, config.tensor_parallel_size, config.pipeline_parallel_size)
+
+
+def check_layout(model_config: dict, tensor_parallel_size: int, pipeline_parallel_size: int) -> None:
+    """ConfigError unless every rank can hold its part of the model whose config.json is `model_config`."""
+    heads = model_config["num_attention_heads"]
+    kv_heads = model_config.get("num_key_value_heads") or heads
+    for rank in range(tensor_parallel_size):
+        shard = TensorShard(rank, tensor_parallel_size)
+        shard.attention_heads(heads, kv_heads)
+        shard.split(model_config["intermediate_size"], "MLP columns")
+    for stage in range(pipeline_parallel_size):
+        stage_layers(model_config["num_hidden_layers"], stage, pipeline_parallel_size)
