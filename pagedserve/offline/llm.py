@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import weakref
 from dataclasses import dataclass, fields
 from typing import Any, Sequence, Union
 
@@ -74,6 +75,9 @@ class LLM:
                 close_worker_group()
             raise
         self.group = GroupLeader(self.worker)
+        # Stops the other ranks when this engine is collected or the program exits (their
+        # rank 0 gone, they would otherwise report a broken group).
+        self._stop_group = weakref.finalize(self, _stop_group, self.group, self.followers)
         hello = self.worker.hello()
         self.max_model_len = hello.max_model_len
         self.vocab_size = hello.vocab_size
@@ -88,11 +92,8 @@ class LLM:
     def shutdown(self) -> None:
         """Stop the other ranks of a tensor/pipeline-parallel group (a no-op for one worker);
         another engine with a group can then start in this process."""
-        if self.followers is not None:
-            self.group.tell("stop")
-            self.followers.stop()
-            self.followers = None
-            close_worker_group()
+        self._stop_group()
+        self.followers = None
 
     def get_default_sampling_params(self) -> SamplingParams:
         """The API's defaults, with the model's generation config on top (vLLM's)."""
@@ -215,6 +216,13 @@ class LLM:
                 stats.outputs_ns += clock() - t3
         finally:
             bar.close()
+
+
+def _stop_group(group: GroupLeader, followers: FollowerRanks | None) -> None:
+    if followers is not None:
+        group.tell("stop")
+        followers.stop()
+        close_worker_group()
 
 
 def _as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
