@@ -180,9 +180,13 @@ class HostProcess:
         raise AssertionError(f"{pattern!r} not in the log of {self.name} on {self.host.namespace} "
                              f"(exit code {self.proc.poll()}):\n{self.log()[-3000:]}")
 
-    def stop(self, timeout: float = 15.0) -> None:
+    def terminate(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
+
+    def stop(self, timeout: float = 15.0) -> None:
+        if self.proc.poll() is None:
+            self.terminate()
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
