@@ -24,6 +24,7 @@ from common.cli_args import (SettingsParser, add_engine_args, add_log_level_arg,
                              env_default, non_negative_int, positive_float)
 from common.errors import USAGE_ERROR, ConfigError
 from common.logging_setup import setup_logging
+from common.parallel_layout import check_model_layout
 from common.proctitle import set_process_title
 from common.runtime_dir import create_runtime_dir, remove_stale_runtime_dirs
 from pagedserve.settings_check import check_settings
@@ -206,6 +207,11 @@ def main(argv: list[str] | None = None) -> int:
     runtime_dir = args.runtime_dir or create_runtime_dir()
     os.makedirs(runtime_dir, mode=0o700, exist_ok=True)  # the internal sockets: this user only
     _prepare_model(args)
+    try:  # a group size the model cannot be split by: say so now, not in every rank's restart loop
+        check_model_layout(engine_config(args))
+    except ConfigError as e:
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        return USAGE_ERROR
     supervisor = Supervisor(component_commands(args, runtime_dir))
     signal.signal(signal.SIGTERM, lambda *_: supervisor.request_stop())
     signal.signal(signal.SIGINT, lambda *_: supervisor.request_stop())

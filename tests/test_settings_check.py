@@ -42,9 +42,13 @@ BAD_VALUES: dict[str, tuple[str, ...]] = {
     "PAGEDSERVE_ALLOWED_HEADERS": ("x", "--allowed-headers"),
     "PAGEDSERVE_MAX_LOG_LEN": ("-1", "--max-log-len"),
     "PAGEDSERVE_LOG_LEVEL": ("loud", "--log-level"),
+    "PAGEDSERVE_TENSOR_PARALLEL_SIZE": ("0", "--tensor-parallel-size"),
+    "PAGEDSERVE_PIPELINE_PARALLEL_SIZE": ("two", "--pipeline-parallel-size"),
+    "PAGEDSERVE_DATA_PARALLEL_SIZE": ("-1", "--data-parallel-size"),
     # read by serve too, checked after parsing: the message names the setting, not the variable
     "PAGEDSERVE_BLOCK_SIZE": ("12", "block_size must be a positive power of two"),
     "PAGEDSERVE_MAX_LOGPROBS": ("-5", "max_logprobs must be -1"),
+    "PAGEDSERVE_DISTRIBUTED_INIT_METHOD": ("udp://x", "distributed_init_method must be"),
     "PAGEDSERVE_CHAT_TEMPLATE": ("no/such/template.jinja", "the tokenizer would not start", "no such file"),
     "PAGEDSERVE_SSL_KEYFILE": ("/no/such/key.pem", "the frontend would not start", "--ssl-keyfile and"),
     "PAGEDSERVE_SSL_CERTFILE": ("/no/such/cert.pem", "the frontend would not start", "--ssl-keyfile and"),

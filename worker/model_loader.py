@@ -12,8 +12,8 @@ from tqdm import tqdm
 
 from common.config import EngineConfig
 from common.model_files import resolve_model_dir
+from common.parallel_layout import TensorShard
 from worker.distributed.parallel_state import ParallelLayout
-from worker.distributed.tensor_shard import TensorShard
 from worker.models import get_model_class
 from worker.models.llama import LlamaForCausalLM
 
@@ -48,15 +48,20 @@ def iterate_weights(files: list[Path], *, progress: bool = True) -> Iterator[tup
                 bar.update(1)
 
 
+def load_hf_config(config: EngineConfig) -> tuple[Any, str]:
+    """(the transformers config, the model directory) of `config.model`."""
+    from transformers import AutoConfig
+
+    model_dir = resolve_model_dir(config.model, config.model_cache_dir)
+    return AutoConfig.from_pretrained(model_dir, local_files_only=True), model_dir
+
+
 def load_model(config: EngineConfig, device: str | torch.device, dtype: torch.dtype,
                layout: ParallelLayout = ParallelLayout()) -> tuple[LlamaForCausalLM, Any, str]:
     """(model in eval mode on `device` with `dtype`, the transformers config, the model directory);
     in a worker group, the part of the model `layout`'s rank holds (its shard of its stage)."""
-    from transformers import AutoConfig
-
     torch.manual_seed(config.seed)
-    model_dir = resolve_model_dir(config.model, config.model_cache_dir)
-    hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    hf_config, model_dir = load_hf_config(config)
     model_class = get_model_class(hf_config)
     model = model_class(hf_config, dtype=dtype, device=device, shard=TensorShard(layout.tp_rank, layout.tp_size),
                         stage=(layout.pp_rank, layout.pp_size))

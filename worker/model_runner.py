@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from common.protocol import PromptLogprobs, TokenLogprobs
+from common.protocol import PromptLogprobs, StepResult, TokenLogprobs
 from worker.compiled_forward import ModelForward
 from worker.distributed import parallel_state
 from worker.distributed.stage_results import StageResults
@@ -23,6 +23,11 @@ class RunnerOutput:
     sampled_token_ids: list[int]
     sampled_logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # rows that asked
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
+
+
+def runner_output(result: StepResult) -> RunnerOutput:
+    return RunnerOutput(list(result.request_ids), list(result.sampled_token_ids), dict(result.sampled_logprobs),
+                        dict(result.prompt_logprobs))
 
 
 class ModelRunner:
@@ -54,7 +59,7 @@ class ModelRunner:
         with torch.inference_mode():
             hidden = self.forward(batch.input_ids, batch.positions, batch.attn_metadata)
             if self.lm_head is None:  # an earlier pipeline stage: the last one samples
-                output = self.stage_results.receive()
+                output = runner_output(self.stage_results.receive())
                 batch.commit(output.sampled_token_ids)
                 return output
             prompt_logprobs = (compute_prompt_logprobs(self.lm_head, hidden, batch.prompt_logprobs)
@@ -80,7 +85,9 @@ class ModelRunner:
                                             in zip(batch.sampling_states, output.logprobs) if entry is not None}
         output = RunnerOutput(batch.sampling_request_ids, sampled, sampled_logprobs, prompt_logprobs)
         if self.stage_results is not None:  # every rank commits the same tokens: the result rank's
-            output = self.stage_results.share(output)
+            output = runner_output(self.stage_results.share(StepResult(
+                step_id=0, request_ids=output.request_ids, sampled_token_ids=output.sampled_token_ids,
+                sampled_logprobs=output.sampled_logprobs, prompt_logprobs=output.prompt_logprobs)))
         batch.commit(output.sampled_token_ids)
         return output
 

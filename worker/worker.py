@@ -21,6 +21,7 @@ from worker.distributed.cpu_binding import bind_rank_cores
 from worker.distributed.parallel_state import group_minimum, init_worker_group
 from worker.lm_head import LmHead, choose_lm_head
 from worker.lm_head.vocab_parallel import VocabParallelLmHead
+from common.parallel_layout import check_model_layout
 from worker.model_loader import load_model
 from worker.model_runner import ModelRunner
 from worker.models.rotary import CONTEXT_STRETCHING_ROPE_TYPES, rope_parameters
@@ -47,6 +48,7 @@ class Worker:
         elif config.world_size > 1:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
         torch.set_num_threads(available_cpu_count())
+        check_model_layout(config)
         self.layout = init_worker_group(config, rank, self.device)
         self.dtype_name = config.resolved_dtype()
         self.dtype: torch.dtype = getattr(torch, self.dtype_name)

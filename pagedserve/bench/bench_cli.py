@@ -149,7 +149,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
                 if kind == "pagedserve":
                     argv = compare.pagedserve_command(path, ours_argv, ["--no-detokenize"] * args.no_detokenize)
                 elif kind == "vllm":
-                    argv = compare.vllm_command(args.vllm_python, args.vllm_script, model_dir, path, system_dtype)
+                    argv = compare.vllm_command(args.vllm_python, args.vllm_script, model_dir, path, system_dtype,
+                                                config.tensor_parallel_size)
                 else:
                     argv = compare.transformers_command(path, config.model, system_dtype, args.hf_batch_size,
                                                         config.model_cache_dir)

@@ -25,14 +25,24 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--kv-cache-gb", default="4", help="VLLM_CPU_KVCACHE_SPACE unless already set")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="ranks over gloo, each on its share of the cores (VLLM_CPU_OMP_THREADS_BIND)")
     return parser.parse_args()
+
+
+def core_shares(cores: list, ranks: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for `ranks` ranks: "0-15|16-31" (one core each when short)."""
+    share = max(1, len(cores) // ranks)
+    parts = [cores[i * share:(i + 1) * share] or cores[i % len(cores):][:1] for i in range(ranks)]
+    return "|".join(f"{p[0]}-{p[-1]}" if len(p) > 1 else str(p[0]) for p in parts)
 
 
 def main() -> None:
     args = parse_args()
     # vLLM's CPU build keeps a core for itself unless told otherwise; pagedserve uses all of them.
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", args.kv_cache_gb)
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{os.cpu_count() - 1}")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", core_shares(sorted(os.sched_getaffinity(0)),
+                                                                   args.tensor_parallel_size))
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     import vllm
     from vllm import LLM, SamplingParams
@@ -40,7 +50,8 @@ def main() -> None:
 
     with open(args.workload) as f:
         requests = [json.loads(line) for line in f if line.strip()]
-    llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len)
+    llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+              tensor_parallel_size=args.tensor_parallel_size)
     warm_up = TokensPrompt(prompt_token_ids=requests[0]["prompt_token_ids"][:8])
     llm.generate([warm_up], SamplingParams(max_tokens=2), use_tqdm=False)
     prompts = [TokensPrompt(prompt_token_ids=r["prompt_token_ids"]) for r in requests]
@@ -52,6 +63,7 @@ def main() -> None:
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     prompt_tokens = sum(len(r["prompt_token_ids"]) for r in requests)
     print(json.dumps({"system": "vllm", "version": vllm.__version__, "requests": len(requests),
+                      "tensor_parallel_size": args.tensor_parallel_size,
                       "output_tokens": output_tokens, "elapsed_s": round(elapsed, 3),
                       "output_tokens_per_s": round(output_tokens / elapsed, 2),
                       "total_tokens_per_s": round((output_tokens + prompt_tokens) / elapsed, 2)}))

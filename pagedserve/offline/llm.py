@@ -29,6 +29,7 @@ from pagedserve.offline.offline_outputs import CompletionOutput, GenerationOutpu
 from pagedserve.offline.follower_ranks import FollowerRanks
 from worker.distributed.group_leader import GroupLeader
 from worker.distributed.parallel_state import close_worker_group
+from common.parallel_layout import check_model_layout
 from worker.worker import Worker
 
 __all__ = ["LLM", "BeamSearchParams", "CompletionOutput", "GenerationOutput"]
@@ -62,9 +63,16 @@ class LLM:
         self.config = EngineConfig(model=model, **engine_args)
         self.followers = None  # ranks 1.. of a tensor/pipeline-parallel group, as child processes
         if self.config.world_size > 1:
+            check_model_layout(self.config)
             self.followers = FollowerRanks(self.config)
             self.config = self.followers.config
-        self.worker = Worker(self.config)
+        try:
+            self.worker = Worker(self.config)
+        except BaseException:
+            if self.followers is not None:
+                self.followers.stop(timeout_s=0)
+                close_worker_group()
+            raise
         self.group = GroupLeader(self.worker)
         hello = self.worker.hello()
         self.max_model_len = hello.max_model_len

@@ -207,7 +207,8 @@ def test_sharded_checkpoint_loads_every_tensor(tiny_hf_model, tmp_path) -> None:
     reference = hf_model.state_dict()
     targets = model.weight_targets()
     assert set(targets) == set(reference)
-    for name, target in targets.items():
+    for name, (target, part) in targets.items():
+        assert part is None  # one worker: whole tensors
         assert torch.equal(target, reference[name]), name
 
 

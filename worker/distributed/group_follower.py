@@ -9,18 +9,15 @@ the others' next collective: they raise, and the whole group restarts.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import Any
 
 from common.protocol import GroupControl, MessageType, StepPlan
 from worker.distributed.group_channel import GroupChannel
 
-if TYPE_CHECKING:
-    from worker.worker import Worker
-
 logger = logging.getLogger(__name__)
 
 
-def follow(worker: "Worker") -> str:
+def follow(worker: Any) -> str:
     """Run rank 0's plans until it stops the group; returns why it stopped."""
     channel = GroupChannel(0, (MessageType.STEP_PLAN, MessageType.GROUP_CONTROL))
     logger.info("following rank 0 of the worker group")

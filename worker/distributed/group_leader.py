@@ -5,16 +5,14 @@ runs in the user's process. For a worker alone (world size 1) it only runs the p
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 from common.protocol import GroupControl, MessageType, StepPlan, StepResult
 
-if TYPE_CHECKING:
-    from worker.worker import Worker
-
 
 class GroupLeader:
-    def __init__(self, worker: "Worker"):
+    def __init__(self, worker: Any):
+        """`worker`: a worker.worker.Worker (not imported here: the worker module imports this package)."""
         self.worker = worker
         self.channel = None
         layout = getattr(worker, "layout", None)  # (test doubles of the worker have none)

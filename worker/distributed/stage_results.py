@@ -8,32 +8,21 @@ rank included, then commits exactly those tokens.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from common.protocol import MessageType, StepResult
 from worker.distributed import parallel_state
 from worker.distributed.group_channel import GroupChannel
-
-if TYPE_CHECKING:
-    from worker.model_runner import RunnerOutput
 
 
 class StageResults:
     def __init__(self) -> None:
         self.channel = GroupChannel(parallel_state.layout().result_rank, (MessageType.STEP_RESULT,))
 
-    def share(self, output: "RunnerOutput") -> "RunnerOutput":
-        """On the last stage: the result rank sends its output; its peers take it instead of theirs."""
+    def share(self, result: StepResult) -> StepResult:
+        """On the last stage: the result rank sends its result; its peers take it instead of theirs."""
         if parallel_state.layout().rank == self.channel.src:
-            self.channel.send(StepResult(step_id=0, request_ids=output.request_ids,
-                                         sampled_token_ids=output.sampled_token_ids,
-                                         sampled_logprobs=output.sampled_logprobs,
-                                         prompt_logprobs=output.prompt_logprobs))
-            return output
+            self.channel.send(result)
+            return result
         return self.receive()
 
-    def receive(self) -> "RunnerOutput":
-        from worker.model_runner import RunnerOutput
-        result = self.channel.receive()
-        return RunnerOutput(list(result.request_ids), list(result.sampled_token_ids), dict(result.sampled_logprobs),
-                            dict(result.prompt_logprobs))
+    def receive(self) -> StepResult:
+        return self.channel.receive()

@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from common.parallel_layout import TensorShard, stage_layers
 from worker.distributed import pipeline_parallel
 from worker.distributed.tensor_parallel import tp_all_reduce, vocab_parallel_embedding
-from worker.distributed.tensor_shard import TensorShard
 from worker.kernels import cpu_ops
 from worker.attention.metadata import AttentionMetadata
 from worker.attention.step_context import paged_attention, step_context
@@ -131,8 +131,8 @@ class ModelSizes:
         total_heads: int = hf_config.num_attention_heads
         total_kv_heads: int = getattr(hf_config, "num_key_value_heads", None) or total_heads
         self.head_dim: int = getattr(hf_config, "head_dim", None) or self.hidden // total_heads
-        self.q_head_start, self.num_heads = shard.split(total_heads, "attention heads")
-        self.kv_head_start, self.num_kv_heads = shard.kv_heads(total_kv_heads, total_heads)
+        self.q_head_start, self.num_heads, self.kv_head_start, self.num_kv_heads = shard.attention_heads(
+            total_heads, total_kv_heads)
         self.intermediate_start, self.intermediate = shard.split(hf_config.intermediate_size, "MLP columns")
         self.vocab: int = hf_config.vocab_size
         self.vocab_start, self.vocab_rows, self.vocab_real_rows = shard.vocab(self.vocab)
@@ -157,7 +157,7 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.sliding_windows = self.layer_sliding_windows(hf_config)
         biases = self.biases(hf_config)
-        self.first_layer, self.end_layer = pipeline_parallel.stage_layers(s.num_layers, *stage)
+        self.first_layer, self.end_layer = stage_layers(s.num_layers, *stage)
         self.is_first_stage, self.is_last_stage = stage[0] == 0, stage[0] == stage[1] - 1
         vocab_rows = s.vocab_rows if s.tp_size > 1 else s.vocab
         holds_embeddings = self.is_first_stage or (self.is_last_stage and self.tie_word_embeddings)
