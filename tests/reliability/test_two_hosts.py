@@ -27,9 +27,10 @@ import pytest
 import zmq
 
 from netns_hosts import Host, HostProcess, TwoHosts, unavailable_reason
-from tiny_models import build_tiny_llama_with_smollm2_tokenizer
+from tiny_models import build_tiny_hf_model
 
 MODEL_NAME = "tiny-two-hosts"
+ARCHITECTURES = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"]
 PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "Water boils at"]
 MAX_TOKENS = 24
 LONG_MAX_TOKENS = 160  # in flight long enough to kill a rank under them
@@ -38,22 +39,26 @@ PORT_BASES = itertools.count(5500, 10)  # nothing else listens in the namespaces
 GROUP_PORT = 29500  # the worker group's rendezvous (torchrun's default MASTER_PORT)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    directory = tmp_path_factory.mktemp("tiny-llama")
-    build_tiny_llama_with_smollm2_tokenizer(directory)
-    return directory
+def build_tiny_model(architecture: str, directory: Path) -> None:
+    """A tiny random model of `architecture` that reads and writes text with the default
+    model's tokenizer (as tiny_models.build_tiny_llama_with_smollm2_tokenizer, any architecture)."""
+    import shutil
+
+    from common.model_files import resolve_model_dir
+
+    tokenizer_dir = resolve_model_dir("smollm2-135m-instruct")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(f"{tokenizer_dir}/{name}", directory / name)
+    build_tiny_hf_model(architecture, directory, vocab_size=49152, eos_token_id=2, bos_token_id=1,
+                        tie_word_embeddings=True)
 
 
-@pytest.fixture(scope="module")
-def reference(model_dir):
-    """A one-host TP=1 run of the same requests: the offline engine, float32."""
+def tp1_reference(model_dir: Path) -> dict[int, list[tuple[list[int], list[int], list[float]]]]:
+    """max_tokens -> (prompt ids, tokens, logprobs) of each prompt from a one-host TP=1 run:
+    the offline engine, float32."""
     from common.sampling_params import SamplingParams
     from pagedserve.offline.llm import LLM
 
-    from worker.kernels import cpu_extension
-
-    cpu_extension.load()  # a first build here, not while the workers' start-up is timed
     llm = LLM(model=str(model_dir), dtype="float32", device="cpu", enforce_eager=True, max_model_len=256,
               kv_cache_memory=64 << 20)
     reference = {}
@@ -62,8 +67,24 @@ def reference(model_dir):
                                                        logprobs=0), use_tqdm=False)
         reference[max_tokens] = [(o.prompt_token_ids, o.outputs[0].token_ids,
                                   [lp.logprob for lp in o.outputs[0].logprobs]) for o in outputs]
-    del llm
     return reference
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    """architecture -> (its tiny model's directory, the TP=1 reference), each built once."""
+    from worker.kernels import cpu_extension
+
+    cpu_extension.load()  # a first build here, not while the workers' start-up is timed
+    built = {}
+
+    def get(architecture: str):
+        if architecture not in built:
+            directory = tmp_path_factory.mktemp(architecture)
+            build_tiny_model(architecture, directory)
+            built[architecture] = directory, tp1_reference(directory)
+        return built[architecture]
+    return get
 
 
 def _interrupt(*_) -> None:
@@ -147,13 +168,19 @@ class Deployment:
 
 
 @pytest.fixture
-def deployment(hosts, model_dir, tmp_path):
-    # Fresh ports per test: a stopped test's sockets may linger in TIME_WAIT on host a.
-    stack = Deployment(hosts, model_dir, tmp_path, next(PORT_BASES))
+def deploy(hosts, tmp_path):
+    """Starts a Deployment for a model directory; stops it after the test."""
+    started: list[Deployment] = []
+
+    def start(model_dir: Path) -> Deployment:
+        # Fresh ports for each: a stopped deployment's sockets may linger in TIME_WAIT on host a.
+        started.append(Deployment(hosts, model_dir, tmp_path, next(PORT_BASES)))
+        return started[-1]
     try:
-        yield stack
+        yield start
     finally:
-        stack.stop()
+        for deployment in started:
+            deployment.stop()
 
 
 def ask(deployment: Deployment, prompt: str, max_tokens: int) -> tuple[list[int], list[int], list[float]]:
@@ -202,18 +229,23 @@ def assert_matches_tp1(got, reference, logs: str) -> None:
     assert equal >= 0.99 * positions, f"{equal} of {positions} tokens equal TP=1's\n{logs}"
 
 
-def test_worker_on_the_other_host_over_curve(deployment, hosts, reference):
+def test_worker_on_the_other_host_over_curve(deploy, hosts, tiny_model):
     """TP=1: the worker on host b registers with the scheduler on host a across the
     link (CURVE on its socket); a client on host b gets TP=1's tokens."""
+    model_dir, reference = tiny_model("LlamaForCausalLM")
+    deployment = deploy(model_dir)
     worker = deployment.start_worker(hosts.b, "worker", ["--worker-address", deployment.worker_address])
     got = ask_every_prompt(deployment, hosts.b)
     assert_matches_tp1(got, reference[MAX_TOKENS], deployment.logs())
     assert "registered with the scheduler" in worker.log()
 
 
-def test_tensor_parallel_ranks_on_two_hosts(deployment, hosts, reference):
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_tensor_parallel_ranks_on_two_hosts(deploy, hosts, tiny_model, architecture):
     """TP=2: rank 0 beside the scheduler on host a, rank 1 on host b; they meet over the
     link (tcp:// init method on one side, torchrun's MASTER_ADDR/RANK on the other)."""
+    model_dir, reference = tiny_model(architecture)
+    deployment = deploy(model_dir)
     rank0, rank1 = deployment.start_tp2_group()
     got = ask_every_prompt(deployment, hosts.b)
     assert_matches_tp1(got, reference[MAX_TOKENS], deployment.logs())
@@ -238,10 +270,12 @@ def ask_streamed(deployment: Deployment, prompt: str, max_tokens: int, first_tok
     return prompt_ids, tokens, logprobs
 
 
-def test_a_rank_killed_on_the_other_host_loses_no_request(deployment, hosts, reference):
+def test_a_rank_killed_on_the_other_host_loses_no_request(deploy, hosts, tiny_model):
     """SIGKILL rank 1 (host b) while every request streams: rank 0 leaves the broken group,
     the scheduler keeps the requests; the restarted group (each host's supervisor's job)
     recomputes them: every request completes with TP=1's tokens."""
+    model_dir, reference = tiny_model("LlamaForCausalLM")
+    deployment = deploy(model_dir)
     rank0, rank1 = deployment.start_tp2_group()
     with hosts.b.client_pool(len(PROMPTS)) as pool:
         wait_healthy(pool, deployment)
