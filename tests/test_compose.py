@@ -27,12 +27,14 @@ def compose() -> dict:
 
 
 def env_vars_read_by_code() -> set[str]:
-    """PAGEDSERVE_* names the code reads, directly or through env_default/default_address."""
+    """PAGEDSERVE_* names the code reads, directly or through env_default/default_address, and
+    other variables it reads from os.environ (torchrun's LOCAL_RANK, ...)."""
     names: set[str] = set()
     for package in PACKAGES:
         for path in (ROOT / package).rglob("*.py"):
             text = path.read_text()
             names |= set(re.findall(r"\b(PAGEDSERVE_[A-Z0-9_]+)\b", text))
+            names |= set(re.findall(r"os\.environ(?:\.get\(|\[)\s*\"([A-Z0-9_]+)\"", text))
             names |= {f"PAGEDSERVE_{n}" for n in re.findall(
                 r"(?:env_default|env_setting|env_switch|default_address)\(\s*\"([A-Z0-9_]+)\"", text)}
     from common.addresses import DEFAULTS
@@ -69,6 +71,34 @@ def test_compose_sets_only_variables_the_code_reads(compose):
     for name, service in compose["services"].items():
         for key in service.get("environment", {}):
             assert key in known, f"{name} sets {key}, which no code reads"
+
+
+def test_the_tp2_profile_is_one_worker_group_of_two_ranks(compose):
+    """`--profile tp2`: two ranks with the same engine settings meeting at rank 0's service;
+    only rank 0 is told where the scheduler is (rank 1 follows it)."""
+    services = compose["services"]
+    group = {name: s for name, s in services.items() if "tp2" in s.get("profiles", [])}
+    assert sorted(group) == ["worker-tp2-rank0", "worker-tp2-rank1"]
+    assert all("profiles" not in services[name] for name in ("frontend", "scheduler", "worker", "tokenizer"))
+    commands = {}
+    for name, service in group.items():
+        command = service["command"]
+        assert command[:2] == ["pagedserve", "worker"], name
+        flags = dict(zip(command[2::2], command[3::2]))
+        assert flags["--tensor-parallel-size"] == "2"
+        host, port = flags["--distributed-init-method"].removeprefix("tcp://").rsplit(":", 1)
+        assert host == "worker-tp2-rank0" and int(port) > 0, "the group meets at rank 0's service"
+        commands[int(flags.pop("--rank"))] = (flags, service["environment"])
+        assert service["restart"] == "unless-stopped", "a broken group must come back by itself"
+    assert sorted(commands) == [0, 1]
+    (flags0, env0), (flags1, env1) = commands[0], commands[1]
+    assert flags0 == flags1, "every rank needs the same engine settings"
+    for key in set(env0) | set(env1):
+        if key != "LOCAL_RANK":
+            assert env0.get(key) == env1.get(key), f"the ranks differ in {key}"
+    assert (env0["LOCAL_RANK"], env1["LOCAL_RANK"], env0["LOCAL_WORLD_SIZE"]) == ("0", "1", "2")
+    assert "--worker-address" not in flags0 and env0["PAGEDSERVE_WORKER_ADDRESS"] == "tcp://scheduler:5558"
+    assert group["worker-tp2-rank0"]["depends_on"] == {"scheduler": {"condition": "service_healthy"}}
 
 
 def run_healthcheck(test: list[str], visible_pids: list[int | str]) -> int:
