@@ -48,6 +48,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:  # settings this model cannot run with (a KV cache too small): a usage error
         logger.error("cannot start the worker: %s", e)
         return USAGE_ERROR
+    except RuntimeError as e:
+        if config.world_size == 1:
+            raise
+        return _group_broken(e)  # e.g. joined the store of a group whose rank 0 was on its way out
     if args.rank != 0:
         return _follow(worker)
     try:
