@@ -33,6 +33,9 @@ class MessageType(enum.IntEnum):
     WORKER_GOODBYE = 25
     # rank 0 -> the other ranks of its worker group (over torch.distributed)
     GROUP_CONTROL = 26
+    # the offline LLM <-> its other data-parallel replicas
+    REPLICA_JOB = 27
+    REPLICA_RESULTS = 28
     # frontend <-> tokenizer pool
     TOKENIZE = 30
     RENDER_CHAT = 31
@@ -227,6 +230,26 @@ class GroupControl(msgspec.Struct, **_STRUCT):
 
 
 # --------------------------------------------------------------------------
+# the offline LLM <-> its other data-parallel replicas
+
+
+class ReplicaJob(msgspec.Struct, **_STRUCT):
+    """Prompts for one replica of an offline LLM with data_parallel_size > 1: each prompt's
+    text (or None), token ids and (validated) sampling parameters."""
+    prompts: list[str | None]
+    prompt_token_ids: list[list[int]]
+    sampling_params: list[SamplingParams]
+
+
+class ReplicaResults(msgspec.Struct, **_STRUCT):
+    """A replica's answer: the outputs (the offline LLM's GenerationOutput dataclasses, which the
+    receiver decodes by type), or the error that stopped the job."""
+    outputs: msgspec.Raw = msgspec.Raw(b"\x90")  # an empty msgpack array
+    error: str | None = None
+    invalid_request: bool = False  # the error is the request's fault (InvalidRequestError)
+
+
+# --------------------------------------------------------------------------
 # frontend <-> tokenizer pool
 
 
@@ -284,6 +307,8 @@ MESSAGE_TYPES: dict[MessageType, type[msgspec.Struct]] = {
     MessageType.SHUTDOWN: Shutdown,
     MessageType.WORKER_GOODBYE: WorkerGoodbye,
     MessageType.GROUP_CONTROL: GroupControl,
+    MessageType.REPLICA_JOB: ReplicaJob,
+    MessageType.REPLICA_RESULTS: ReplicaResults,
     MessageType.TOKENIZE: TokenizeJob,
     MessageType.RENDER_CHAT: RenderChatJob,
     MessageType.DETOKENIZE: DetokenizeJob,

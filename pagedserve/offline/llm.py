@@ -27,6 +27,7 @@ from common.tokenizer import apply_chat_template, load_tokenizer
 from scheduler.scheduler import Scheduler
 from pagedserve.offline.offline_beam_search import run_beam_search
 from pagedserve.offline.offline_outputs import CompletionOutput, GenerationOutput, OfflineRequest
+from pagedserve.offline.data_parallel import ReplicaProcesses, run_sharded
 from pagedserve.offline.follower_ranks import FollowerRanks
 from worker.distributed.group_leader import GroupLeader
 from worker.distributed.parallel_state import close_worker_group
@@ -62,6 +63,11 @@ class LLM:
         `generation_config`: where `get_default_sampling_params` (used when
         generate gets none) finds the model's sampling defaults, as vLLM's."""
         self.config = EngineConfig(model=model, **engine_args)
+        self.replicas = None  # data-parallel replicas 1.., as child processes
+        if self.config.data_parallel_size > 1:
+            check_model_layout(self.config)
+            self.replicas = ReplicaProcesses(self.config, skip_tokenizer_init)
+            self.config = self.config.replace(data_parallel_size=1)
         self.followers = None  # ranks 1.. of a tensor/pipeline-parallel group, as child processes
         if self.config.world_size > 1:
             check_model_layout(self.config)
@@ -73,11 +79,13 @@ class LLM:
             if self.followers is not None:
                 self.followers.stop(timeout_s=0)
                 close_worker_group()
+            if self.replicas is not None:
+                self.replicas.stop()
             raise
         self.group = GroupLeader(self.worker)
         # Stops the other ranks when this engine is collected or the program exits (their
         # rank 0 gone, they would otherwise report a broken group).
-        self._stop_group = weakref.finalize(self, _stop_group, self.group, self.followers)
+        self._stop_group = weakref.finalize(self, _stop_group, self.group, self.followers, self.replicas)
         hello = self.worker.hello()
         self.max_model_len = hello.max_model_len
         self.vocab_size = hello.vocab_size
@@ -93,7 +101,7 @@ class LLM:
         """Stop the other ranks of a tensor/pipeline-parallel group (a no-op for one worker);
         another engine with a group can then start in this process."""
         self._stop_group()
-        self.followers = None
+        self.followers = self.replicas = None
 
     def get_default_sampling_params(self) -> SamplingParams:
         """The API's defaults, with the model's generation config on top (vLLM's)."""
@@ -164,10 +172,17 @@ class LLM:
         for params in params_list:
             params.validate(self.vocab_size, self.config.max_logprobs)
             check_grammar(params.structured_outputs)
+        if self.replicas is not None:
+            return run_sharded(self, encoded, params_list, use_tqdm)
+        return self._run_here(encoded, params_list, use_tqdm)
+
+    def _run_here(self, encoded: list[tuple[str | None, list[int]]], params_list: list[SamplingParams],
+                  use_tqdm: bool, request_ids: list[str] | None = None) -> list[GenerationOutput]:
+        """Run the prompts on this process's engine (`request_ids`: theirs, else the next ones)."""
         requests: dict[str, OfflineRequest] = {}
+        request_ids = request_ids or [str(next(self._ids)) for _ in encoded]
         try:
-            for (text, token_ids), params in zip(encoded, params_list):
-                request_id = str(next(self._ids))
+            for (text, token_ids), params, request_id in zip(encoded, params_list, request_ids):
                 # Raises InvalidRequestError (e.g. prompt too long) before any work starts.
                 self.scheduler.add_request(EngineRequest(request_id=request_id, prompt_token_ids=token_ids,
                                                          sampling_params=params, arrival_time=time.time()))
@@ -218,7 +233,9 @@ class LLM:
             bar.close()
 
 
-def _stop_group(group: GroupLeader, followers: FollowerRanks | None) -> None:
+def _stop_group(group: GroupLeader, followers: FollowerRanks | None, replicas: ReplicaProcesses | None) -> None:
+    if replicas is not None:
+        replicas.stop()
     if followers is not None:
         group.tell("stop")
         followers.stop()

@@ -1,7 +1,8 @@
-"""Tensor and pipeline parallelism in the offline LLM: the same tokens as one worker.
+"""Tensor, pipeline and data parallelism in the offline LLM: the same tokens as one worker.
 
 Each engine with a group runs rank 0 in this process and the other ranks as
-`pagedserve worker` child processes (gloo over loopback). Float32 greedy tokens
+`pagedserve worker` child processes (gloo over loopback); each data-parallel
+replica but the first is a child process with its own engine. Float32 greedy tokens
 must equal one worker's (on these tiny models exactly; the acceptance bound is
 99 %, since the all-reduce sums in another order), and every sampled token's
 logprob must be within 1e-3 of one worker's, with the same seeded tokens.
@@ -26,13 +27,15 @@ MODELS = {
     "mistral": ("MistralForCausalLM", {"sliding_window": 8}),
     "qwen2": ("Qwen2ForCausalLM", {"num_key_value_heads": 1}),
 }
-LAYOUTS = [("llama", 2, 1), ("llama", 1, 2), ("llama", 2, 2), ("mistral", 2, 1), ("qwen2", 2, 1)]
+# (model, tensor, pipeline, data parallel sizes)
+LAYOUTS = [("llama", 2, 1, 1), ("llama", 1, 2, 1), ("llama", 2, 2, 1), ("llama", 1, 1, 2), ("mistral", 2, 1, 1),
+           ("qwen2", 2, 1, 1)]
 
 
-def run(model_dir, tp: int, pp: int, **extra):
+def run(model_dir, tp: int, pp: int, dp: int = 1):
     llm = LLM(model=str(model_dir), skip_tokenizer_init=True, dtype="float32", block_size=4,
               num_gpu_blocks_override=128, enforce_eager=True, tensor_parallel_size=tp,
-              pipeline_parallel_size=pp, **extra)
+              pipeline_parallel_size=pp, data_parallel_size=dp)
     try:
         prompts = [{"prompt_token_ids": p} for p in PROMPTS]
         greedy = llm.generate(prompts, GREEDY, use_tqdm=False)
@@ -62,10 +65,10 @@ def token_agreement(a: list[list[int]], b: list[list[int]]) -> float:
     return sum(x == y for x, y in pairs) / len(pairs)
 
 
-@pytest.mark.parametrize("name, tp, pp", LAYOUTS, ids=[f"{n}-tp{t}-pp{p}" for n, t, p in LAYOUTS])
-def test_group_matches_one_worker(models, name, tp, pp):
+@pytest.mark.parametrize("name, tp, pp, dp", LAYOUTS, ids=[f"{n}-tp{t}-pp{p}-dp{d}" for n, t, p, d in LAYOUTS])
+def test_group_matches_one_worker(models, name, tp, pp, dp):
     directory, (greedy_ref, seeded_ref, logprobs_ref) = models[name]
-    greedy, seeded, logprobs = run(directory, tp, pp)
+    greedy, seeded, logprobs = run(directory, tp, pp, dp)
     assert token_agreement(greedy, greedy_ref) >= 0.99
     assert seeded == seeded_ref  # the same seeded draws from (nearly) the same logits
     for got, want in zip(logprobs, logprobs_ref):
@@ -78,3 +81,15 @@ def test_bad_group_sizes_are_refused_before_any_rank_starts(models):
     with pytest.raises(ConfigError, match="tensor_parallel_size 3"):
         LLM(model=str(directory), skip_tokenizer_init=True, dtype="float32", tensor_parallel_size=3,
             enforce_eager=True, num_gpu_blocks_override=16)
+
+
+def test_replicas_get_shared_prefixes_together_and_equal_shares():
+    from pagedserve.offline.data_parallel import assign_replicas
+    shared = list(range(100, 200))
+    prompts = [shared + [i] for i in range(3)] + [[i] * 50 for i in range(1, 7)]
+    shares = assign_replicas(prompts, 2)
+    assert sorted(i for share in shares for i in share) == list(range(9))
+    holders = {r for r, share in enumerate(shares) for i in share if i < 3}
+    assert len(holders) == 1  # every prompt with the shared 100-token prefix on one replica
+    loads = [sum(len(prompts[i]) for i in share) for share in shares]
+    assert max(loads) - min(loads) <= 50  # 303 tokens against 300
