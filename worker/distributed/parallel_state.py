@@ -14,6 +14,8 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import socket
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -70,6 +72,11 @@ class ParallelLayout:
 
 _layout = ParallelLayout()
 _tp_group: dist.ProcessGroup | None = None
+_tp_shm = None  # ShmAllReduce among this stage's tensor ranks, when they share a host
+
+
+def tp_shm():
+    return _tp_shm
 
 
 def layout() -> ParallelLayout:
@@ -110,9 +117,26 @@ def init_worker_group(config: EngineConfig, rank: int, device: torch.device) -> 
         group = dist.new_group(ranks) if new.tp_size > 1 else None
         if stage == new.pp_rank:
             _tp_group = group
+            stage_ranks = ranks
     _layout = new
+    if new.tp_size > 1 and device.type == "cpu" and os.environ.get("PAGEDSERVE_TP_SHM", "1") != "0" \
+            and _same_host(_tp_group):
+        global _tp_shm
+        from worker.distributed.shm_all_reduce import ShmAllReduce
+        _tp_shm = ShmAllReduce(_tp_group, stage_ranks, new.tp_rank)
+        logger.info("tensor-parallel all-reduce through shared memory (the stage's ranks share this host)")
     logger.info("worker group complete: %d ranks", new.world_size)
     return new
+
+
+def _same_host(group: dist.ProcessGroup | None) -> bool:
+    """Whether every rank of `group` runs on this host, in this network namespace."""
+    identity = f"{socket.gethostname()}/{os.stat('/proc/self/ns/net').st_ino if os.path.exists('/proc/self/ns/net') else ''}"
+    mine = torch.tensor([zlib.crc32(identity.encode())], dtype=torch.int64)
+    low, high = mine.clone(), mine.clone()
+    dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
+    dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
+    return bool(low == high)
 
 
 def group_minimum(value: int) -> int:
@@ -131,4 +155,7 @@ def close_worker_group() -> None:
             dist.destroy_process_group()
         except Exception:  # a broken group: nothing left to tidy
             pass
-    _layout, _tp_group = ParallelLayout(), None
+    global _tp_shm
+    if _tp_shm is not None:
+        _tp_shm.close()
+    _layout, _tp_group, _tp_shm = ParallelLayout(), None, None

@@ -2,8 +2,9 @@
 
 `tp_all_reduce` sums the partial outputs of the row-parallel projections (o_proj,
 down_proj) and the vocabulary-parallel embedding over the ranks of this rank's
-stage. It is an opaque custom op, as the attention is: the compiled layer graph
-calls it like any op and inductor never looks inside.
+stage: through shared memory when they share a host, else torch.distributed. It is
+an opaque custom op, as the attention is: the compiled layer graph calls it like
+any op and inductor never looks inside.
 """
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ from worker.distributed import parallel_state
 
 @torch.library.custom_op("pagedserve::tp_all_reduce", mutates_args=())
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    shm = parallel_state.tp_shm()
+    if shm is not None and shm.fits(x):  # ranks on one host (worker.distributed.shm_all_reduce)
+        return shm(x.contiguous())
     out = x.clone()
     dist.all_reduce(out, group=parallel_state.tp_group())
     return out
