@@ -55,12 +55,12 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--model", default=env_default("MODEL", "smollm2-135m-instruct"),
                    help="HF model directory, tokenizer directory, .gguf file or alias whose tokenizer to load "
                         "(default: smollm2-135m-instruct)")
-    g.add_argument("--scheduler-address", action="append", default=None,
+    g.add_argument("--scheduler-address", default=default_address("SCHEDULER_ADDRESS"),
                    help="the scheduler's ZMQ address (env PAGEDSERVE_SCHEDULER_ADDRESS); data parallel: one per "
-                        "replica, repeated or comma-separated")
-    g.add_argument("--scheduler-control-address", action="append", default=None,
+                        "replica, comma-separated")
+    g.add_argument("--scheduler-control-address", default=default_address("SCHEDULER_CONTROL_ADDRESS"),
                    help="the scheduler's gRPC control service (env PAGEDSERVE_SCHEDULER_CONTROL_ADDRESS); data "
-                        "parallel: one per replica, in the order of --scheduler-address")
+                        "parallel: one per replica, comma-separated, in the order of --scheduler-address")
     g.add_argument("--tokenizer-address", default=default_address("TOKENIZER_ADDRESS"),
                    help="the tokenizer pool's ZMQ address (env PAGEDSERVE_TOKENIZER_ADDRESS)")
     g.add_argument("--model-cache-dir", default=env_default("CACHE_DIR", None),
@@ -92,9 +92,9 @@ def resolve_tokenizer_dir(model: str, cache_dir: str | None) -> str:
     return resolve_model_dir(model, cache_dir)
 
 
-def address_list(values: list[str] | None, env_name: str) -> list[str]:
-    """Addresses given by repeated flags and/or commas; the environment's (or the default) without a flag."""
-    return [a.strip() for v in (values or [default_address(env_name)]) for a in v.split(",") if a.strip()]
+def address_list(value: str) -> list[str]:
+    """One address per replica, comma-separated."""
+    return [address.strip() for address in value.split(",") if address.strip()]
 
 
 def served_names(args: argparse.Namespace) -> list[str]:
@@ -230,8 +230,8 @@ def build_parser() -> SettingsParser:
 def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
     """The settings, checked: what cannot run is a usage error here (also `serve`'s check)."""
     args = parser.parse_args(argv)
-    args.scheduler_address = address_list(args.scheduler_address, "SCHEDULER_ADDRESS")
-    args.scheduler_control_address = address_list(args.scheduler_control_address, "SCHEDULER_CONTROL_ADDRESS")
+    args.scheduler_address = address_list(args.scheduler_address)
+    args.scheduler_control_address = address_list(args.scheduler_control_address)
     if len(args.scheduler_address) != len(args.scheduler_control_address):
         parser.error(f"{len(args.scheduler_address)} scheduler address(es) but "
                      f"{len(args.scheduler_control_address)} control address(es): give one of each per replica")

@@ -76,8 +76,8 @@ def component_commands(args: argparse.Namespace, runtime_dir: str) -> list[Compo
     stats = ["--disable-log-stats"] if args.disable_log_stats else []
     chat_template = [] if args.chat_template is None else ["--chat-template", _absolute_if_file(args.chat_template)]
     frontend = ["--host", args.host, "--port", str(args.port), "--grpc-port", str(args.grpc_port),
-                *[arg for r in replicas for arg in ("--scheduler-address", r.scheduler_address)],
-                *[arg for r in replicas for arg in ("--scheduler-control-address", r.control_address)],
+                "--scheduler-address", ",".join(r.scheduler_address for r in replicas),
+                "--scheduler-control-address", ",".join(r.control_address for r in replicas),
                 "--tokenizer-address", addresses["tokenizer"],
                 "--served-model-name", *served_model_names(args, config.model),
                 "--generation-config", args.generation_config]
