@@ -275,7 +275,8 @@ def test_router_over_two_fake_schedulers_survives_one_going_down():
             c.stop()
     assert all(outputs[-1].finish_reason == FinishReason.LENGTH for outputs in first + second)
     got = [{r.request_id for r in s.snapshot().requests} for s in schedulers]
-    assert len(got[0] & {f"a{i}" for i in range(8)}) == 4 and len(got[1] & {f"a{i}" for i in range(8)}) == 4
+    firsts = {f"a{i}" for i in range(8)}
+    assert got[0] & firsts and got[1] & firsts and (got[0] | got[1]) >= firsts  # both served (how evenly: timing)
     assert {f"b{i}" for i in range(8)} <= got[1]  # the replica that is down gets none
     assert reply.ok and reply.message == "1 of 2 replicas ready"
     assert stats.num_running == 2 * 3  # FakeControl's numbers, from both control services
