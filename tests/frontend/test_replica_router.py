@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 from contextlib import aclosing
-from types import SimpleNamespace
 
 import pytest
 
