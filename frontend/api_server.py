@@ -169,8 +169,7 @@ def build_app(state: FrontendState, *, api_key: str | None = None, max_body_byte
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        stats = await state.control.stats()
-        return Response(state.metrics.render(stats), media_type=CONTENT_TYPE_LATEST)
+        return Response(await state.metrics_text(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/version")
     async def server_version_route() -> JSONResponse:

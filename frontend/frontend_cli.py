@@ -56,9 +56,11 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="HF model directory, tokenizer directory, .gguf file or alias whose tokenizer to load "
                         "(default: smollm2-135m-instruct)")
     g.add_argument("--scheduler-address", default=default_address("SCHEDULER_ADDRESS"),
-                   help="the scheduler's ZMQ address (env PAGEDSERVE_SCHEDULER_ADDRESS)")
+                   help="the scheduler's ZMQ address (env PAGEDSERVE_SCHEDULER_ADDRESS); data parallel: one per "
+                        "replica, comma-separated")
     g.add_argument("--scheduler-control-address", default=default_address("SCHEDULER_CONTROL_ADDRESS"),
-                   help="the scheduler's gRPC control service (env PAGEDSERVE_SCHEDULER_CONTROL_ADDRESS)")
+                   help="the scheduler's gRPC control service (env PAGEDSERVE_SCHEDULER_CONTROL_ADDRESS); data "
+                        "parallel: one per replica, comma-separated, in the order of --scheduler-address")
     g.add_argument("--tokenizer-address", default=default_address("TOKENIZER_ADDRESS"),
                    help="the tokenizer pool's ZMQ address (env PAGEDSERVE_TOKENIZER_ADDRESS)")
     g.add_argument("--model-cache-dir", default=env_default("CACHE_DIR", None),
@@ -88,6 +90,11 @@ def resolve_tokenizer_dir(model: str, cache_dir: str | None) -> str:
     from common.model_files import resolve_model_dir
 
     return resolve_model_dir(model, cache_dir)
+
+
+def address_list(value: str) -> list[str]:
+    """One address per replica, comma-separated."""
+    return [address.strip() for address in value.split(",") if address.strip()]
 
 
 def served_names(args: argparse.Namespace) -> list[str]:
@@ -133,8 +140,6 @@ async def run_frontend(args: argparse.Namespace) -> None:
     from common.generation_defaults import sampling_defaults
     from common.tokenizer import load_tokenizer
     from frontend.api_server import build_app
-    from frontend.engine.control_client import ControlClient
-    from frontend.engine.engine_client import EngineClient
     from frontend.graceful_shutdown import GracefulServer
     from frontend.grpc.grpc_server import start_grpc_server
     from frontend.frontend_options import CorsSettings
@@ -148,21 +153,12 @@ async def run_frontend(args: argparse.Namespace) -> None:
     names = served_names(args)
     tokenizer_dir = resolve_tokenizer_dir(args.model, args.model_cache_dir)
     tokenizer = load_tokenizer(tokenizer_dir)
-    control = ControlClient(args.scheduler_control_address)
-
-    async def scheduler_alive() -> bool:
-        # The stall watchdog's second opinion: a live engine loop keeps requests
-        # safe even while its worker is being replaced, so only a dead or hung
-        # scheduler fails them.
-        reply = await control.health()
-        return reply is not None and reply.ok
-
-    engine = EngineClient(args.scheduler_address, health_probe=scheduler_alive,
-                          request_timeout=args.request_timeout)
+    metrics = FrontendMetrics(names[0], num_replicas=len(args.scheduler_address))
+    engine, control = engine_clients(args, metrics)
     tokenizer_client = TokenizerClient(args.tokenizer_address)
     state = FrontendState(served_model_names=names, model_root=args.model, engine=engine,
                           tokenizer_client=tokenizer_client, tokenizer=tokenizer, control=control,
-                          metrics=FrontendMetrics(names[0]),
+                          metrics=metrics,
                           sampling_defaults=sampling_defaults(tokenizer_dir, args.generation_config),
                           tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
                           response_role=args.response_role,
@@ -186,8 +182,7 @@ async def run_frontend(args: argparse.Namespace) -> None:
     logger.info("frontend %s serving %s: OpenAI API on %s://%s:%d/v1, gRPC%s on %s:%d "
                 "(scheduler %s, control %s, tokenizer pool %s)%s", engine.frontend_id, ", ".join(names),
                 "https" if tls else "http", args.host, http_port, " (TLS)" if tls else "", args.host, grpc_port,
-                args.scheduler_address,
-                args.scheduler_control_address, args.tokenizer_address,
+                engine.scheduler_address, control.address, args.tokenizer_address,
                 "; API key required" if args.api_key else "")
     try:
         await server.serve(sockets=[http_socket])
@@ -199,6 +194,35 @@ async def run_frontend(args: argparse.Namespace) -> None:
         http_socket.close()
 
 
+def engine_clients(args: argparse.Namespace, metrics):
+    """(engine, control): the scheduler's clients, or with several schedulers (data
+    parallel) a ReplicaRouter and ReplicaControls over one pair per replica."""
+    from frontend.engine.control_client import ControlClient
+    from frontend.engine.engine_client import EngineClient, new_frontend_id
+
+    frontend_id = new_frontend_id()
+    pairs = []
+    for scheduler_address, control_address in zip(args.scheduler_address, args.scheduler_control_address):
+        control = ControlClient(control_address)
+
+        async def scheduler_alive(control=control) -> bool:
+            # The stall watchdog's second opinion: a live engine loop keeps requests
+            # safe even while its worker is being replaced, so only a dead or hung
+            # scheduler fails them.
+            reply = await control.health()
+            return reply is not None and reply.ok
+
+        pairs.append((EngineClient(scheduler_address, frontend_id=frontend_id, health_probe=scheduler_alive,
+                                   request_timeout=args.request_timeout), control))
+    if len(pairs) == 1:
+        return pairs[0]
+    from frontend.engine.replica_controls import ReplicaControls
+    from frontend.engine.replica_router import ReplicaRouter
+
+    router = ReplicaRouter(pairs, on_route=metrics.record_routed)
+    return router, ReplicaControls(router.replicas)
+
+
 def build_parser() -> SettingsParser:
     return add_frontend_args(SettingsParser(prog="pagedserve frontend", description=__doc__))
 
@@ -206,6 +230,11 @@ def build_parser() -> SettingsParser:
 def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
     """The settings, checked: what cannot run is a usage error here (also `serve`'s check)."""
     args = parser.parse_args(argv)
+    args.scheduler_address = address_list(args.scheduler_address)
+    args.scheduler_control_address = address_list(args.scheduler_control_address)
+    if len(args.scheduler_address) != len(args.scheduler_control_address):
+        parser.error(f"{len(args.scheduler_address)} scheduler address(es) but "
+                     f"{len(args.scheduler_control_address)} control address(es): give one of each per replica")
     check_tool_choice_args(parser, args)
     try:
         TlsFiles.from_args(args)  # a missing key fails here, not after the servers started

@@ -21,10 +21,10 @@ SYSTEM_FINGERPRINT = "fp_pagedserve_0.1.0"
 class FrontendState:
     served_model_names: list[str]
     model_root: str  # what --model named; /v1/models reports it as `root`
-    engine: EngineClient
+    engine: EngineClient  # or, data parallel, a ReplicaRouter (the same interface)
     tokenizer_client: "TokenizerClient"  # noqa: F821 (tokenizer_pool.tokenizer_client)
     tokenizer: object  # the local HF tokenizer, for incremental detokenization
-    control: ControlClient
+    control: ControlClient  # or, data parallel, ReplicaControls
     metrics: FrontendMetrics
     # The model's generation_config.json sampling values, for fields a request leaves unset.
     sampling_defaults: dict[str, float | int] = field(default_factory=dict)
@@ -59,6 +59,13 @@ class FrontendState:
         if not reply.ok or not reply.worker_ready:
             return False, reply.message or "the scheduler is not ready"
         return True, "ok"
+
+    async def metrics_text(self) -> bytes:
+        """/metrics: the scheduler's numbers, or each replica's when there are several."""
+        by_replica = getattr(self.control, "stats_by_replica", None)
+        if by_replica is not None:
+            return self.metrics.render(None, await by_replica())
+        return self.metrics.render(await self.control.stats())
 
     async def max_model_len(self) -> int | None:
         info = await self.control.model_info()

@@ -19,6 +19,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from dataclasses import dataclass
 
 from common.cli_args import (SettingsParser, add_engine_args, add_log_level_arg, engine_argv, engine_config,
                              env_default, non_negative_int, positive_float)
@@ -68,16 +69,16 @@ def build_parser() -> argparse.ArgumentParser:
 def component_commands(args: argparse.Namespace, runtime_dir: str) -> list[Component]:
     config = engine_config(args)  # ConfigError for one that cannot run
     ipc = lambda name: f"ipc://{runtime_dir}/{name}"  # noqa: E731
-    addresses = {"scheduler": ipc("scheduler"), "worker": ipc("worker"), "tokenizer": ipc("tokenizer"),
-                 "tokenizer_backend": ipc("tokenizer-backend"), "control": f"unix:{runtime_dir}/control"}
+    addresses = {"tokenizer": ipc("tokenizer"), "tokenizer_backend": ipc("tokenizer-backend")}
+    replicas = replica_addresses(config, runtime_dir)
     engine = engine_argv(config)
     model = ["--model", config.model] + (["--model-cache-dir", config.model_cache_dir]
                                          if config.model_cache_dir else [])
     stats = ["--disable-log-stats"] if args.disable_log_stats else []
     chat_template = [] if args.chat_template is None else ["--chat-template", _absolute_if_file(args.chat_template)]
     frontend = ["--host", args.host, "--port", str(args.port), "--grpc-port", str(args.grpc_port),
-                "--scheduler-address", addresses["scheduler"],
-                "--scheduler-control-address", addresses["control"],
+                "--scheduler-address", ",".join(r.scheduler_address for r in replicas),
+                "--scheduler-control-address", ",".join(r.control_address for r in replicas),
                 "--tokenizer-address", addresses["tokenizer"],
                 "--served-model-name", *served_model_names(args, config.model),
                 "--generation-config", args.generation_config]
@@ -99,16 +100,62 @@ def component_commands(args: argparse.Namespace, runtime_dir: str) -> list[Compo
                                 "--frontend-address", addresses["tokenizer"],
                                 "--backend-address", addresses["tokenizer_backend"]],
                   env={"PAGEDSERVE_TOKENIZER_JOIN": ""}),
-        Component("scheduler", ["scheduler", *engine, *stats, *scheduler,
-                                "--scheduler-address", addresses["scheduler"],
-                                "--worker-address", addresses["worker"],
-                                "--scheduler-control-address", addresses["control"]]),
-        *worker_group(config, engine, addresses["worker"]),
+        *[component for r in replicas for component in (
+            Component(r.scheduler_name, ["scheduler", *engine, *stats, *scheduler,
+                                         "--scheduler-address", r.scheduler_address,
+                                         "--worker-address", r.worker_address,
+                                         "--scheduler-control-address", r.control_address]),
+            *r.workers(config, engine))],
         Component("frontend", ["frontend", *model, *frontend], env=frontend_env),
     ]
     for component in components if args.log_level else []:
         component.argv += ["--log-level", args.log_level]
     return components
+
+
+@dataclass(frozen=True)
+class ReplicaAddresses:
+    """One engine replica's names and internal addresses. Data parallel (D > 1):
+    scheduler-dp<i> and worker-dp<i> on sockets scheduler-<i>, worker-<i>, control-<i>;
+    a single replica keeps the plain names and sockets."""
+    index: int
+    data_parallel_size: int
+    runtime_dir: str
+
+    def _name(self, base: str, separator: str) -> str:
+        return base if self.data_parallel_size == 1 else f"{base}{separator}{self.index}"
+
+    @property
+    def scheduler_name(self) -> str:
+        return self._name("scheduler", "-dp")
+
+    @property
+    def scheduler_address(self) -> str:
+        return f"ipc://{self.runtime_dir}/{self._name('scheduler', '-')}"
+
+    @property
+    def worker_address(self) -> str:
+        return f"ipc://{self.runtime_dir}/{self._name('worker', '-')}"
+
+    @property
+    def control_address(self) -> str:
+        return f"unix:{self.runtime_dir}/{self._name('control', '-')}"
+
+    def workers(self, config, engine: list[str]) -> list[Component]:
+        """The replica's worker group. With several replicas on this host, each rank's
+        LOCAL_RANK / LOCAL_WORLD_SIZE count every replica's ranks, so that ranks split the
+        cores (and CUDA devices) among all replicas rather than each replica using them all."""
+        group = worker_group(config, engine, self.worker_address, name=self._name("worker", "-dp"))
+        if self.data_parallel_size > 1:
+            size = config.world_size
+            for rank, component in enumerate(group):
+                component.env.update(LOCAL_RANK=str(self.index * size + rank),
+                                     LOCAL_WORLD_SIZE=str(self.data_parallel_size * size))
+        return group
+
+
+def replica_addresses(config, runtime_dir: str) -> list[ReplicaAddresses]:
+    return [ReplicaAddresses(i, config.data_parallel_size, runtime_dir) for i in range(config.data_parallel_size)]
 
 
 def worker_group(config, engine: list[str], worker_address: str, name: str = "worker",

@@ -116,6 +116,11 @@ class EngineClient:
         return self._connected.is_set()
 
     @property
+    def queue_full(self) -> bool:
+        """The scheduler's latest word: its waiting queue is full (new requests get 429)."""
+        return self._queue_full
+
+    @property
     def num_in_flight(self) -> int:
         return len(self._streams)
 

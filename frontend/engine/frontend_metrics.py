@@ -27,45 +27,50 @@ FINISHED_REASONS = ("stop", "length", "abort")
 
 
 class SchedulerStatsCollector(Collector):
-    """Exposes the last SchedulerStats fetched from the control service."""
+    """Exposes the last SchedulerStats fetched from the control service; under data
+    parallelism, each replica's, with a `replica` label (sum them for the whole)."""
 
     def __init__(self, model_name: str):
         self.model_name = model_name
         self.stats: control_pb2.SchedulerStats | None = None
+        self.replica_stats: list[control_pb2.SchedulerStats | None] | None = None
 
     def collect(self) -> list[Metric]:
-        stats = self.stats
-        if stats is None:
+        if self.replica_stats is not None:
+            label_names = ["model_name", "replica"]
+            series = [([self.model_name, str(i)], s) for i, s in enumerate(self.replica_stats) if s is not None]
+        else:
+            label_names = ["model_name"]
+            series = [([self.model_name], self.stats)] if self.stats is not None else []
+        if not series:
             return []  # scheduler unreachable: absent series, not made-up zeros
-        labels = [self.model_name]
 
-        def gauge(name: str, doc: str, value: float) -> Metric:
-            family = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
-            family.add_metric(labels, value)
-            return family
+        def family(kind, name: str, doc: str, value) -> Metric:
+            metric = kind(PREFIX + name, doc, labels=label_names)
+            for labels, stats in series:
+                metric.add_metric(labels, value(stats))
+            return metric
 
-        def counter(name: str, doc: str, value: float) -> Metric:
-            family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
-            family.add_metric(labels, value)
-            return family
-
+        gauge, counter = GaugeMetricFamily, CounterMetricFamily
         return [
-            gauge("num_requests_running", "Requests in the running batch.", stats.num_running),
-            gauge("num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting),
-            gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).", stats.kv_cache_usage),
-            counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                    stats.prefix_cache_queries),
-            counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits),
-            counter("num_preemptions", "Requests preempted (recomputed later).", stats.num_preemptions),
-            counter("prompt_tokens", "Prompt tokens processed.", stats.num_prompt_tokens),
-            counter("generation_tokens", "Tokens generated.", stats.num_generation_tokens),
+            family(gauge, "num_requests_running", "Requests in the running batch.", lambda s: s.num_running),
+            family(gauge, "num_requests_waiting", "Requests waiting to be scheduled.", lambda s: s.num_waiting),
+            family(gauge, "kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).",
+                   lambda s: s.kv_cache_usage),
+            family(counter, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                   lambda s: s.prefix_cache_queries),
+            family(counter, "prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                   lambda s: s.prefix_cache_hits),
+            family(counter, "num_preemptions", "Requests preempted (recomputed later).", lambda s: s.num_preemptions),
+            family(counter, "prompt_tokens", "Prompt tokens processed.", lambda s: s.num_prompt_tokens),
+            family(counter, "generation_tokens", "Tokens generated.", lambda s: s.num_generation_tokens),
         ]
 
 
 class FrontendMetrics:
     """All metrics of one frontend, in its own registry (tests run several)."""
 
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, num_replicas: int = 1):
         self.model_name = model_name
         self.registry = CollectorRegistry()
         self.scheduler_stats = SchedulerStatsCollector(model_name)
@@ -85,13 +90,29 @@ class FrontendMetrics:
         self.e2e_request_latency = Histogram(
             PREFIX + "e2e_request_latency_seconds", "Time from arrival to the last token.",
             labels, buckets=E2E_BUCKETS, registry=self.registry).labels(model_name)
+        self.requests_routed = None
+        if num_replicas > 1:  # data parallel: the router's choices
+            self.requests_routed = Counter(
+                PREFIX + "data_parallel_requests_routed", "Requests this frontend sent to each replica, by why: "
+                "prefix (it served the longest prefix of the prompt) or load (the least loaded).",
+                labels + ["replica", "reason"], registry=self.registry)
+            for replica in range(num_replicas):
+                for reason in ("prefix", "load"):
+                    self.requests_routed.labels(model_name, str(replica), reason)
 
     def record_finished(self, finished_reason: str) -> None:
         self.request_success.labels(self.model_name, finished_reason).inc()
 
-    def render(self, stats: control_pb2.SchedulerStats | None) -> bytes:
-        """The exposition text, with the scheduler's numbers as given (None: omitted)."""
+    def record_routed(self, replica: int, reason: str) -> None:
+        if self.requests_routed is not None:
+            self.requests_routed.labels(self.model_name, str(replica), reason).inc()
+
+    def render(self, stats: control_pb2.SchedulerStats | None,
+               replica_stats: list[control_pb2.SchedulerStats | None] | None = None) -> bytes:
+        """The exposition text, with the scheduler's numbers as given (None: omitted);
+        with `replica_stats`, each replica's instead, labelled by replica."""
         self.scheduler_stats.stats = stats
+        self.scheduler_stats.replica_stats = replica_stats
         return generate_latest(self.registry)
 
 

@@ -108,16 +108,21 @@ def cmd_accuracy(args: argparse.Namespace) -> int:
 
 # --- serving ---------------------------------------------------------------------------
 def cmd_serving(args: argparse.Namespace) -> int:
+    from pagedserve.bench.replica_split import format_split, replica_split, scrape
     from pagedserve.bench.serving import format_serving, run_cache_salt, run_serving
 
     requests = resolve_workload(args.workload, args.vocab_size, args.workload_seed)
     count = args.num_requests or len(requests)
     requests = [requests[i % len(requests)] for i in range(count)]
+    before = scrape(args.base_url)
     result = asyncio.run(run_serving(args.base_url, requests, rate=args.rate, model=args.model,
                                      max_concurrency=args.max_concurrency, seed=args.seed,
                                      progress=not args.no_progress, cache_salt=run_cache_salt(args.cache_salt)))
     result["workload"] = os.path.basename(args.workload)
-    _emit(result, args.json, format_serving)
+    split = replica_split(before, scrape(args.base_url))
+    if split is not None:
+        result["prefix_cache"] = split
+    _emit(result, args.json, lambda r: "\n".join([format_serving(r), *format_split(r.get("prefix_cache"))]))
     return 0 if result["completed"] else 1
 
 
