@@ -62,8 +62,8 @@ def transformers_command(workload_file: str, model: str, dtype: str, batch_size:
 def vllm_command(vllm_python: str, script: str, model_dir: str, workload_file: str, dtype: str,
                  tensor_parallel_size: int = 1) -> list[str]:
     """vLLM on the workload, with as many tensor-parallel ranks as pagedserve runs."""
-    return [vllm_python, script, "--model", model_dir, "--workload", workload_file, "--dtype", dtype,
-            "--tensor-parallel-size", str(tensor_parallel_size)]
+    argv = [vllm_python, script, "--model", model_dir, "--workload", workload_file, "--dtype", dtype]
+    return argv + (["--tensor-parallel-size", str(tensor_parallel_size)] if tensor_parallel_size > 1 else [])
 
 
 def best_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
