@@ -22,9 +22,10 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from logged_process import LoggedProcess
 
 REPO = Path(__file__).resolve().parents[1]
 CLONE_NEWNET = 0x40000000
@@ -155,41 +156,13 @@ class TwoHosts:
         self.close()
 
 
-class HostProcess:
+class HostProcess(LoggedProcess):
     """A command in a host's namespace, in its own session, its output in a log file."""
 
     def __init__(self, host: Host, name: str, command: list[str], log_path: Path, env: dict[str, str]):
-        self.host, self.name, self.log_path = host, name, log_path
-        self._log = open(log_path, "wb")
+        self.host = host
         # `ip netns exec` execs the command: the pid is the command's own.
-        self.proc = subprocess.Popen(host.argv(command), cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True, env={**os.environ, **env})
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
+        super().__init__(host.argv(command), log_path, env, name=f"{name} on {host.namespace}")
 
     def wait_for_log(self, pattern: str, timeout: float = 120.0) -> re.Match:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            match = re.search(pattern, self.log())
-            if match:
-                return match
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.1)
-        raise AssertionError(f"{pattern!r} not in the log of {self.name} on {self.host.namespace} "
-                             f"(exit code {self.proc.poll()}):\n{self.log()[-3000:]}")
-
-    def terminate(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-
-    def stop(self, timeout: float = 15.0) -> None:
-        if self.proc.poll() is None:
-            self.terminate()
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self._log.close()
+        return super().wait_for_log(pattern, timeout)

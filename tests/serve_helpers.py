@@ -5,15 +5,15 @@ import os
 import re
 import signal
 import urllib.request
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from local_ports import free_port
+from logged_process import REPO, LoggedProcess  # noqa: F401 (tests import REPO from here)
 
-REPO = Path(__file__).resolve().parents[1]  # the repository: tests/ is its child
 MODEL = "smollm2-135m-instruct"
 
 
@@ -54,25 +54,18 @@ def cmdline(pid: int) -> str:
         return ""
 
 
-class Server:
+class Server(LoggedProcess):
     """`pagedserve serve` on free ports. `dtype`: float32 (the exact reference most
     tests compare with), or None for the default a user gets."""
 
     def __init__(self, tmp: Path, extra_args: list[str], *, dtype: str | None = "float32"):
         self.port, self.grpc_port = free_port(), free_port()
         self.runtime_dir = tmp / "run"
-        self.log_path = tmp / "serve.log"
-        self._log = open(self.log_path, "wb")
         dtype_args = [] if dtype is None else ["--dtype", dtype]
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pagedserve.cli", "serve", *dtype_args, "--port", str(self.port),
-             "--grpc-port", str(self.grpc_port), "--runtime-dir", str(self.runtime_dir),
-             "--kv-cache-memory", "1GiB", *extra_args],
-            cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        super().__init__([sys.executable, "-m", "pagedserve.cli", "serve", *dtype_args, "--port", str(self.port),
+                          "--grpc-port", str(self.grpc_port), "--runtime-dir", str(self.runtime_dir),
+                          "--kv-cache-memory", "1GiB", *extra_args], tmp / "serve.log", name="serve")
         self.base_url = f"http://127.0.0.1:{self.port}"
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
 
     def wait_ready(self, timeout: float = 300.0) -> None:
         deadline = time.monotonic() + timeout
@@ -94,15 +87,18 @@ class Server:
         return found
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self._log.close()
-        return self.proc.returncode
+        return super().stop(sig, timeout)
+
+
+@contextmanager
+def running_server(tmp: Path, extra_args: list[str], **options) -> Iterator[Server]:
+    """A ready `Server` (see its options), stopped however the block ends."""
+    server = Server(tmp, extra_args, **options)
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
 
 
 def metric_samples(server) -> dict[str, float]:

@@ -10,19 +10,15 @@ import pytest
 import torch
 
 from common.grpc_gen import pagedserve_pb2_grpc as pb_grpc
-from serve_helpers import MODEL, Server, metric_samples  # noqa: F401 (tests import it from here)
+from serve_helpers import MODEL, metric_samples, running_server  # noqa: F401 (tests import it from here)
 
 
 @pytest.fixture(scope="package")
 def server(tmp_path_factory):
     # Eager: these tests check the API, and the many one-off batch shapes they
     # make would each cost the compiled step a compilation.
-    srv = Server(tmp_path_factory.mktemp("api-serve"), ["--enforce-eager"])
-    try:
-        srv.wait_ready()
+    with running_server(tmp_path_factory.mktemp("api-serve"), ["--enforce-eager"]) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="package")

@@ -3,17 +3,13 @@ from __future__ import annotations
 
 import pytest
 
-from serve_helpers import MODEL, Server
+from serve_helpers import MODEL, running_server
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = Server(tmp_path_factory.mktemp("serve"), [])
-    try:
-        srv.wait_ready()
+    with running_server(tmp_path_factory.mktemp("serve"), []) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import torch
 
 from common.config import cpu_supports_bf16
 from common.model_files import resolve_model_dir
-from serve_helpers import MODEL, REPO, Server
+from serve_helpers import MODEL, REPO, running_server
 
 DEFAULT_DTYPE = "bfloat16" if cpu_supports_bf16() else "float32"
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
@@ -37,12 +37,8 @@ NEAR_TIE = 0.3 if DEFAULT_DTYPE == "bfloat16" else 1e-3
 
 @pytest.fixture(scope="module")
 def default_server(tmp_path_factory):
-    srv = Server(tmp_path_factory.mktemp("serve-default"), ["--disable-log-stats"], dtype=None)
-    try:
-        srv.wait_ready()
+    with running_server(tmp_path_factory.mktemp("serve-default"), ["--disable-log-stats"], dtype=None) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")

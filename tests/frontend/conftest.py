@@ -4,10 +4,6 @@ BPE tokenizer with a ChatML template, in front of a fake scheduler and a fake
 control service running in the test process."""
 from __future__ import annotations
 
-import os
-import re
-import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -15,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from logged_process import LoggedProcess
 from tests.tokenizer_pool.tokenizer_pool_helpers import build_tiny_tokenizer as build_bpe_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -29,39 +26,12 @@ def build_tiny_tokenizer(path: Path) -> Path:
     return build_bpe_tokenizer(path, corpus)
 
 
-class Process:
-    """A child process in its own session, output kept in a log file."""
+class Process(LoggedProcess):
+    """`python -m MODULE ARGS`, logging at INFO."""
 
     def __init__(self, module: str, args: list[str], log_path: Path):
-        self.log_path = log_path
-        self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen([sys.executable, "-m", module, *args], cwd=REPO, stdout=self._log,
-                                     stderr=subprocess.STDOUT, start_new_session=True,
-                                     env={**os.environ, "PAGEDSERVE_LOG_LEVEL": "INFO"})
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def wait_for_log(self, pattern: str, timeout: float = 60.0) -> re.Match:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            match = re.search(pattern, self.log())
-            if match:
-                return match
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.05)
-        raise AssertionError(f"{pattern!r} not in the log of {self.proc.args}:\n{self.log()[-3000:]}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self._log.close()
+        super().__init__([sys.executable, "-m", module, *args], log_path, {"PAGEDSERVE_LOG_LEVEL": "INFO"},
+                         name=module)
 
 
 @dataclass

@@ -18,7 +18,7 @@ import pytest
 
 from common.sampling_params import SamplingParams
 from polling import wait_for
-from serve_helpers import MODEL, Server, cmdline
+from serve_helpers import MODEL, cmdline, running_server
 from tests.reliability.clients import stream_completion
 
 PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "The three primary colors are",
@@ -28,14 +28,10 @@ PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     # Eager: every restart of the group in the fault test would otherwise compile again.
-    srv = Server(tmp_path_factory.mktemp("tp2"), ["--tensor-parallel-size", "2", "--kv-cache-memory", "256MiB",
-                                                 "--return-tokens-as-token-ids",
-                                                 "--disable-log-stats", "--enforce-eager"])
-    try:
-        srv.wait_ready()
+    args = ["--tensor-parallel-size", "2", "--kv-cache-memory", "256MiB", "--return-tokens-as-token-ids",
+            "--disable-log-stats", "--enforce-eager"]
+    with running_server(tmp_path_factory.mktemp("tp2"), args) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")

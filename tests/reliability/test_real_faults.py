@@ -22,7 +22,7 @@ from common.grpc_gen import pagedserve_pb2 as pb
 from common.grpc_gen import pagedserve_pb2_grpc as pb_grpc
 from local_ports import free_port
 from polling import wait_for
-from serve_helpers import MODEL, REPO, Server, cmdline
+from serve_helpers import MODEL, REPO, cmdline, running_server
 from tests.reliability.clients import many_streams, scheduler_stats, stream_completion
 from tests.reliability.stack import wait_all_blocks_free, wait_healthy
 
@@ -33,13 +33,9 @@ PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     # Eager: a compiled model step would make every (re)start of the worker take longer.
-    srv = Server(tmp_path_factory.mktemp("faults"), ["--kv-cache-memory", "512MiB", "--disable-log-stats",
-                                                    "--enforce-eager"])
-    try:
-        srv.wait_ready()
+    args = ["--kv-cache-memory", "512MiB", "--disable-log-stats", "--enforce-eager"]
+    with running_server(tmp_path_factory.mktemp("faults"), args) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 def control(server) -> str:
