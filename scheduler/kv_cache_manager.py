@@ -2,7 +2,7 @@
 allocation for the next chunk, caching of computed full blocks, freeing."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from scheduler.block_pool import BlockPool, KVBlock
 from scheduler.request import Request
@@ -43,6 +43,24 @@ class KVCacheManager:
                 break
             hits.append(block)
         return hits, len(hits) * self.block_size
+
+    def uncached_block_hashes(self, requests: Iterable[Request]) -> set:
+        """Hashes of the full blocks these requests hold but have not registered yet
+        (being computed, or scheduled to be)."""
+        found: set = set()
+        for request in requests:
+            start = self.num_cached_blocks.get(request.request_id, 0)
+            held = len(self.req_to_blocks.get(request.request_id, ()))
+            found.update(request.block_hashes[start:held])
+        return found
+
+    def next_block_in_flight(self, request: Request, num_hit_blocks: int, in_flight: set) -> bool:
+        """Whether the first block `request` would compute itself (after its `num_hit_blocks`
+        prefix hits) is one another request is computing now, and could be a hit next step."""
+        if request.collecting_prompt_logprobs:
+            return False  # computes every prompt position anyway
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        return num_hit_blocks < max_hit_blocks and request.block_hashes[num_hit_blocks] in in_flight
 
     def record_prefix_lookup(self, num_queried_tokens: int, num_hit_tokens: int) -> None:
         """Count a lookup whose request was admitted (a request that waits and

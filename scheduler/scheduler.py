@@ -215,11 +215,19 @@ class Scheduler:
 
     def _admit_waiting(self, budget: int, scheduled: list[tuple[Request, int, list[int]]]) -> None:
         """Admit waiting requests in queue order while budget, sequence slots
-        and blocks last; stop at the first that does not fit (no overtaking)."""
+        and blocks last; stop at the first that does not fit (no overtaking).
+
+        Also stop at a request whose next uncached block is one a running request
+        is computing right now (the same prompt prefix, admitted a step earlier or
+        in this step): next step that block is in the prefix cache, instead of
+        computed twice (SGLang's in-batch prefix sharing; vLLM computes both)."""
         kv = self.kv_cache_manager
+        in_flight = kv.uncached_block_hashes(self.running) if kv.enable_caching else set()
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
             hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
+            if in_flight and kv.next_block_in_flight(request, len(hit_blocks), in_flight):
+                break
             num_new = min(request.num_tokens - num_hit_tokens, budget)
             new_block_ids = kv.allocate_slots(request, num_new, hit_blocks)
             if new_block_ids is None:
@@ -231,6 +239,8 @@ class Scheduler:
                 request.num_cached_tokens = num_hit_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            if kv.enable_caching:
+                in_flight |= kv.uncached_block_hashes([request])
             # A reused id: this plan's NewRequestData replaces the old state anyway,
             # and the worker must not drop the new one.
             self._finished_ids.pop(request.request_id, None)

@@ -151,20 +151,34 @@ def test_second_request_reuses_the_first_requests_prefix_blocks():
     assert_no_leaked_blocks(scheduler)
 
 
-def test_blocks_computed_in_the_same_step_are_not_shared_until_computed():
+def test_a_request_waits_a_step_for_the_prefix_blocks_another_is_computing():
     scheduler, worker = make_scheduler(num_blocks=16)
     prompt = list(range(30, 44))
     scheduler.add_request(make_request("a", prompt, max_tokens=3))
     scheduler.add_request(make_request("b", prompt, max_tokens=3))
+    scheduler.add_request(make_request("c", list(range(100, 114)), max_tokens=3))
     plan = scheduler.schedule()
-    assert [n.block_ids for n in plan.new_requests] == [[1, 2, 3, 4], [5, 6, 7, 8]]
+    # b's first block is one a computes in this step: b waits (and c, behind it, too)
+    # rather than compute the same blocks again.
+    assert [n.request_id for n in plan.new_requests] == ["a"]
     scheduler.update(plan, worker.execute(plan))
-    scheduler.add_request(make_request("c", prompt, max_tokens=3))
     plan = scheduler.schedule()
-    [new] = plan.new_requests
-    assert new.block_ids == [1, 2, 3, 9] and new.num_computed_tokens == 12
+    new = {n.request_id: n for n in plan.new_requests}
+    assert new["b"].block_ids[:3] == [1, 2, 3] and new["b"].num_computed_tokens == 12
+    assert new["c"].num_computed_tokens == 0
     scheduler.update(plan, worker.execute(plan))
     run_to_completion(scheduler, worker)
+    assert scheduler.stats().prefix_cache_hits == 12
+    assert_no_leaked_blocks(scheduler)
+
+
+def test_a_chunked_prefix_is_shared_chunk_by_chunk():
+    scheduler, worker = make_scheduler(num_blocks=32, max_num_batched_tokens=8)
+    prompt = list(range(30, 54))  # 24 tokens, 6 blocks of 4; a computes 8 a step
+    scheduler.add_request(make_request("a", prompt, max_tokens=2))
+    scheduler.add_request(make_request("b", prompt, max_tokens=2))
+    run_to_completion(scheduler, worker)
+    assert scheduler.stats().prefix_cache_hits == 20  # all of b's full blocks but the last token's
     assert_no_leaked_blocks(scheduler)
 
 
