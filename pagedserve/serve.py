@@ -142,16 +142,9 @@ class ReplicaAddresses:
         return f"unix:{self.runtime_dir}/{self._name('control', '-')}"
 
     def workers(self, config, engine: list[str]) -> list[Component]:
-        """The replica's worker group. With several replicas on this host, each rank's
-        LOCAL_RANK / LOCAL_WORLD_SIZE count every replica's ranks, so that ranks split the
-        cores (and CUDA devices) among all replicas rather than each replica using them all."""
-        group = worker_group(config, engine, self.worker_address, name=self._name("worker", "-dp"))
-        if self.data_parallel_size > 1:
-            size = config.world_size
-            for rank, component in enumerate(group):
-                component.env.update(LOCAL_RANK=str(self.index * size + rank),
-                                     LOCAL_WORLD_SIZE=str(self.data_parallel_size * size))
-        return group
+        """The replica's worker group (see worker_group)."""
+        return worker_group(config, engine, self.worker_address, name=self._name("worker", "-dp"),
+                            replica=self.index)
 
 
 def replica_addresses(config, runtime_dir: str) -> list[ReplicaAddresses]:
@@ -159,18 +152,21 @@ def replica_addresses(config, runtime_dir: str) -> list[ReplicaAddresses]:
 
 
 def worker_group(config, engine: list[str], worker_address: str, name: str = "worker",
-                 group_port: int | None = None) -> list[Component]:
-    """The worker processes of one replica: one, or a rank each of a tensor/pipeline-parallel
+                 group_port: int | None = None, replica: int = 0) -> list[Component]:
+    """The worker processes of replica `replica`: one, or a rank each of a tensor/pipeline-parallel
     group meeting at 127.0.0.1:`group_port` (a free port by default). Only rank 0 talks to the
-    scheduler; the others follow it over torch.distributed."""
+    scheduler; the others follow it over torch.distributed. LOCAL_RANK / LOCAL_WORLD_SIZE count
+    every replica's ranks on this host, so that all ranks split the cores (and CUDA devices)."""
     size = config.world_size
+    host_ranks = {"LOCAL_WORLD_SIZE": str(config.data_parallel_size * size)}
     if size == 1:
-        return [Component(name, ["worker", *engine, "--worker-address", worker_address])]
+        env = {**host_ranks, "LOCAL_RANK": str(replica)} if config.data_parallel_size > 1 else {}
+        return [Component(name, ["worker", *engine, "--worker-address", worker_address], env=env)]
     init = ([] if config.distributed_init_method
             else ["--distributed-init-method", f"tcp://127.0.0.1:{group_port or free_tcp_port()}"])
     return [Component(name if rank == 0 else f"{name}-rank{rank}",
                       ["worker", *engine, *init, "--worker-address", worker_address, "--rank", str(rank)],
-                      env={"LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(size)})
+                      env={**host_ranks, "LOCAL_RANK": str(replica * size + rank)})
             for rank in range(size)]
 
 

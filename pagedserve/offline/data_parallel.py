@@ -47,11 +47,6 @@ def assign_replicas(prompts: Sequence[Sequence[int]], num_replicas: int) -> list
     return [sorted(share) for share in shares]
 
 
-def local_ranks(config: EngineConfig) -> tuple[int, int]:
-    """(this process's first local rank, ranks on this host) before any replica is started."""
-    return int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", str(config.world_size)))
-
-
 class ReplicaProcesses:
     def __init__(self, config: EngineConfig, skip_tokenizer_init: bool):
         self.size = config.data_parallel_size

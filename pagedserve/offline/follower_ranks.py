@@ -27,17 +27,19 @@ class FollowerRanks:
             config = config.replace(distributed_init_method=f"tcp://127.0.0.1:{free_tcp_port()}")
         self.config = config
         size = config.world_size
+        # This process's local rank and the host's ranks: a data-parallel replica's are set by
+        # its replica 0 (data_parallel.ReplicaProcesses); else this group is alone on the host.
+        base = int(os.environ.setdefault("LOCAL_RANK", "0"))
+        host_ranks = os.environ.setdefault("LOCAL_WORLD_SIZE", str(size))
         self.processes = [
             subprocess.Popen([sys.executable, "-m", "pagedserve.cli", "worker", *engine_argv(config),
                               "--rank", str(rank)],
                              # Idle between generate calls for as long as the user likes: no timeout
                              # (a dead rank 0 still ends them at once, and so does its exit).
-                             env={**os.environ, "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(size),
+                             env={**os.environ, "LOCAL_RANK": str(base + rank), "LOCAL_WORLD_SIZE": host_ranks,
                                   "PAGEDSERVE_GROUP_TIMEOUT": str(365 * 86400)},
                              preexec_fn=_die_with_parent)
             for rank in range(1, size)]
-        os.environ.setdefault("LOCAL_WORLD_SIZE", str(size))  # rank 0's share of the cores
-        os.environ.setdefault("LOCAL_RANK", "0")
 
     def stop(self, timeout_s: float = 10.0) -> None:
         for process in self.processes:

@@ -45,10 +45,10 @@ class VocabParallelLmHead(LmHead):
     @torch.no_grad()
     def greedy(self, hidden: torch.Tensor) -> torch.Tensor | None:
         best, index = self._local_logits(hidden, upcast=True).max(dim=-1)
-        values = torch.stack(tp_all_gather(best))  # [ranks, rows]
-        tokens = torch.stack(tp_all_gather(index + self.vocab_start))
-        winner = values.max(dim=0).indices  # the first (lowest-id) rank on ties
-        return tokens.gather(0, winner.unsqueeze(0)).squeeze(0)
+        # One gather of (logit, token id) pairs: float64 holds both exactly.
+        pairs = torch.stack(tp_all_gather(torch.stack([best.double(), (index + self.vocab_start).double()])))
+        winner = pairs[:, 0].max(dim=0).indices  # [rows]; the first (lowest-id) rank on ties
+        return pairs[:, 1].gather(0, winner.unsqueeze(0)).squeeze(0).long()
 
     @property
     def rescores_near_ties(self) -> bool:
