@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from common.config import EngineConfig
+from common.parallel_layout import check_model_layout
 from common.protocol import StepPlan, StepResult, WorkerHello
 from common.tokenizer import eos_token_ids
 from worker.attention import get_attention_backend
@@ -21,7 +22,6 @@ from worker.distributed.cpu_binding import bind_rank_cores
 from worker.distributed.parallel_state import group_minimum, init_worker_group
 from worker.lm_head import LmHead, choose_lm_head
 from worker.lm_head.vocab_parallel import VocabParallelLmHead
-from common.parallel_layout import check_model_layout
 from worker.model_loader import load_model
 from worker.model_runner import ModelRunner
 from worker.models.rotary import CONTEXT_STRETCHING_ROPE_TYPES, rope_parameters
