@@ -60,6 +60,13 @@ _STRUCT = dict(omit_defaults=True, gc=False, kw_only=True)
 # frontend <-> scheduler
 
 
+class ResumedSample(msgspec.Struct, **_STRUCT):
+    """What one sample of a resubmitted request had produced when its scheduler was lost."""
+    index: int
+    output_token_ids: list[int]
+    finished: bool = False  # ended already (its finish reached the frontend, or a stop string ended it there)
+
+
 class EngineRequest(msgspec.Struct, **_STRUCT):
     request_id: str
     prompt_token_ids: list[int]
@@ -67,6 +74,11 @@ class EngineRequest(msgspec.Struct, **_STRUCT):
     arrival_time: float = 0.0
     priority: int = 0
     cache_salt: str | None = None  # separates prefix-cache namespaces
+    # A resubmission after the scheduler was lost (restarted, or dropped this frontend): `attempt`
+    # counts them, every output and error echoes it (so the frontend can tell a stale one), and
+    # `resumed` lists the samples that had output tokens or had finished: they carry on from there.
+    attempt: int = 0
+    resumed: list[ResumedSample] = []
 
 
 class Abort(msgspec.Struct, **_STRUCT):
@@ -118,6 +130,7 @@ class RequestOutput(msgspec.Struct, **_STRUCT):
     more_samples: bool = False  # other samples of the request still run: finish_reason ends only this one
     logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked
     prompt_logprobs: list[TokenLogprobs] | None = None  # prompt tokens 1.., once, with the first output
+    attempt: int = 0  # the EngineRequest's
 
     @property
     def request_finished(self) -> bool:
@@ -131,12 +144,16 @@ class EngineOutputs(msgspec.Struct, **_STRUCT):
     # The scheduler's waiting queue is at --max-waiting-requests: new requests
     # get a 429 until a message says otherwise (sent to every frontend on change).
     queue_full: bool = False
+    # Requests (id -> attempt) the scheduler dropped because this frontend fell silent
+    # while its connection stayed up: the frontend, if alive, resubmits them.
+    dropped: dict[str, int] = {}
 
 
 class EngineError(msgspec.Struct, **_STRUCT):
     request_id: str
     message: str
     status: int = 400
+    attempt: int = 0  # the EngineRequest's
 
 
 # --------------------------------------------------------------------------

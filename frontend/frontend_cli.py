@@ -212,8 +212,11 @@ def engine_clients(args: argparse.Namespace, metrics):
             reply = await control.health()
             return reply is not None and reply.ok
 
+        restart_timeout = args.scheduler_restart_timeout
         pairs.append((EngineClient(scheduler_address, frontend_id=frontend_id, health_probe=scheduler_alive,
-                                   request_timeout=args.request_timeout), control))
+                                   request_timeout=args.request_timeout, restart_timeout=restart_timeout,
+                                   connect_grace=min(restart_timeout, args.request_timeout or restart_timeout)),
+                      control))
     if len(pairs) == 1:
         return pairs[0]
     from frontend.engine.replica_controls import ReplicaControls

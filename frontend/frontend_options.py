@@ -2,8 +2,9 @@
 (`--allowed-origins` and friends, JSON lists; every origin by default, as
 vLLM, so a browser page may call the API), `--response-role`, logging
 (`--enable-log-requests` with `--max-log-len`; uvicorn's access log, on as in
-vLLM unless `--disable-uvicorn-access-log`), `--return-tokens-as-token-ids`, and TLS (`--ssl-keyfile` with
-`--ssl-certfile`: HTTPS, and gRPC over TLS on the same key)."""
+vLLM unless `--disable-uvicorn-access-log`), `--return-tokens-as-token-ids`, TLS (`--ssl-keyfile` with
+`--ssl-certfile`: HTTPS, and gRPC over TLS on the same key), and how long requests wait for a lost
+scheduler (`--scheduler-restart-timeout`)."""
 from __future__ import annotations
 
 import argparse
@@ -12,8 +13,11 @@ import os
 import ssl
 from dataclasses import dataclass
 
-from common.cli_args import env_setting, env_switch, non_negative_int
+from common.cli_args import env_setting, env_switch, non_negative_int, positive_float
 from common.errors import ConfigError
+
+
+DEFAULT_SCHEDULER_RESTART_TIMEOUT = 60.0
 
 
 def json_string_list(text: str) -> list[str]:
@@ -64,6 +68,13 @@ def add_frontend_options(parser: argparse.ArgumentParser) -> None:
         g.add_argument(flag, action="store_true", default=env_switch(env), help=f"{what} (env PAGEDSERVE_{env})")
     g.add_argument("--max-log-len", type=non_negative_int, default=env_setting("MAX_LOG_LEN", None),
                    help="with --enable-log-requests: log at most this many prompt tokens (default: all)")
+    g.add_argument("--scheduler-restart-timeout", type=positive_float,
+                   default=env_setting("SCHEDULER_RESTART_TIMEOUT", DEFAULT_SCHEDULER_RESTART_TIMEOUT),
+                   metavar="SECONDS",
+                   help="how long requests wait for a lost scheduler to come back (in-flight ones are then "
+                        "resubmitted with the tokens they had) before failing with 503; new requests wait as "
+                        "long, or --request-timeout if shorter (default %(default)s; env "
+                        "PAGEDSERVE_SCHEDULER_RESTART_TIMEOUT)")
     g.add_argument("--ssl-keyfile", default=env_setting("SSL_KEYFILE", None), metavar="FILE",
                    help="serve HTTPS and gRPC over TLS with this private key (PEM; with --ssl-certfile)")
     g.add_argument("--ssl-certfile", default=env_setting("SSL_CERTFILE", None), metavar="FILE",
@@ -76,6 +87,7 @@ def frontend_options_argv(args: argparse.Namespace) -> list[str]:
             for item in (flag, json.dumps(getattr(args, flag[2:].replace("-", "_"))))]
     argv += [flag for flag, _, _ in _SWITCHES if getattr(args, flag[2:].replace("-", "_"))]
     argv += ["--response-role", args.response_role]
+    argv += ["--scheduler-restart-timeout", str(args.scheduler_restart_timeout)]
     for name in ("ssl_keyfile", "ssl_certfile"):  # absolute: the frontend need not share our directory
         if getattr(args, name):
             argv += [f"--{name.replace('_', '-')}", os.path.abspath(os.path.expanduser(getattr(args, name)))]

@@ -27,17 +27,21 @@ class Request:
     """
 
     def __init__(self, engine_request: EngineRequest, arrival_order: int, max_model_len: int,
-                 block_size: int, enable_caching: bool, sample_index: int = 0):
+                 block_size: int, enable_caching: bool, sample_index: int = 0,
+                 output_token_ids: list[int] = ()):
         """`sample_index`: which sample of a request with several (n > 1 or
-        best_of); each sample is a Request of its own, with its own id."""
+        best_of); each sample is a Request of its own, with its own id.
+        `output_token_ids`: what a resumed request had produced already (it
+        carries on like a request preempted by recompute)."""
         params = engine_request.sampling_params
         self.external_id = engine_request.request_id  # what outputs report
         self.sample_index = sample_index
         self.request_id = (engine_request.request_id if params.num_samples == 1
                            else sample_request_id(engine_request.request_id, sample_index))
         self.prompt_token_ids = list(engine_request.prompt_token_ids)
-        self.output_token_ids: list[int] = []
-        self.all_token_ids = list(self.prompt_token_ids)
+        self.output_token_ids: list[int] = list(output_token_ids)
+        self.all_token_ids = self.prompt_token_ids + self.output_token_ids
+        self.attempt = engine_request.attempt
         self.sampling_params: SamplingParams = params.for_sample(sample_index)
         # Logprobs of prompt tokens 1.., gathered over the prefill chunks; sent with the first output.
         self.prompt_logprobs: list[TokenLogprobs] | None = (

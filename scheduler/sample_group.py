@@ -30,6 +30,16 @@ class SampleGroup:
     def request_id(self) -> str:
         return self.engine_request.request_id
 
+    @classmethod
+    def resumed(cls, engine_request: EngineRequest, num_samples: int, samples: dict[int, Request]) -> "SampleGroup":
+        """A resubmitted request (see `scheduler.resumption`): every unfinished
+        sample exists from the start, each recomputing its own tokens (the prefix
+        cache shares their prompt blocks); finished ones are done already."""
+        group = cls(engine_request, num_samples, samples)
+        group.num_unforked = 0
+        group.num_unfinished = len(samples)
+        return group
+
     def live_samples(self) -> list[Request]:
         return [r for r in self.samples.values() if not r.is_finished]
 

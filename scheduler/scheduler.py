@@ -17,10 +17,12 @@ from dataclasses import dataclass
 from common.config import EngineConfig
 from common.errors import InvalidRequestError
 from common.protocol import (CachedRequestData, EngineRequest, FinishReason, NewRequestData, RequestOutput,
-                             StepPlan, StepResult, TokenLogprobs, parent_request_id, sample_request_id)
+                             ResumedSample, StepPlan, StepResult, TokenLogprobs, parent_request_id,
+                             sample_request_id)
 from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.queues import WaitingQueue
 from scheduler.request import Request, RequestStatus
+from scheduler.resumption import resumed_samples
 from scheduler.sample_group import SampleGroup
 
 logger = logging.getLogger(__name__)
@@ -106,12 +108,33 @@ class Scheduler:
         ids = [request_id] + [sample_request_id(request_id, i) for i in range(num_samples if num_samples > 1 else 0)]
         if any(i in self._requests or i in self._groups or self._is_future_sample(i) for i in ids):
             raise InvalidRequestError(f"Request id {request_id!r} is already in flight", param="request_id")
+        resumed = resumed_samples(engine_request, self.max_model_len, self.vocab_size)
+        if resumed:
+            self._add_resumed(engine_request, resumed)
+            return
         request = self._new_request(engine_request, 0, self._next_arrival)
         self._next_arrival += 1
         if num_samples > 1:
             self._groups[request_id] = SampleGroup(engine_request, num_samples, {0: request})
         self._requests[request.request_id] = request
         self.waiting.push(request)
+
+    def _add_resumed(self, engine_request: EngineRequest, resumed: dict[int, ResumedSample]) -> None:
+        """Queue a resubmitted request's unfinished samples, each with its tokens so far."""
+        num_samples = engine_request.sampling_params.num_samples
+        samples: dict[int, Request] = {}
+        for index in range(num_samples):
+            sample = resumed.get(index)
+            if sample is None or not sample.finished:
+                samples[index] = Request(engine_request, self._next_arrival, self.max_model_len, self.block_size,
+                                         self.kv_cache_manager.enable_caching, index,
+                                         sample.output_token_ids if sample is not None else [])
+        self._next_arrival += 1
+        if num_samples > 1:
+            self._groups[engine_request.request_id] = SampleGroup.resumed(engine_request, num_samples, samples)
+        for request in samples.values():
+            self._requests[request.request_id] = request
+            self.waiting.push(request)
 
     def _is_future_sample(self, request_id: str) -> bool:
         """Whether the id is that of a sample an in-flight request has yet to fork."""
@@ -347,7 +370,7 @@ class Scheduler:
                              finish_reason=request.finish_reason, num_prompt_tokens=request.num_prompt_tokens,
                              num_cached_tokens=request.num_cached_tokens or 0, index=request.sample_index,
                              more_samples=request.is_finished and group is not None and not group.finished,
-                             logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                             logprobs=logprobs, prompt_logprobs=prompt_logprobs, attempt=request.attempt)
 
     # --- introspection and control -------------------------------------------
     def stats(self) -> SchedulerStats:

@@ -79,6 +79,7 @@ class SchedulerService:
         self.registry = WorkerRegistry(self.scheduler_id)
         self.pending: list[tuple[bytes, EngineRequest]] = []  # arrived before any worker registered
         self.owner: dict[str, bytes] = {}  # request id -> frontend identity
+        self.attempt: dict[str, int] = {}  # request id -> its EngineRequest.attempt (echoed in errors)
         self.frontend_seen: dict[bytes, float] = {}
         self.step_in_flight: StepPlan | None = None
         self.step_sent_at = 0.0
@@ -161,7 +162,7 @@ class SchedulerService:
         if isinstance(msg, EngineRequest):
             if self._queue_is_full():
                 send(self.frontends, EngineError(
-                    request_id=msg.request_id, status=OVERLOADED_STATUS,
+                    request_id=msg.request_id, status=OVERLOADED_STATUS, attempt=msg.attempt,
                     message=f"The server is overloaded: {self._num_waiting()} requests are waiting already "
                             f"(max_waiting_requests={self.max_waiting_requests}); retry later"), to=peer)
             elif self.scheduler is None:
@@ -177,15 +178,17 @@ class SchedulerService:
 
     def _add_request(self, peer: bytes, req: EngineRequest) -> None:
         if req.request_id in self.owner:
-            send(self.frontends, EngineError(request_id=req.request_id, message=(
+            send(self.frontends, EngineError(request_id=req.request_id, attempt=req.attempt, message=(
                 f"request id {req.request_id!r} is already in flight")), to=peer)
             return
         try:
             self.scheduler.add_request(req)  # which validates the sampling params
         except InvalidRequestError as e:
-            send(self.frontends, EngineError(request_id=req.request_id, message=e.message), to=peer)
+            send(self.frontends, EngineError(request_id=req.request_id, message=e.message, attempt=req.attempt),
+                 to=peer)
             return
         self.owner[req.request_id] = peer
+        self.attempt[req.request_id] = req.attempt
 
     def _on_abort(self, peer: bytes, request_ids: list[str]) -> None:
         """Abort what this frontend asked for: its requests, or samples of them (n > 1)."""
@@ -200,23 +203,34 @@ class SchedulerService:
         if request_ids and self.scheduler is not None:
             self._publish_outputs(self.scheduler.abort_requests(request_ids))
 
-    def _frontend_gone(self, peer: bytes, reason: str) -> None:
-        """Abort everything the frontend asked for: nobody is left to read it."""
+    def _frontend_gone(self, peer: bytes, reason: str, *, still_connected: bool = False) -> None:
+        """Abort everything the frontend asked for: nobody is left to read it. One
+        that only fell silent is told which requests were dropped, so that if it is
+        alive after all it resubmits them instead of waiting for them forever."""
         self.frontend_seen.pop(peer, None)
         self.frontend_peers.forget(peer)
+        dropped = {req.request_id: req.attempt for owner, req in self.pending if owner == peer}
         self.pending = [(owner, req) for owner, req in self.pending if owner != peer]
         orphans = [rid for rid, owner in self.owner.items() if owner == peer]
+        for rid in orphans:  # their abort outputs go nowhere: a frontend told of `dropped` resubmits
+            del self.owner[rid]
+            dropped[rid] = self.attempt.pop(rid, 0)
+            self.crashes.forget(rid)
         if orphans:
             logger.warning("frontend %s %s: aborting its %d requests", _name(peer), reason, len(orphans))
-            self._abort(orphans)
+            if self.scheduler is not None:
+                self.scheduler.abort_requests(orphans)
         else:
             logger.info("frontend %s %s", _name(peer), reason)
+        if still_connected and dropped:
+            send(self.frontends, EngineOutputs(outputs=[], timestamp=time.time(), queue_full=self.queue_full,
+                                               dropped=dropped), to=peer)
 
     def _expire_silent_frontends(self) -> None:
         now = time.monotonic()
         for peer, seen in list(self.frontend_seen.items()):
             if now - seen > self.frontend_timeout_s:
-                self._frontend_gone(peer, f"silent for {now - seen:.0f}s")
+                self._frontend_gone(peer, f"silent for {now - seen:.0f}s", still_connected=True)
 
     def _num_waiting(self) -> int:
         return len(self.pending) + (len(self.scheduler.waiting) if self.scheduler is not None else 0)
@@ -249,6 +263,7 @@ class SchedulerService:
             by_frontend[peer].append(out)
             if out.request_finished:  # (with n > 1, a sample's finish is not the request's)
                 del self.owner[out.request_id]
+                self.attempt.pop(out.request_id, None)
                 self.crashes.forget(out.request_id)
         now = time.time()
         for peer, outs in by_frontend.items():
@@ -346,7 +361,8 @@ class SchedulerService:
         for request_id in suspects:
             deaths = self.crashes.deaths[request_id]
             logger.error("request %s was running when %d workers died: failing it", request_id, deaths)
-            send(self.frontends, EngineError(request_id=request_id, status=500, message=(
+            send(self.frontends, EngineError(
+                request_id=request_id, status=500, attempt=self.attempt.get(request_id, 0), message=(
                 f"the model worker died {deaths} times while running this request; it was failed so that it "
                 f"cannot take down the next one")), to=self.owner[request_id])
         self._abort(suspects)

@@ -4,13 +4,19 @@ One receive task routes every `RequestOutput` to the queue of its request; a
 send task owns all writes to the socket. The frontend says `FrontendHello`
 on every (re)connection and once a second as its heartbeat.
 
-A dead scheduler must not leave clients hanging: in-flight requests fail with
-`ServiceUnavailableError` (HTTP 503) as soon as the connection drops (ZMTP
-heartbeats notice a vanished host too), or when nothing has arrived for
-`stall_timeout` seconds and the health probe (the scheduler's control
-service) says it is not healthy either. Requests are never silently queued
-for a scheduler that is not there (ZMQ_IMMEDIATE): a restarted scheduler
-must not run requests whose clients were already told they failed.
+A lost scheduler loses no request: when the connection drops (a scheduler
+killed or restarted; ZMTP heartbeats notice a vanished host too) every
+in-flight request waits, and once a scheduler is connected again each is
+resubmitted with the tokens it had produced (`RequestStream.resubmission`),
+so clients only see a pause. The same when the scheduler says it dropped this
+frontend's requests (it thought the frontend gone). Only when no scheduler
+is back within `restart_timeout` seconds do they fail with
+`ServiceUnavailableError` (HTTP 503); new requests wait `connect_grace`
+seconds for one. A scheduler that is connected but silent for
+`stall_timeout` seconds while the health probe (its control service) says it
+is not healthy fails its requests: a hung one would not run them either.
+Nothing is queued in ZeroMQ for a scheduler that is not there
+(ZMQ_IMMEDIATE): resubmission is the one way a request reaches a new one.
 
 Overload: while the scheduler reports its waiting queue full, requests are
 refused up front (`ensure_connected` raises OverloadedError, HTTP 429) before
@@ -33,10 +39,11 @@ from zmq.utils.monitor import parse_monitor_message
 
 from common.errors import InvalidRequestError
 from common.protocol import (Abort, EngineError, EngineOutputs, EngineRequest, FrontendHello, MessageType,
-                             RequestOutput)
+                             RequestOutput, parent_request_id, sample_request_id)
 from common.sampling_params import SamplingParams
 from common.transport import MessageDecoder, arecv, encode, make_socket
 from frontend.api_errors import OverloadedError, RequestTimeoutError, ServiceUnavailableError, error_with_status
+from frontend.engine.request_stream import RequestStream
 
 logger = logging.getLogger(__name__)
 
@@ -47,19 +54,11 @@ def new_frontend_id() -> str:
     return f"frontend-{os.getpid()}-{secrets.token_hex(4)}"
 
 
-class _RequestStream:
-    """The receiving end of one request: outputs, or an exception to raise."""
-    __slots__ = ("queue", "finished")
-
-    def __init__(self) -> None:
-        self.queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
-        self.finished = False
-
-
 class EngineClient:
     def __init__(self, scheduler_address: str, *, frontend_id: str | None = None,
                  health_probe: HealthProbe | None = None, heartbeat_interval: float = 1.0,
-                 stall_timeout: float = 10.0, connect_grace: float = 1.0, request_timeout: float | None = None):
+                 stall_timeout: float = 10.0, connect_grace: float = 1.0, request_timeout: float | None = None,
+                 restart_timeout: float = 60.0):
         self.scheduler_address = scheduler_address
         self.frontend_id = frontend_id or new_frontend_id()
         self._health_probe = health_probe
@@ -67,11 +66,13 @@ class EngineClient:
         self._stall_timeout = stall_timeout
         self._connect_grace = connect_grace
         self._request_timeout = request_timeout
+        self._restart_timeout = restart_timeout
+        self._disconnected_since: float | None = None  # while requests wait for a scheduler to come back
         self._queue_full = False  # the scheduler's latest word on its waiting queue
         self._ctx = zmq.asyncio.Context()
         self._sock: zmq.asyncio.Socket | None = None
         self._decoder = MessageDecoder([MessageType.ENGINE_OUTPUTS, MessageType.ENGINE_ERROR])
-        self._streams: dict[str, _RequestStream] = {}
+        self._streams: dict[str, RequestStream] = {}
         self._orphans: set[str] = set()  # failed locally; the scheduler may still hold them
         self._outbox: asyncio.Queue[tuple[msgspec.Struct, list[bytes]]] = asyncio.Queue()  # (message, frames)
         self._connected = asyncio.Event()
@@ -134,9 +135,11 @@ class EngineClient:
         """Submit a request and yield its outputs until it finishes.
 
         Closing the iterator before the last output (client gone, stop string
-        matched) aborts the request in the scheduler. Raises
-        ServiceUnavailableError when the scheduler is unreachable or dies, and
-        the scheduler's own rejection (e.g. prompt too long) as a PagedServeError.
+        matched) aborts the request in the scheduler. A scheduler lost midway
+        is waited for and the request resubmitted (see the module docstring).
+        Raises ServiceUnavailableError when no scheduler is reachable in time,
+        and the scheduler's own rejection (e.g. prompt too long) as a
+        PagedServeError.
         """
         await self.ensure_connected()
         deadline = None if self._request_timeout is None else time.monotonic() + self._request_timeout
@@ -150,7 +153,7 @@ class EngineClient:
             frames = encode(request)
         except (OverflowError, TypeError, UnicodeEncodeError, msgspec.EncodeError) as e:  # e.g. an integer beyond 64 bits
             raise InvalidRequestError(f"the request holds a value that cannot be sent: {e}") from None
-        stream = _RequestStream()
+        stream = RequestStream(request)
         if not self._streams:
             self._last_progress = time.monotonic()  # idle time is not a stall
         self._streams[request_id] = stream
@@ -180,7 +183,15 @@ class EngineClient:
             return RequestTimeoutError(self._request_timeout)
 
     def abort(self, request_ids: list[str]) -> None:
-        """Ask the scheduler to drop these requests (idempotent, never blocks)."""
+        """Ask the scheduler to drop these requests, or samples of them (idempotent,
+        never blocks). An aborted sample of a request in flight is never resubmitted."""
+        for request_id in request_ids:
+            if request_id not in self._streams:
+                stream = self._streams.get(parent_request_id(request_id))
+                if stream is not None:
+                    index = request_id.rpartition("#")[2]
+                    if request_id == sample_request_id(stream.request_id, int(index)):
+                        stream.sample_stopped(int(index))
         if request_ids and self._sock is not None:
             self._post(Abort(request_ids=list(request_ids)))
 
@@ -213,7 +224,21 @@ class EngineClient:
         is still (or again) there is told to drop them."""
         for stream in self._streams.values():
             stream.queue.put_nowait(error)
+            stream.needs_resubmit = False
         self._orphans.update(self._streams)
+
+    def _resubmit(self, streams: list[RequestStream]) -> None:
+        """Send these requests again, each as its next attempt from its tokens so
+        far, after an abort of whatever the scheduler may still hold of them."""
+        streams = [s for s in streams if not s.finished]
+        if not streams:
+            return
+        logger.warning("resubmitting %d in-flight requests to the scheduler at %s with the tokens they had "
+                       "produced", len(streams), self.scheduler_address)
+        self._post(Abort(request_ids=[s.request_id for s in streams]))
+        for stream in streams:
+            request = stream.resubmission()
+            self._outbox.put_nowait((request, encode(request)))
 
     # --- background tasks -----------------------------------------------------------
     async def _recv_loop(self) -> None:
@@ -227,15 +252,22 @@ class EngineClient:
             self._queue_full = msg.queue_full
             for output in msg.outputs:
                 stream = self._streams.get(output.request_id)
-                if stream is None:
-                    continue  # already closed (aborted, stopped by a stop string)
+                if stream is None or output.attempt != stream.attempt:
+                    continue  # already closed (aborted, stopped by a stop string), or a replaced attempt's
                 if output.error is not None:
                     stream.queue.put_nowait(InvalidRequestError(output.error))
                 else:
-                    stream.queue.put_nowait(output)
+                    stream.accept(output)
+            if msg.dropped:
+                dropped = [stream for request_id, attempt in msg.dropped.items()
+                           if (stream := self._streams.get(request_id)) is not None and stream.attempt == attempt]
+                if dropped:
+                    logger.warning("the scheduler dropped %d of this frontend's requests (it had not heard "
+                                   "from it in time)", len(dropped))
+                self._resubmit(dropped)
         elif isinstance(msg, EngineError):
             stream = self._streams.get(msg.request_id)
-            if stream is not None:
+            if stream is not None and msg.attempt == stream.attempt:
                 stream.queue.put_nowait(error_with_status(msg.message, msg.status))
             else:
                 logger.warning("scheduler error for unknown request %s: %s", msg.request_id, msg.message)
@@ -246,11 +278,11 @@ class EngineClient:
             try:
                 await self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
-                # No connected scheduler (ZMQ_IMMEDIATE): fail fast instead of queueing.
+                # No connected scheduler (ZMQ_IMMEDIATE): the request goes out again on reconnection.
                 if isinstance(msg, EngineRequest):
                     stream = self._streams.get(msg.request_id)
-                    if stream is not None:
-                        stream.queue.put_nowait(ServiceUnavailableError("the scheduler is not connected"))
+                    if stream is not None and stream.attempt == msg.attempt:
+                        stream.needs_resubmit = True
 
     async def _heartbeat_loop(self) -> None:
         while True:
@@ -265,27 +297,35 @@ class EngineClient:
                 if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                     logger.info("connected to the scheduler at %s", self.scheduler_address)
                     self._connected.set()
+                    self._disconnected_since = None
                     self._queue_full = False  # a (new) scheduler says so itself when full
                     self._last_progress = time.monotonic()
                     self._post(FrontendHello(frontend_id=self.frontend_id))
                     if self._orphans:
                         self.abort(sorted(self._orphans))
                         self._orphans.clear()
+                    self._resubmit([s for s in self._streams.values() if s.needs_resubmit])
                 elif event == zmq.EVENT_DISCONNECTED:
                     self._connected.clear()
+                    if self._disconnected_since is None:
+                        self._disconnected_since = time.monotonic()
+                    for stream in self._streams.values():
+                        stream.needs_resubmit = True
                     if self._streams:
-                        logger.error("lost the scheduler at %s: failing %d in-flight requests",
-                                     self.scheduler_address, len(self._streams))
-                    self._fail_all(ServiceUnavailableError("lost the connection to the scheduler"))
+                        logger.error("lost the scheduler at %s: %d in-flight requests wait up to %.0fs for it to "
+                                     "come back", self.scheduler_address, len(self._streams), self._restart_timeout)
         finally:
             monitor.close(linger=0)
 
     async def _watchdog_loop(self) -> None:
-        if self._health_probe is None:
-            return  # without a second opinion a quiet scheduler may just be busy
-        period = max(0.05, min(1.0, self._stall_timeout / 4))
+        period = max(0.05, min(1.0, self._stall_timeout / 4, self._restart_timeout / 4))
         while True:
             await asyncio.sleep(period)
+            if self._disconnected_since is not None:
+                self._check_restart_wait()
+                continue
+            if self._health_probe is None:
+                continue  # without a second opinion a quiet scheduler may just be busy
             if not self._streams or time.monotonic() - self._last_progress < self._stall_timeout:
                 continue
             try:
@@ -303,3 +343,14 @@ class EngineClient:
                 f"the scheduler stopped responding (no output for {silent_for:.0f}s, health check failed)"))
             self.abort(stalled)
             self._last_progress = time.monotonic()
+
+    def _check_restart_wait(self) -> None:
+        """Fail the requests waiting for a lost scheduler once it has been away too long."""
+        away = time.monotonic() - self._disconnected_since
+        if away < self._restart_timeout or not self._streams:
+            return
+        logger.error("the scheduler at %s has been unreachable for %.0fs: failing %d in-flight requests",
+                     self.scheduler_address, away, len(self._streams))
+        self._fail_all(ServiceUnavailableError(
+            f"lost the connection to the scheduler, and it did not come back within {self._restart_timeout:.0f}s"))
+        self._disconnected_since = time.monotonic()  # requests sent from now on get a wait of their own

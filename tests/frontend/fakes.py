@@ -5,7 +5,8 @@ protocol: each EngineRequest gets a scripted continuation, one output per
 tick (finishing with STOP at the script's EOS, or LENGTH at max_tokens), each
 of its samples (n > 1) the same one, an Abort ends a request (or one of its
 samples) with an ABORT output, and too-long prompts get an
-EngineError. It records everything it receives so tests can check what the
+EngineError. A resubmitted request (`resumed`) carries on where each sample
+was, its outputs tagged with its `attempt`. It records everything it receives so tests can check what the
 frontend sent. `FakeControl` serves the scheduler's control gRPC service.
 """
 from __future__ import annotations
@@ -124,17 +125,21 @@ class FakeScheduler:
             return
         prompt = msg.prompt_token_ids
         if len(prompt) > self.max_model_len or (self.reject_token is not None and self.reject_token in prompt):
-            send(sock, EngineError(request_id=msg.request_id, message=(
+            send(sock, EngineError(request_id=msg.request_id, attempt=msg.attempt, message=(
                 f"prompt of {len(prompt)} tokens rejected (max_model_len {self.max_model_len})")), to=peer)
             return
         slow = self.slow_token is not None and self.slow_token in prompt
         script = list(self.slow_script) if slow else [*self.script, self.eos_token_id]
         interval = self.slow_interval if slow else self.interval
         num_samples = msg.sampling_params.num_samples
-        if num_samples == 1:
-            self._running[msg.request_id] = _Running(msg, peer, script, interval)
-        for index in range(num_samples if num_samples > 1 else 0):
-            self._running[sample_request_id(msg.request_id, index)] = _Running(msg, peer, script, interval, index)
+        resumed = {sample.index: sample for sample in msg.resumed}  # a resubmission carries on from there
+        for index in range(num_samples):
+            sample = resumed.get(index)
+            if sample is not None and sample.finished:
+                continue
+            key = msg.request_id if num_samples == 1 else sample_request_id(msg.request_id, index)
+            self._running[key] = _Running(msg, peer, script, interval, index,
+                                          sent=len(sample.output_token_ids) if sample is not None else 0)
 
     def _emit(self, sock) -> None:
         now = time.monotonic()
@@ -166,13 +171,15 @@ class FakeScheduler:
         logprobs = prompt_logprobs = None
         if params.logprobs is not None:
             logprobs = [TokenLogprobs(t, -0.5, 1, [t][:params.logprobs], [-0.5][:params.logprobs]) for t in tokens]
-        if params.prompt_logprobs is not None and running.sent == len(tokens) and running.index == 0:
+        if params.prompt_logprobs is not None and not running.request.resumed and running.sent == len(tokens) \
+                and running.index == 0:
             prompt_logprobs = [TokenLogprobs(t, -1.0, 1) for t in prompt[1:]]  # with the first output
         request_id = running.request.request_id
         more_samples = any(other.request.request_id == request_id for other in self._running.values())
         output = RequestOutput(request_id=request_id, new_token_ids=tokens, finish_reason=finish,
                                num_prompt_tokens=len(prompt), num_cached_tokens=len(prompt) // 2, index=running.index,
-                               more_samples=more_samples, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                               more_samples=more_samples, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                               attempt=running.request.attempt)
         send(sock, EngineOutputs(outputs=[output], timestamp=time.time()), to=running.peer)
 
 

@@ -1,13 +1,14 @@
 """EngineClient against a fake scheduler on a real ZMQ socket: routing of
-outputs, hello/heartbeat, abort on early close, and failing fast (503) when
-the scheduler dies or stalls, then reconnecting."""
+outputs, hello/heartbeat, abort on early close, resubmitting in-flight
+requests to a scheduler that comes back (or dropped them), and 503 when none
+comes back in time or a connected one stalls."""
 import asyncio
 from contextlib import aclosing
 
 import pytest
 import zmq
 
-from common.protocol import FinishReason
+from common.protocol import EngineOutputs, FinishReason, RequestOutput
 from common.sampling_params import SamplingParams
 from frontend.engine.engine_client import EngineClient
 from frontend.api_errors import ServiceUnavailableError
@@ -129,37 +130,159 @@ def test_no_scheduler_fails_fast_with_503(address):
     run(main())
 
 
-def test_scheduler_death_fails_in_flight_requests_then_reconnects(address):
-    scheduler = make_scheduler(address)
+COUNTING = list(range(10, 40))  # a script whose every token differs: a repeat or a gap shows
+
+
+def counting_scheduler(address: str) -> FakeScheduler:
+    return FakeScheduler(address, COUNTING, EOS, interval=0.05).start()
+
+
+def test_a_request_survives_its_scheduler_dying_and_resumes_where_it_was(address):
+    scheduler = counting_scheduler(address)
 
     async def main():
         nonlocal scheduler
         client = EngineClient(address)
         await client.start()
         try:
-            stream = client.generate("doomed", [SLOW], SamplingParams(max_tokens=None, ignore_eos=True))
+            tokens = []
+            stream = client.generate("survivor", [1, 2], SamplingParams(max_tokens=12))
             async with aclosing(stream):
-                await stream.__anext__()
-                scheduler.stop()  # the scheduler process dies mid-request
-                with pytest.raises(ServiceUnavailableError):
-                    async for _ in stream:
-                        pass
-            assert not client.connected
-            scheduler = make_scheduler(address)  # restarted: the client reconnects by itself
-            await async_wait_for(lambda: client.connected, "the client to reconnect")
-            outputs = await collect(client, "after", [10], max_tokens=2)
-            assert [t for o in outputs for t in o.new_token_ids] == [5, 6]
+                async for output in stream:
+                    tokens += output.new_token_ids
+                    if len(tokens) == 4:
+                        scheduler.stop()  # the scheduler process dies mid-request
+                        await async_wait_for(lambda: not client.connected, "the loss to be seen")
+                        await asyncio.sleep(0.3)  # the request waits meanwhile
+                        scheduler = counting_scheduler(address)  # restarted: the client reconnects by itself
+                    last = output
+            return tokens, last
         finally:
             await client.close()
 
     try:
-        run(main())
+        tokens, last = run(main())
         restarted = scheduler.snapshot()
-        assert restarted.hellos, "no FrontendHello after reconnecting"
-        # The failed request is aborted on the new connection, in case the scheduler kept it.
-        assert "doomed" in restarted.aborts
     finally:
         scheduler.stop()
+    assert tokens == COUNTING[:12]  # no token repeated or missing
+    assert last.finish_reason == FinishReason.LENGTH and last.attempt == 1
+    (resubmitted,) = restarted.requests
+    assert resubmitted.attempt == 1 and resubmitted.prompt_token_ids == [1, 2]
+    assert [(r.index, r.output_token_ids, r.finished) for r in resubmitted.resumed] == [(0, COUNTING[:4], False)]
+    assert "survivor" in restarted.aborts  # before the resubmission, in case the scheduler still held it
+    assert restarted.hellos, "no FrontendHello after reconnecting"
+
+
+def test_samples_resume_each_from_its_own_tokens_and_a_stopped_one_stays_stopped(address):
+    scheduler = counting_scheduler(address)
+
+    async def main():
+        nonlocal scheduler
+        client = EngineClient(address)
+        await client.start()
+        try:
+            tokens: dict[int, list[int]] = {0: [], 1: [], 2: []}
+            restarted = False
+            stream = client.generate("three", [1], SamplingParams(n=3, max_tokens=8))
+            async with aclosing(stream):
+                async for output in stream:
+                    tokens[output.index] += output.new_token_ids
+                    if output.index == 2 and len(tokens[2]) == 2:
+                        client.abort(["three#2"])  # as a matched stop string does
+                    if sum(map(len, tokens.values())) >= 9 and not restarted:
+                        restarted = True
+                        scheduler.stop()
+                        await async_wait_for(lambda: not client.connected, "the loss to be seen")
+                        scheduler = counting_scheduler(address)
+            return tokens
+        finally:
+            await client.close()
+
+    try:
+        tokens = run(main())
+        (resubmitted,) = scheduler.snapshot().requests
+    finally:
+        scheduler.stop()
+    assert tokens[0] == tokens[1] == COUNTING[:8]
+    assert tokens[2] == COUNTING[:2]
+    resumed = {r.index: r for r in resubmitted.resumed}
+    assert resumed[2].finished and resumed[2].output_token_ids == COUNTING[:2]
+    assert not resumed[0].finished and resumed[0].output_token_ids == COUNTING[:len(resumed[0].output_token_ids)]
+
+
+def test_in_flight_requests_fail_with_503_when_no_scheduler_comes_back_in_time(address):
+    scheduler = make_scheduler(address)
+
+    async def main():
+        client = EngineClient(address, restart_timeout=0.5)
+        await client.start()
+        try:
+            stream = client.generate("doomed", [SLOW], SamplingParams(max_tokens=None, ignore_eos=True))
+            async with aclosing(stream):
+                await stream.__anext__()
+                scheduler.stop()
+                with pytest.raises(ServiceUnavailableError, match="did not come back within 0s|within 1s"):
+                    async for _ in stream:
+                        pass
+            assert not client.connected
+        finally:
+            await client.close()
+
+    run(main())
+
+
+def test_a_new_request_waits_for_a_scheduler_that_comes_back(address):
+    async def main():
+        client = EngineClient(address, connect_grace=20)
+        await client.start()
+        try:
+            waiting = asyncio.ensure_future(collect(client, "patient", [10], max_tokens=2))
+            await asyncio.sleep(0.5)
+            assert not waiting.done()
+            scheduler = make_scheduler(address)  # e.g. the supervisor restarting it
+            try:
+                outputs = await waiting
+            finally:
+                scheduler.stop()
+            return outputs
+        finally:
+            await client.close()
+
+    outputs = run(main())
+    assert [t for o in outputs for t in o.new_token_ids] == [5, 6]
+
+
+def test_outputs_of_a_replaced_attempt_are_dropped(address):
+    scheduler = counting_scheduler(address)
+
+    async def main():
+        client = EngineClient(address)
+        await client.start()
+        try:
+            tokens = []
+            stream = client.generate("r", [1], SamplingParams(max_tokens=6))
+            async with aclosing(stream):
+                async for output in stream:
+                    tokens += output.new_token_ids
+                    if len(tokens) == 2:
+                        # The scheduler says it dropped the request (it thought this frontend
+                        # gone): resubmitted, and late outputs of attempt 0 are ignored.
+                        client._dispatch(EngineOutputs(outputs=[], dropped={"r": 0}))
+                        client._dispatch(EngineOutputs(outputs=[RequestOutput(request_id="r", new_token_ids=[77])]))
+            return tokens
+        finally:
+            await client.close()
+
+    try:
+        tokens = run(main())
+        requests = scheduler.snapshot().requests
+    finally:
+        scheduler.stop()
+    assert 77 not in tokens
+    assert tokens == COUNTING[:6]
+    assert [r.attempt for r in requests] == [0, 1]
+    assert requests[1].resumed[0].output_token_ids == COUNTING[:2]
 
 
 class SilentRouter:
