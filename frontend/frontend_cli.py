@@ -16,7 +16,8 @@ from common.errors import USAGE_ERROR, ConfigError
 from common.generation_defaults import SOURCES_HELP, generation_config_source
 from common.logging_setup import setup_logging
 from common.proctitle import set_process_title
-from frontend.frontend_options import TlsFiles, add_frontend_options
+from common.tls_files import TlsFiles
+from frontend.frontend_options import add_frontend_options
 from frontend.tool_parsers.tool_parser_registry import TOOL_PARSERS, TOOL_PARSERS_HELP, check_tool_choice_args
 
 logger = logging.getLogger(__name__)
@@ -197,13 +198,15 @@ async def run_frontend(args: argparse.Namespace) -> None:
 def engine_clients(args: argparse.Namespace, metrics):
     """(engine, control): the scheduler's clients, or with several schedulers (data
     parallel) a ReplicaRouter and ReplicaControls over one pair per replica."""
+    from common.control_token import client_token
     from frontend.engine.control_client import ControlClient
     from frontend.engine.engine_client import EngineClient, new_frontend_id
 
     frontend_id = new_frontend_id()
     pairs = []
+    token, tls = client_token(args.api_key), TlsFiles.from_args(args)  # the scheduler has the same secrets
     for scheduler_address, control_address in zip(args.scheduler_address, args.scheduler_control_address):
-        control = ControlClient(control_address)
+        control = ControlClient(control_address, token=token, tls=tls)
 
         async def scheduler_alive(control=control) -> bool:
             # The stall watchdog's second opinion: a live engine loop keeps requests

@@ -3,18 +3,17 @@
 vLLM, so a browser page may call the API), `--response-role`, logging
 (`--enable-log-requests` with `--max-log-len`; uvicorn's access log, on as in
 vLLM unless `--disable-uvicorn-access-log`), `--return-tokens-as-token-ids`, TLS (`--ssl-keyfile` with
-`--ssl-certfile`: HTTPS, and gRPC over TLS on the same key), and how long requests wait for a lost
-scheduler (`--scheduler-restart-timeout`)."""
+`--ssl-certfile`: HTTPS, and gRPC over TLS on the same key; the frontend's
+client of the scheduler's control service then speaks TLS too), and how long
+requests wait for a lost scheduler (`--scheduler-restart-timeout`)."""
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import ssl
 from dataclasses import dataclass
 
 from common.cli_args import env_setting, env_switch, non_negative_int, positive_float
-from common.errors import ConfigError
 
 
 DEFAULT_SCHEDULER_RESTART_TIMEOUT = 60.0
@@ -86,46 +85,13 @@ def frontend_options_argv(args: argparse.Namespace) -> list[str]:
     argv = [item for flag in _LIST_FLAGS
             for item in (flag, json.dumps(getattr(args, flag[2:].replace("-", "_"))))]
     argv += [flag for flag, _, _ in _SWITCHES if getattr(args, flag[2:].replace("-", "_"))]
-    argv += ["--response-role", args.response_role]
+    argv += ["--response-role", args.response_role] + tls_files_argv(args)
     argv += ["--scheduler-restart-timeout", str(args.scheduler_restart_timeout)]
-    for name in ("ssl_keyfile", "ssl_certfile"):  # absolute: the frontend need not share our directory
-        if getattr(args, name):
-            argv += [f"--{name.replace('_', '-')}", os.path.abspath(os.path.expanduser(getattr(args, name)))]
     return argv + ([] if args.max_log_len is None else ["--max-log-len", str(args.max_log_len)])
 
 
-def _check_key_pair(keyfile: str, certfile: str) -> None:
-    """Load the pair as a server would. Checked up front: grpc reports a file that
-    is not PEM, or a key of another certificate, only as a failed bind (which read
-    as "port in use"), and the frontend would then exit and be restarted forever."""
-    try:  # the password callback stops OpenSSL from prompting on the tty for an encrypted key
-        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(certfile, keyfile, password=lambda: b"")
-    except (ssl.SSLError, OSError) as exc:
-        reason = getattr(exc, "reason", None) or str(exc)
-        why = ("the key is not that of the certificate" if "MISMATCH" in reason
-               else "a file is not PEM, or the key is encrypted" if "PEM" in reason else reason)
-        raise ConfigError(f"cannot use --ssl-keyfile {keyfile} with --ssl-certfile {certfile}: {why} "
-                          f"(both must be PEM files, the key unencrypted)") from None
-
-
-@dataclass(frozen=True, slots=True)
-class TlsFiles:
-    keyfile: str
-    certfile: str
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "TlsFiles | None":
-        """The key and certificate, checked readable (a ConfigError naming the flag), or None."""
-        if not args.ssl_keyfile and not args.ssl_certfile:
-            return None
-        if not (args.ssl_keyfile and args.ssl_certfile):
-            raise ConfigError("--ssl-keyfile and --ssl-certfile go together")
-        for flag, path in (("--ssl-keyfile", args.ssl_keyfile), ("--ssl-certfile", args.ssl_certfile)):
-            if not os.access(path, os.R_OK) or not os.path.isfile(path):
-                raise ConfigError(f"{flag} {path}: no such readable file")
-        _check_key_pair(args.ssl_keyfile, args.ssl_certfile)
-        return cls(args.ssl_keyfile, args.ssl_certfile)
-
-    def grpc_key_pair(self) -> tuple[bytes, bytes]:
-        with open(self.keyfile, "rb") as key, open(self.certfile, "rb") as cert:
-            return key.read(), cert.read()
+def tls_files_argv(args: argparse.Namespace) -> list[str]:
+    """--ssl-keyfile/--ssl-certfile as given to `args`, by absolute path: the component
+    they are handed to need not share our working directory."""
+    return [item for name in ("ssl_keyfile", "ssl_certfile") if getattr(args, name)
+            for item in (f"--{name.replace('_', '-')}", os.path.abspath(os.path.expanduser(getattr(args, name))))]

@@ -31,7 +31,7 @@ from common.runtime_dir import create_runtime_dir, remove_stale_runtime_dirs
 from pagedserve.settings_check import check_settings
 from pagedserve.process_supervisor import Component, Supervisor, free_tcp_port
 from frontend.frontend_cli import add_api_args
-from frontend.frontend_options import add_frontend_options, frontend_options_argv
+from frontend.frontend_options import add_frontend_options, frontend_options_argv, tls_files_argv
 from tokenizer_pool.tokenizer_pool_cli import add_chat_template_arg
 
 logger = logging.getLogger("pagedserve.serve")
@@ -91,8 +91,10 @@ def component_commands(args: argparse.Namespace, runtime_dir: str) -> list[Compo
     frontend += frontend_options_argv(args)
     scheduler = ([] if args.max_waiting_requests is None
                  else ["--max-waiting-requests", str(args.max_waiting_requests)])
+    scheduler += tls_files_argv(args)  # its control service: TLS with the frontend's key, which trusts it
     # The key goes through the environment: a command line is visible to every local user (ps).
-    frontend_env = {"PAGEDSERVE_API_KEY": args.api_key} if args.api_key else {}
+    # The scheduler's control service requires it too.
+    key_env = {"PAGEDSERVE_API_KEY": args.api_key} if args.api_key else {}
     components = [
         # Not PAGEDSERVE_TOKENIZER_JOIN: this pool is the router (empty means unset).
         Component("tokenizer", ["tokenizer", *model, *chat_template,
@@ -104,9 +106,10 @@ def component_commands(args: argparse.Namespace, runtime_dir: str) -> list[Compo
             Component(r.scheduler_name, ["scheduler", *engine, *stats, *scheduler,
                                          "--scheduler-address", r.scheduler_address,
                                          "--worker-address", r.worker_address,
-                                         "--scheduler-control-address", r.control_address]),
+                                         "--scheduler-control-address", r.control_address],
+                      env=key_env),
             *r.workers(config, engine))],
-        Component("frontend", ["frontend", *model, *frontend], env=frontend_env),
+        Component("frontend", ["frontend", *model, *frontend], env=key_env),
     ]
     for component in components if args.log_level else []:
         component.argv += ["--log-level", args.log_level]

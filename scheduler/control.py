@@ -2,7 +2,7 @@
 
 It runs on grpc's own threads and never touches the scheduler directly: it
 reads a snapshot the engine loop publishes after every step, and asks the loop
-to do anything that changes state.
+to do anything that changes state. Its TLS and tokens: start_control_server.
 """
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ import grpc
 from common.addresses import GRPC_SERVER_OPTIONS, bind_grpc_port
 from common.grpc_gen import control_pb2, control_pb2_grpc
 from common.protocol import WorkerHello
+from common.tls_files import TlsFiles
+from scheduler.control_auth import ControlTokenInterceptor
 
 
 @dataclass
@@ -88,10 +90,14 @@ class SchedulerControlServicer(control_pb2_grpc.SchedulerControlServicer):
         return control_pb2.ResetPrefixCacheReply(ok=ok)
 
 
-def start_control_server(address: str, servicer: SchedulerControlServicer) -> grpc.Server:
+def start_control_server(address: str, servicer: SchedulerControlServicer, *, tokens: list[str] | None = None,
+                         tls: TlsFiles | None = None) -> grpc.Server:
+    """Serve on `address`: over TLS only with `tls`, and with `tokens` requiring one of
+    them on every call but Health (scheduler/control_auth.py); open without."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="control"),
+                         interceptors=[ControlTokenInterceptor(tokens)] if tokens else None,
                          options=GRPC_SERVER_OPTIONS)
     control_pb2_grpc.add_SchedulerControlServicer_to_server(servicer, server)
-    bind_grpc_port(server, address)
+    bind_grpc_port(server, address, tls.server_credentials() if tls else None)
     server.start()
     return server

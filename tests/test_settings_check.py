@@ -50,8 +50,9 @@ BAD_VALUES: dict[str, tuple[str, ...]] = {
     "PAGEDSERVE_MAX_LOGPROBS": ("-5", "max_logprobs must be -1"),
     "PAGEDSERVE_DISTRIBUTED_INIT_METHOD": ("udp://x", "distributed_init_method must be"),
     "PAGEDSERVE_CHAT_TEMPLATE": ("no/such/template.jinja", "the tokenizer would not start", "no such file"),
-    "PAGEDSERVE_SSL_KEYFILE": ("/no/such/key.pem", "the frontend would not start", "--ssl-keyfile and"),
-    "PAGEDSERVE_SSL_CERTFILE": ("/no/such/cert.pem", "the frontend would not start", "--ssl-keyfile and"),
+    # The scheduler reads them too (its control service), and is checked before the frontend.
+    "PAGEDSERVE_SSL_KEYFILE": ("/no/such/key.pem", "the scheduler would not start", "--ssl-keyfile and"),
+    "PAGEDSERVE_SSL_CERTFILE": ("/no/such/cert.pem", "the scheduler would not start", "--ssl-keyfile and"),
 }
 # Any text is a valid value of these (or one serve always overrides on the command line).
 ANY_TEXT = {"PAGEDSERVE_MODEL", "PAGEDSERVE_HOST", "PAGEDSERVE_SERVED_MODEL_NAME", "PAGEDSERVE_CACHE_DIR",

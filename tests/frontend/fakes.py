@@ -208,11 +208,14 @@ class FakeControl(control_pb2_grpc.SchedulerControlServicer):
     def GetStats(self, request, context):
         return STATS
 
-    def start(self, address: str) -> "FakeControl":
+    def start(self, address: str, credentials: grpc.ServerCredentials | None = None) -> "FakeControl":
+        """Serve on `address`, over TLS with `credentials`."""
         self.address = address
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
         control_pb2_grpc.add_SchedulerControlServicer_to_server(self, self._server)
-        assert self._server.add_insecure_port(address) != 0
+        port = (self._server.add_insecure_port(address) if credentials is None
+                else self._server.add_secure_port(address, credentials))
+        assert port != 0
         self._server.start()
         return self
 

@@ -11,30 +11,36 @@ import openai
 import pytest
 
 from common.grpc_gen import pagedserve_pb2 as pb
+from common.tls_files import TlsFiles
 from common.grpc_gen import pagedserve_pb2_grpc as pb_grpc
+from local_ports import free_port
+from self_signed import self_signed_certificate
 from test_cli_errors import assert_clear_error, run
 from tests.frontend.conftest import start_frontend
+from tests.frontend.fakes import FakeControl
 
 
 @pytest.fixture(scope="module")
 def certificate(tmp_path_factory):
     """A self-signed certificate for 127.0.0.1 (and localhost)."""
-    directory = tmp_path_factory.mktemp("tls")
-    key, cert = directory / "key.pem", directory / "cert.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
-                    "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost", "-keyout", str(key), "-out", str(cert)],
-                   check=True, capture_output=True)
-    return key, cert
+    return self_signed_certificate(tmp_path_factory.mktemp("tls"))
 
 
 @pytest.fixture(scope="module")
 def tls_frontend(server, certificate, tmp_path_factory):
+    """A frontend with TLS, whose control client then speaks TLS too: to a control
+    service serving the same certificate (as `serve` and its scheduler do)."""
     key, cert = certificate
+    control = FakeControl(server.control.max_model_len, server.control.vocab_size).start(
+        f"127.0.0.1:{free_port()}", TlsFiles(str(key), str(cert)).server_credentials())
+    args = list(server.frontend_args)
+    args[args.index("--scheduler-control-address") + 1] = control.address
     frontend, base_url, grpc_address = start_frontend(
-        [*server.frontend_args, "--ssl-keyfile", str(key), "--ssl-certfile", str(cert)],
+        [*args, "--ssl-keyfile", str(key), "--ssl-certfile", str(cert)],
         tmp_path_factory.mktemp("tls-frontend") / "frontend.log")
     yield base_url, grpc_address
     frontend.stop()
+    control.stop()
 
 
 def test_https_with_the_openai_client(tls_frontend, certificate):
@@ -71,12 +77,16 @@ def test_a_missing_key_or_certificate_stops_startup(command, certificate):
 def test_serve_hands_the_files_on_by_absolute_path(tmp_path, certificate, monkeypatch):
     from pagedserve.serve import build_parser, component_commands
     from frontend.frontend_cli import build_parser as frontend_parser
+    from scheduler.scheduler_cli import build_parser as scheduler_parser
 
     key, cert = certificate
     monkeypatch.chdir(key.parent)
     args = build_parser().parse_args(["--ssl-keyfile", key.name, "--ssl-certfile", cert.name])
-    frontend = next(c for c in component_commands(args, str(tmp_path)) if c.name == "frontend")
-    parsed = frontend_parser().parse_args(frontend.argv[1:])
+    components = {c.name: c for c in component_commands(args, str(tmp_path))}
+    parsed = frontend_parser().parse_args(components["frontend"].argv[1:])
+    assert (parsed.ssl_keyfile, parsed.ssl_certfile) == (str(key), str(cert))
+    # And to the scheduler: its control service speaks TLS with the same files.
+    parsed = scheduler_parser().parse_args(components["scheduler"].argv[1:])
     assert (parsed.ssl_keyfile, parsed.ssl_certfile) == (str(key), str(cert))
 
 
