@@ -41,6 +41,7 @@ BAD_VALUES: dict[str, tuple[str, ...]] = {
     "PAGEDSERVE_ALLOWED_METHODS": ("GET", "--allowed-methods"),
     "PAGEDSERVE_ALLOWED_HEADERS": ("x", "--allowed-headers"),
     "PAGEDSERVE_MAX_LOG_LEN": ("-1", "--max-log-len"),
+    "PAGEDSERVE_SCHEDULER_RESTART_TIMEOUT": ("-1", "--scheduler-restart-timeout"),
     "PAGEDSERVE_LOG_LEVEL": ("loud", "--log-level"),
     "PAGEDSERVE_TENSOR_PARALLEL_SIZE": ("0", "--tensor-parallel-size"),
     "PAGEDSERVE_PIPELINE_PARALLEL_SIZE": ("two", "--pipeline-parallel-size"),
