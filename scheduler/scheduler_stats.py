@@ -1,0 +1,22 @@
+"""What the scheduler reports about itself (control service, stats log, metrics)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of usable blocks held by requests, 0..1
+    num_free_blocks: int  # includes free blocks still holding cached prefixes
+    num_total_blocks: int  # usable blocks (block 0 excluded)
+    prefix_cache_queries: int  # tokens looked up on admission
+    prefix_cache_hits: int  # tokens found in the prefix cache
+    num_preemptions: int  # cumulative
+    num_prompt_tokens: int  # prompt tokens of requests that finished their prefill
+    num_generation_tokens: int  # sampled tokens applied
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
