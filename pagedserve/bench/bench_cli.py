@@ -1,4 +1,4 @@
-"""`pagedserve bench`: throughput, serving, compare, sweep, accuracy (and the transformers baseline).
+"""`pagedserve bench`: throughput, serving, compare, sweep, accuracy, chaos (and the transformers baseline).
 
     pagedserve bench throughput --workload W1 [engine flags] [--save-workload w1.jsonl]
     pagedserve bench serving --base-url http://127.0.0.1:8000 --rate inf --num-requests 256
@@ -6,6 +6,7 @@
     pagedserve bench sweep --workload W1 --max-num-seqs-list 1,2,4,8,16,32,64,128,256
     pagedserve bench transformers --workload W1
     pagedserve bench accuracy --workload W1
+    pagedserve bench chaos --duration 600 --enforce-eager --kv-cache-memory 512MiB --output chaos.json
 
 Workloads: W1, W2 (seeded, see pagedserve.bench.workloads) or a JSONL file.
 Each command prints a readable report; `--json` prints one JSON line instead
@@ -21,6 +22,7 @@ import os
 import sys
 from typing import Any
 
+from pagedserve.bench.chaos_cli import add_chaos_parser
 from pagedserve.bench.workloads import DEFAULT_SEED, NAMED_WORKLOADS, resolve_workload, save_workload
 from common.cli_args import add_engine_args, engine_argv, engine_config_from_args
 from common.errors import InvalidRequestError
@@ -310,6 +312,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json-output", default=None)
     add_engine_args(p)
     p.set_defaults(handler=cmd_sweep)
+
+    add_chaos_parser(sub)
     return parser
 
 
