@@ -16,6 +16,7 @@ import os
 import random
 import signal
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
@@ -76,8 +77,9 @@ class ChaosRun:
         import httpx
 
         limits = httpx.Limits(max_connections=self.settings.concurrency + 4, max_keepalive_connections=0)
+        headers = {"Authorization": f"Bearer {self.stack.api_key}"} if self.stack.api_key else None
         async with httpx.AsyncClient(timeout=httpx.Timeout(self.settings.request_timeout_s, connect=30.0),
-                                     limits=limits) as client:
+                                     limits=limits, headers=headers) as client:
             model = (await client.get(self.stack.base_url + "/v1/models")).json()["data"][0]["id"]
             await self._references(client, model)
             self.log(f"[bench chaos] references recorded for {len(self.specs)} specs; chaos for "
@@ -93,7 +95,8 @@ class ChaosRun:
             except asyncio.CancelledError:
                 pass
         self.log("[bench chaos] load finished; waiting for the KV blocks")
-        blocks = await asyncio.to_thread(kv_blocks_at_end, self.stack.control_address, self.settings.drain_wait_s)
+        blocks = await asyncio.to_thread(kv_blocks_at_end, self.stack.control_address, self.settings.drain_wait_s,
+                                         self.stack.api_key)
         return self._report(elapsed, blocks)
 
     async def _references(self, client: Any, model: str) -> None:
@@ -177,6 +180,7 @@ class ChaosRun:
                 "requests": len(self.records), "completed": len(done), "failed": len(failed),
                 "failures": [{"spec": r["spec"], "started_s": r["started_s"], "ended_s": r["ended_s"],
                               "error": r["error"]} for r in failed],
+                "errors": [{"error": e, "count": c} for e, c in Counter(r["error"] for r in failed).most_common()],
                 "identical": len(done) - len(mismatches), "mismatched": len(mismatches), "mismatches": mismatches,
                 "by_sampling": by_sampling, "kills": self.kills, "kills_per_kind": per_kind,
                 "kv_blocks": blocks, "problems": self.problems,
@@ -203,8 +207,8 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(f"    {kill['t_s']:7.1f}s {kill['time']} {kill['kind']:<17} pid {kill['pid']:<7} "
                      f"{kill['requests_in_flight']} in flight, "
                      + (f"restarted after {restarted:.1f}s" if restarted is not None else "NOT restarted"))
-    for failure in report["failures"][:20]:
-        lines.append(f"  failed      {failure['started_s']:.1f}s {failure['spec']}: {failure['error']}")
+    for error in report["errors"][:10]:
+        lines.append(f"  failed      {error['count']}x {error['error']}")
     for mismatch in report["mismatches"][:20]:
         lines.append(f"  differs     {mismatch['started_s']:.1f}s {mismatch['spec']} choice {mismatch['choice']}: "
                      f"expected {mismatch['expected']!r}, got {mismatch['got']!r}")

@@ -51,13 +51,13 @@ def cmd_chaos(args: argparse.Namespace) -> int:
     specs = build_specs(args.chaos_seed, copies=args.spec_copies, max_tokens=args.max_tokens_range)
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     if args.url:
-        stack = ServeStack(args.url.rstrip("/"), args.serve_pid, args.control_address)
+        stack = ServeStack(args.url.rstrip("/"), args.serve_pid, args.control_address, api_key=args.api_key)
     else:
         work_dir = Path(args.work_dir or tempfile.mkdtemp(prefix="pagedserve-chaos-"))
         work_dir.mkdir(parents=True, exist_ok=True)
         serve_args = [*engine_argv(engine_config_from_args(args)), "--disable-log-stats", *args.serve_arg]
         log(f"[bench chaos] starting pagedserve serve (log {work_dir / 'serve.log'})")
-        stack = ServeStack.start(work_dir, serve_args, args.ready_timeout)
+        stack = ServeStack.start(work_dir, serve_args, args.ready_timeout, api_key=args.api_key)
     try:
         report = asyncio.run(ChaosRun(stack, specs, settings, log=log).run())
     finally:
@@ -98,6 +98,9 @@ def add_chaos_parser(sub) -> None:
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds serve may take to be ready")
     p.add_argument("--url", default=None, help="use this running serve instead of starting one (with --serve-pid "
                    "and --control-address)")
+    p.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"),
+                   help="the API key: sent with every request and control call, and given to the serve started "
+                        "here (env PAGEDSERVE_API_KEY)")
     p.add_argument("--serve-pid", type=int, default=None, help="with --url: the pid of its `pagedserve: serve`")
     p.add_argument("--control-address", default=None,
                    help="with --url: its scheduler's control socket, e.g. unix:RUNTIME_DIR/control")

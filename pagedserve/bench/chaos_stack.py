@@ -29,17 +29,21 @@ class ServeStack:
     control_address: str  # grpc target, e.g. unix:/run/dir/control
     process: subprocess.Popen | None = None  # None when attached to a running serve
     log_path: Path | None = None
+    api_key: str | None = None  # sent on every request and control call
 
     @classmethod
-    def start(cls, work_dir: Path, serve_args: list[str], ready_timeout: float) -> ServeStack:
+    def start(cls, work_dir: Path, serve_args: list[str], ready_timeout: float,
+              api_key: str | None = None) -> ServeStack:
         port, grpc_port = free_tcp_port(), free_tcp_port()
         runtime_dir = work_dir / "run"
         log_path = work_dir / "serve.log"
         command = [sys.executable, "-m", "pagedserve.cli", "serve", "--port", str(port), "--grpc-port",
                    str(grpc_port), "--runtime-dir", str(runtime_dir), *serve_args]
+        env = {**os.environ, **({"PAGEDSERVE_API_KEY": api_key} if api_key else {})}  # not on a command line
         with open(log_path, "wb") as log:
-            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        stack = cls(f"http://127.0.0.1:{port}", process.pid, f"unix:{runtime_dir}/control", process, log_path)
+            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        stack = cls(f"http://127.0.0.1:{port}", process.pid, f"unix:{runtime_dir}/control", process, log_path,
+                    api_key)
         try:
             stack._wait_ready(ready_timeout)
         except BaseException:
@@ -80,23 +84,26 @@ class ServeStack:
             self.process.wait()
 
 
-def scheduler_stats(control_address: str, timeout: float = 5.0) -> Any:
+def scheduler_stats(control_address: str, api_key: str | None = None, timeout: float = 5.0) -> Any:
+    """GetStats, with the API key as the bearer token (a service that needs none ignores it)."""
     import grpc
 
     from common.grpc_gen import control_pb2, control_pb2_grpc
 
+    metadata = [("authorization", f"Bearer {api_key}")] if api_key else None
     with grpc.insecure_channel(control_address) as channel:
-        return control_pb2_grpc.SchedulerControlStub(channel).GetStats(control_pb2.Empty(), timeout=timeout)
+        return control_pb2_grpc.SchedulerControlStub(channel).GetStats(control_pb2.Empty(), timeout=timeout,
+                                                                       metadata=metadata)
 
 
-def kv_blocks_at_end(control_address: str, wait_s: float) -> dict[str, Any]:
+def kv_blocks_at_end(control_address: str, wait_s: float, api_key: str | None = None) -> dict[str, Any]:
     """The scheduler's blocks once all are free, or as they are after `wait_s` seconds (a scheduler
     that does not answer, e.g. one just restarted, is asked again until then)."""
     deadline = time.monotonic() + wait_s
     stats, error = None, None
     while True:
         try:
-            stats, error = scheduler_stats(control_address), None
+            stats, error = scheduler_stats(control_address, api_key), None
             if _all_free(stats):
                 break
         except Exception as e:  # grpc.RpcError and friends: not up yet

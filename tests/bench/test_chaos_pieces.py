@@ -126,6 +126,7 @@ def test_report_text():
     report = {"ok": False, "duration_s": 61.2, "settings": {"concurrency": 4, "specs": 16}, "completed": 30,
               "failed": 1, "failures": [{"spec": "chat-plain-greedy-n1-0", "started_s": 3.0, "ended_s": 4.0,
                                          "error": "HTTP 503: gone"}],
+              "errors": [{"error": "HTTP 503: gone", "count": 1}],
               "identical": 29, "mismatched": 1,
               "mismatches": [{"spec": "s", "choice": 0, "expected": "a", "got": "b", "started_s": 5.0}],
               "by_sampling": {"greedy": {"completed": 15, "identical": 15}, "seeded": {"completed": 15,
@@ -137,4 +138,4 @@ def test_report_text():
                             "num_running": 0, "num_waiting": 0}, "problems": []}
     text = format_report(report)
     assert "FAILED" in text and "30 completed, 1 failed" in text and "worker x1" in text
-    assert "99 of 99 free" in text and "HTTP 503: gone" in text and "expected 'a', got 'b'" in text
+    assert "99 of 99 free" in text and "1x HTTP 503: gone" in text and "expected 'a', got 'b'" in text

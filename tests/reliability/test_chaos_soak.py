@@ -60,3 +60,23 @@ def test_short_chaos_run_loses_and_changes_nothing(tmp_path, kinds):
 def test_ten_minute_chaos_soak(tmp_path, kinds):
     proc, report = run_chaos(tmp_path, "--duration", "600", "--kinds", ",".join(kinds), timeout=1400)
     check(proc, report, kinds)
+
+
+def test_the_run_and_the_kv_block_check_on_a_model_free_stack(fast_stack):
+    """No kills: every spec (chat and completions, streamed and not, n = 2) against the fake
+    worker's scripted tokens completes and equals its reference; the blocks are all free."""
+    import asyncio
+
+    from pagedserve.bench.chaos import ChaosRun, ChaosSettings
+    from pagedserve.bench.chaos_stack import ServeStack, kv_blocks_at_end
+    from pagedserve.bench.chaos_workload import build_specs
+    from tests.reliability.conftest import API_KEY
+
+    stack = ServeStack(fast_stack.base_url, serve_pid=0, control_address=fast_stack.control_address,
+                       api_key=API_KEY)
+    settings = ChaosSettings(duration_s=2, concurrency=4, max_kills=0, drain_wait_s=10)
+    report = asyncio.run(ChaosRun(stack, build_specs(max_tokens=(2, 6)), settings, log=lambda line: None).run())
+    assert report["ok"] and report["completed"] > 0 and report["identical"] == report["completed"], report
+    assert report["kills"] == [] and report["kv_blocks"]["all_free"]
+    unreachable = kv_blocks_at_end("unix:/nonexistent/control", wait_s=0.5)
+    assert not unreachable["all_free"] and unreachable["error"]
