@@ -62,7 +62,8 @@ async def send(client: Any, base_url: str, model: str, spec: RequestSpec) -> Out
 class ChaosRun:
     def __init__(self, stack: ServeStack, specs: list[RequestSpec], settings: ChaosSettings, log=print):
         self.stack, self.specs, self.settings, self.log = stack, specs, settings, log
-        self.rng = random.Random(settings.seed)
+        self.rng = random.Random(settings.seed)  # which spec each client sends next
+        self.kill_rng = random.Random(settings.seed + 1)  # when and whom to kill
         self.references: dict[str, Outcome] = {}
         self.records: list[dict[str, Any]] = []  # one per request under chaos
         self.kills: list[dict[str, Any]] = []
@@ -89,11 +90,10 @@ class ChaosRun:
             killer = asyncio.create_task(self._kill_loop(stop_at))
             await asyncio.gather(*(self._client_loop(client, model, stop_at) for _ in range(self.settings.concurrency)))
             elapsed = time.monotonic() - self.t0
-            killer.cancel()
-            try:
-                await killer
-            except asyncio.CancelledError:
-                pass
+            try:  # a kill just before the end: let it see its victim replaced (or time out)
+                await asyncio.wait_for(killer, self.settings.recover_timeout_s + 5)
+            except TimeoutError:
+                self.problems.append("the kill loop did not end")
         self.log("[bench chaos] load finished; waiting for the KV blocks")
         blocks = await asyncio.to_thread(kv_blocks_at_end, self.stack.control_address, self.settings.drain_wait_s,
                                          self.stack.api_key)
@@ -130,9 +130,9 @@ class ChaosRun:
             self.records.append(record)
 
     async def _kill_loop(self, stop_at: float) -> None:
-        chooser = VictimChooser(self.settings.kinds, self.rng)
+        chooser = VictimChooser(self.settings.kinds, self.kill_rng)
         lo, hi = self.settings.kill_interval
-        next_at = time.monotonic() + self.rng.uniform(lo, hi)
+        next_at = time.monotonic() + self.kill_rng.uniform(lo, hi)
         limit = self.settings.max_kills
         while next_at < stop_at and (limit is None or len(self.kills) < limit):
             await asyncio.sleep(max(0.0, next_at - time.monotonic()))
@@ -162,7 +162,7 @@ class ChaosRun:
                     return
                 await asyncio.sleep(0.2)
             record["restarted_after_s"] = round(time.monotonic() - killed_at, 2)
-            next_at = max(killed_at + self.rng.uniform(lo, hi), time.monotonic())
+            next_at = max(killed_at + self.kill_rng.uniform(lo, hi), time.monotonic())
 
     def _report(self, elapsed: float, blocks: dict[str, Any]) -> dict[str, Any]:
         done = [r for r in self.records if "error" not in r]
