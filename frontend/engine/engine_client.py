@@ -48,6 +48,7 @@ from frontend.engine.request_stream import RequestStream
 logger = logging.getLogger(__name__)
 
 HealthProbe = Callable[[], Awaitable[bool]]
+MAX_RESUBMISSIONS = 5  # a request whose scheduler is lost more often than this fails with 503
 
 
 def new_frontend_id() -> str:
@@ -231,6 +232,14 @@ class EngineClient:
         """Send these requests again, each as its next attempt from its tokens so
         far, after an abort of whatever the scheduler may still hold of them."""
         streams = [s for s in streams if not s.finished]
+        for stream in [s for s in streams if s.attempt >= MAX_RESUBMISSIONS]:
+            # Like a request that kills workers, one that keeps losing its scheduler (perhaps
+            # because it crashes it) is failed rather than fed to the next one forever.
+            logger.error("request %s lost its scheduler %d times: failing it", stream.request_id, stream.attempt + 1)
+            stream.queue.put_nowait(ServiceUnavailableError(
+                f"the scheduler was lost {stream.attempt + 1} times while running this request; giving up"))
+            self._orphans.add(stream.request_id)
+            streams.remove(stream)
         if not streams:
             return
         logger.warning("resubmitting %d in-flight requests to the scheduler at %s with the tokens they had "

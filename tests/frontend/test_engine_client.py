@@ -232,6 +232,33 @@ def test_in_flight_requests_fail_with_503_when_no_scheduler_comes_back_in_time(a
     run(main())
 
 
+def test_a_request_that_keeps_losing_its_scheduler_fails_with_503(address, monkeypatch):
+    import frontend.engine.engine_client as engine_client
+    monkeypatch.setattr(engine_client, "MAX_RESUBMISSIONS", 1)
+    scheduler = counting_scheduler(address)
+
+    async def main():
+        nonlocal scheduler
+        client = EngineClient(address)
+        await client.start()
+        try:
+            stream = client.generate("unlucky", [1], SamplingParams(max_tokens=30))
+            async with aclosing(stream):
+                with pytest.raises(ServiceUnavailableError, match="lost 2 times while running this request"):
+                    async for output in stream:
+                        if output.attempt == 0 or output.new_token_ids == [COUNTING[8]]:
+                            scheduler.stop()  # first after its first token, then after 8 more
+                            await async_wait_for(lambda: not client.connected, "the loss to be seen")
+                            scheduler = counting_scheduler(address)
+        finally:
+            await client.close()
+
+    try:
+        run(main())
+    finally:
+        scheduler.stop()
+
+
 def test_a_new_request_waits_for_a_scheduler_that_comes_back(address):
     async def main():
         client = EngineClient(address, connect_grace=20)
