@@ -160,7 +160,7 @@ class SchedulerService:
             if self.queue_full:
                 send(self.frontends, EngineOutputs(outputs=[], timestamp=time.time(), queue_full=True), to=peer)
         if isinstance(msg, EngineRequest):
-            if self._queue_is_full():
+            if self._queue_is_full() and msg.attempt == 0:  # a resubmission was accepted once already
                 send(self.frontends, EngineError(
                     request_id=msg.request_id, status=OVERLOADED_STATUS, attempt=msg.attempt,
                     message=f"The server is overloaded: {self._num_waiting()} requests are waiting already "

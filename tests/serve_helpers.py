@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from local_ports import free_port
+from pagedserve.bench.chaos_victims import descendants, process_title as cmdline  # noqa: F401 (tests import them)
 from logged_process import REPO, LoggedProcess  # noqa: F401 (tests import REPO from here)
 
 MODEL = "smollm2-135m-instruct"
@@ -27,31 +28,10 @@ def _proc_stats() -> Iterator[tuple[int, list[str]]]:
             continue
 
 
-def descendants(pid: int) -> list[int]:
-    """All live descendants of `pid`, from /proc."""
-    children: dict[int, list[int]] = {}
-    for child, fields in _proc_stats():
-        children.setdefault(int(fields[1]), []).append(child)
-    found, stack = [], [pid]
-    while stack:
-        for child in children.get(stack.pop(), []):
-            found.append(child)
-            stack.append(child)
-    return found
-
-
 def session_processes(session: int) -> list[int]:
     """Live (not zombie) processes of this session: what a command started with
     start_new_session left behind."""
     return [pid for pid, fields in _proc_stats() if int(fields[3]) == session and fields[0] != "Z"]
-
-
-def cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-    except OSError:
-        return ""
 
 
 class Server(LoggedProcess):

@@ -142,8 +142,8 @@ class EngineClient:
         and the scheduler's own rejection (e.g. prompt too long) as a
         PagedServeError.
         """
-        await self.ensure_connected()
         deadline = None if self._request_timeout is None else time.monotonic() + self._request_timeout
+        await self.ensure_connected()  # (waiting at most the request timeout, see frontend_cli)
         if request_id in self._streams:  # checked after the last await: no other task can slip in
             raise InvalidRequestError(f"request id {request_id!r} is already in flight", param="request_id")
         request = EngineRequest(
@@ -177,7 +177,7 @@ class EngineClient:
             if not stream.finished:
                 self.abort([request_id])
 
-    async def _get_before(self, stream: _RequestStream, deadline: float) -> RequestOutput | Exception:
+    async def _get_before(self, stream: RequestStream, deadline: float) -> RequestOutput | Exception:
         try:
             return await asyncio.wait_for(stream.queue.get(), max(0.0, deadline - time.monotonic()))
         except asyncio.TimeoutError:

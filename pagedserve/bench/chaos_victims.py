@@ -35,7 +35,8 @@ def _proc_table() -> dict[int, tuple[int, str]]:
     return table
 
 
-def _title(pid: int) -> str:
+def process_title(pid: int) -> str:
+    """The command line (a component's title) of `pid`; "" for one that is gone."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
@@ -72,7 +73,7 @@ def component_pids(serve_pid: int) -> dict[str, list[int]]:
     """kind -> sorted live pids of that kind under the `serve` process `serve_pid`."""
     found: dict[str, list[int]] = {}
     for pid in descendants(serve_pid):
-        kind = kind_of(_title(pid))
+        kind = kind_of(process_title(pid))
         if kind is not None:
             found.setdefault(kind, []).append(pid)
     return {kind: sorted(pids) for kind, pids in found.items()}

@@ -3,7 +3,7 @@ outputs, hello/heartbeat, abort on early close, resubmitting in-flight
 requests to a scheduler that comes back (or dropped them), and 503 when none
 comes back in time or a connected one stalls."""
 import asyncio
-from contextlib import aclosing
+from contextlib import aclosing, asynccontextmanager
 
 import pytest
 import zmq
@@ -30,6 +30,15 @@ def address():
     return f"tcp://127.0.0.1:{free_port()}"
 
 
+@asynccontextmanager
+async def started(client: EngineClient):
+    await client.start()
+    try:
+        yield client
+    finally:
+        await client.close()
+
+
 def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 30))
 
@@ -49,15 +58,11 @@ def test_generate_routes_outputs_and_says_hello(address, transport, tmp_path):
     scheduler = make_scheduler(address)
 
     async def main():
-        client = EngineClient(address, heartbeat_interval=0.1)
-        await client.start()
-        try:
+        async with started(EngineClient(address, heartbeat_interval=0.1)) as client:
             a, b = await asyncio.gather(collect(client, "a", [10, 11], max_tokens=3),
                                         collect(client, "b", [12], max_tokens=None))
             await async_wait_for(lambda: len(scheduler.snapshot().hellos) >= 3, "a hello and two heartbeats")
             return client.frontend_id, a, b
-        finally:
-            await client.close()
 
     try:
         frontend_id, a, b = run(main())
@@ -78,16 +83,12 @@ def test_closing_a_stream_early_aborts_the_request(address):
     scheduler = make_scheduler(address)
 
     async def main():
-        client = EngineClient(address)
-        await client.start()
-        try:
+        async with started(EngineClient(address)) as client:
             stream = client.generate("slow", [SLOW], SamplingParams(max_tokens=None, ignore_eos=True))
             async with aclosing(stream):
                 async for _ in stream:
                     break  # the client went away after the first token
             assert not client.is_in_flight("slow")
-        finally:
-            await client.close()
 
     try:
         run(main())
@@ -100,16 +101,12 @@ def test_duplicate_request_id_is_rejected(address):
     scheduler = make_scheduler(address)
 
     async def main():
-        client = EngineClient(address)
-        await client.start()
-        try:
+        async with started(EngineClient(address)) as client:
             first = client.generate("same", [SLOW], SamplingParams(max_tokens=None, ignore_eos=True))
             async with aclosing(first):
                 await first.__anext__()
                 with pytest.raises(Exception, match="already in flight"):
                     await collect(client, "same", [10])
-        finally:
-            await client.close()
 
     try:
         run(main())
@@ -119,13 +116,9 @@ def test_duplicate_request_id_is_rejected(address):
 
 def test_no_scheduler_fails_fast_with_503(address):
     async def main():
-        client = EngineClient(address, connect_grace=0.3)
-        await client.start()
-        try:
+        async with started(EngineClient(address, connect_grace=0.3)) as client:
             with pytest.raises(ServiceUnavailableError):  # run() fails the test if it waits instead
                 await collect(client, "x", [10])
-        finally:
-            await client.close()
 
     run(main())
 
@@ -142,9 +135,7 @@ def test_a_request_survives_its_scheduler_dying_and_resumes_where_it_was(address
 
     async def main():
         nonlocal scheduler
-        client = EngineClient(address)
-        await client.start()
-        try:
+        async with started(EngineClient(address)) as client:
             tokens = []
             stream = client.generate("survivor", [1, 2], SamplingParams(max_tokens=12))
             async with aclosing(stream):
@@ -157,8 +148,6 @@ def test_a_request_survives_its_scheduler_dying_and_resumes_where_it_was(address
                         scheduler = counting_scheduler(address)  # restarted: the client reconnects by itself
                     last = output
             return tokens, last
-        finally:
-            await client.close()
 
     try:
         tokens, last = run(main())
@@ -179,9 +168,7 @@ def test_samples_resume_each_from_its_own_tokens_and_a_stopped_one_stays_stopped
 
     async def main():
         nonlocal scheduler
-        client = EngineClient(address)
-        await client.start()
-        try:
+        async with started(EngineClient(address)) as client:
             tokens: dict[int, list[int]] = {0: [], 1: [], 2: []}
             restarted = False
             stream = client.generate("three", [1], SamplingParams(n=3, max_tokens=8))
@@ -196,8 +183,6 @@ def test_samples_resume_each_from_its_own_tokens_and_a_stopped_one_stays_stopped
                         await async_wait_for(lambda: not client.connected, "the loss to be seen")
                         scheduler = counting_scheduler(address)
             return tokens
-        finally:
-            await client.close()
 
     try:
         tokens = run(main())
@@ -215,9 +200,7 @@ def test_in_flight_requests_fail_with_503_when_no_scheduler_comes_back_in_time(a
     scheduler = make_scheduler(address)
 
     async def main():
-        client = EngineClient(address, restart_timeout=0.5)
-        await client.start()
-        try:
+        async with started(EngineClient(address, restart_timeout=0.5)) as client:
             stream = client.generate("doomed", [SLOW], SamplingParams(max_tokens=None, ignore_eos=True))
             async with aclosing(stream):
                 await stream.__anext__()
@@ -226,8 +209,6 @@ def test_in_flight_requests_fail_with_503_when_no_scheduler_comes_back_in_time(a
                     async for _ in stream:
                         pass
             assert not client.connected
-        finally:
-            await client.close()
 
     run(main())
 
@@ -239,9 +220,7 @@ def test_a_request_that_keeps_losing_its_scheduler_fails_with_503(address, monke
 
     async def main():
         nonlocal scheduler
-        client = EngineClient(address)
-        await client.start()
-        try:
+        async with started(EngineClient(address)) as client:
             stream = client.generate("unlucky", [1], SamplingParams(max_tokens=30))
             async with aclosing(stream):
                 with pytest.raises(ServiceUnavailableError, match="lost 2 times while running this request"):
@@ -250,8 +229,6 @@ def test_a_request_that_keeps_losing_its_scheduler_fails_with_503(address, monke
                             scheduler.stop()  # first after its first token, then after 8 more
                             await async_wait_for(lambda: not client.connected, "the loss to be seen")
                             scheduler = counting_scheduler(address)
-        finally:
-            await client.close()
 
     try:
         run(main())
@@ -261,9 +238,7 @@ def test_a_request_that_keeps_losing_its_scheduler_fails_with_503(address, monke
 
 def test_a_new_request_waits_for_a_scheduler_that_comes_back(address):
     async def main():
-        client = EngineClient(address, connect_grace=20)
-        await client.start()
-        try:
+        async with started(EngineClient(address, connect_grace=20)) as client:
             waiting = asyncio.ensure_future(collect(client, "patient", [10], max_tokens=2))
             await asyncio.sleep(0.5)
             assert not waiting.done()
@@ -273,8 +248,6 @@ def test_a_new_request_waits_for_a_scheduler_that_comes_back(address):
             finally:
                 scheduler.stop()
             return outputs
-        finally:
-            await client.close()
 
     outputs = run(main())
     assert [t for o in outputs for t in o.new_token_ids] == [5, 6]
@@ -284,9 +257,7 @@ def test_outputs_of_a_replaced_attempt_are_dropped(address):
     scheduler = counting_scheduler(address)
 
     async def main():
-        client = EngineClient(address)
-        await client.start()
-        try:
+        async with started(EngineClient(address)) as client:
             tokens = []
             stream = client.generate("r", [1], SamplingParams(max_tokens=6))
             async with aclosing(stream):
@@ -298,8 +269,6 @@ def test_outputs_of_a_replaced_attempt_are_dropped(address):
                         client._dispatch(EngineOutputs(outputs=[], dropped={"r": 0}))
                         client._dispatch(EngineOutputs(outputs=[RequestOutput(request_id="r", new_token_ids=[77])]))
             return tokens
-        finally:
-            await client.close()
 
     try:
         tokens = run(main())
@@ -335,9 +304,7 @@ def test_stall_fails_requests_only_when_the_health_probe_fails(address, healthy)
         return healthy
 
     async def main():
-        client = EngineClient(address, health_probe=probe, stall_timeout=0.4)
-        await client.start()
-        try:
+        async with started(EngineClient(address, health_probe=probe, stall_timeout=0.4)) as client:
             if healthy:
                 # Still waiting after the watchdog asked twice: a busy scheduler is not dead.
                 request = asyncio.ensure_future(collect(client, "stalled", [10]))
@@ -349,8 +316,6 @@ def test_stall_fails_requests_only_when_the_health_probe_fails(address, healthy)
             else:
                 with pytest.raises(ServiceUnavailableError, match="stopped responding"):
                     await collect(client, "stalled", [10])
-        finally:
-            await client.close()
 
     try:
         run(main())

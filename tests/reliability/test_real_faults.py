@@ -269,6 +269,8 @@ def test_scheduler_killed_mid_generation_loses_no_request(server, kind):
     assert late[0] == 200, late
     log = server.log()[log_start:]
     assert f"scheduler (pid {pid}) was killed by SIGKILL" in log
-    assert re.search(rf"resubmitting {count} in-flight requests", log), log[-4000:]
+    # Every request was still in flight (the one sent during the outage may be too).
+    resubmitted = re.search(r"resubmitting (\d+) in-flight requests", log)
+    assert resubmitted and int(resubmitted.group(1)) >= count, log[-4000:]
     assert server.component_pids()["scheduler"][0] != pid
     all_blocks_free(server, timeout=30)

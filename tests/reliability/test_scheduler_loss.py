@@ -18,8 +18,10 @@ from tests.reliability.stack import MODEL_NAME, Process, Stack
 
 @pytest.fixture
 def stack(tmp_path):
-    # The scheduler gives up on a frontend silent for 1 s (its heartbeat is every second).
-    stack = Stack(tmp_path, step_delay=0.05, scheduler_args=["--frontend-timeout", "1"])
+    # The scheduler gives up on a frontend silent for 1 s (its heartbeat is every second); one
+    # request runs at a time and one more may wait.
+    stack = Stack(tmp_path, step_delay=0.05, scheduler_args=["--frontend-timeout", "1", "--max-num-seqs", "1",
+                                                             "--max-waiting-requests", "1"])
     try:
         stack.wait_healthy()
         yield stack
@@ -31,7 +33,7 @@ def test_a_frontend_the_scheduler_gave_up_on_resubmits_its_requests(stack):
     body = {"model": MODEL_NAME, "prompt": "one two", "max_tokens": 60}
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         futures = [pool.submit(stream_completion, stack.base_url, body) for _ in range(2)]
-        wait_for(lambda: stack.stats().num_running == 2, "both requests to run")
+        wait_for(lambda: stack.stats().num_running + stack.stats().num_waiting == 2, "both requests to arrive")
         os.kill(stack.frontend.proc.pid, signal.SIGSTOP)  # silent, its connection still up
         try:
             stack.scheduler.wait_for_log(r"silent for \ds: aborting its 2 requests", timeout=30)
@@ -45,10 +47,12 @@ def test_a_frontend_the_scheduler_gave_up_on_resubmits_its_requests(stack):
 
 
 def test_a_restarted_scheduler_gets_the_requests_of_the_one_that_died(stack):
+    """Both, though its waiting queue holds one: a resubmission was accepted once already."""
     body = {"model": MODEL_NAME, "prompt": "one two", "max_tokens": 60}
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         futures = [pool.submit(stream_completion, stack.base_url, body) for _ in range(2)]
-        wait_for(lambda: stack.stats().num_generation_tokens >= 20, "the requests to be mid-generation")
+        wait_for(lambda: stack.stats().num_generation_tokens >= 20 and stack.stats().num_waiting == 1,
+                 "one request to be mid-generation, the other waiting")
         stack.scheduler.stop(signal.SIGKILL)
         time.sleep(1.0)  # what a supervisor's restart backoff would take
         stack.scheduler = Process("pagedserve.cli", stack.scheduler.proc.args[3:], stack.tmp / "scheduler2.log")
