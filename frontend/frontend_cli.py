@@ -218,7 +218,8 @@ def engine_clients(args: argparse.Namespace, metrics):
         restart_timeout = args.scheduler_restart_timeout
         pairs.append((EngineClient(scheduler_address, frontend_id=frontend_id, health_probe=scheduler_alive,
                                    request_timeout=args.request_timeout, restart_timeout=restart_timeout,
-                                   connect_grace=min(restart_timeout, args.request_timeout or restart_timeout)),
+                                   connect_grace=min(restart_timeout, args.request_timeout or restart_timeout),
+                                   on_resubmit=metrics.record_resubmitted),
                       control))
     if len(pairs) == 1:
         return pairs[0]

@@ -59,7 +59,7 @@ class EngineClient:
     def __init__(self, scheduler_address: str, *, frontend_id: str | None = None,
                  health_probe: HealthProbe | None = None, heartbeat_interval: float = 1.0,
                  stall_timeout: float = 10.0, connect_grace: float = 1.0, request_timeout: float | None = None,
-                 restart_timeout: float = 60.0):
+                 restart_timeout: float = 60.0, on_resubmit: Callable[[int], None] | None = None):
         self.scheduler_address = scheduler_address
         self.frontend_id = frontend_id or new_frontend_id()
         self._health_probe = health_probe
@@ -68,6 +68,7 @@ class EngineClient:
         self._connect_grace = connect_grace
         self._request_timeout = request_timeout
         self._restart_timeout = restart_timeout
+        self._on_resubmit = on_resubmit  # (how many) for the metrics
         self._disconnected_since: float | None = None  # while requests wait for a scheduler to come back
         self._queue_full = False  # the scheduler's latest word on its waiting queue
         self._ctx = zmq.asyncio.Context()
@@ -244,6 +245,8 @@ class EngineClient:
             return
         logger.warning("resubmitting %d in-flight requests to the scheduler at %s with the tokens they had "
                        "produced", len(streams), self.scheduler_address)
+        if self._on_resubmit is not None:
+            self._on_resubmit(len(streams))
         self._post(Abort(request_ids=[s.request_id for s in streams]))
         for stream in streams:
             request = stream.resubmission()

@@ -90,6 +90,10 @@ class FrontendMetrics:
         self.e2e_request_latency = Histogram(
             PREFIX + "e2e_request_latency_seconds", "Time from arrival to the last token.",
             labels, buckets=E2E_BUCKETS, registry=self.registry).labels(model_name)
+        self.requests_resubmitted = Counter(
+            PREFIX + "request_resubmissions", "Requests resubmitted, with the tokens they had produced, to a "
+            "scheduler that had lost them (restarted, or one that gave up on this frontend).",
+            labels, registry=self.registry).labels(model_name)
         self.requests_routed = None
         if num_replicas > 1:  # data parallel: the router's choices
             self.requests_routed = Counter(
@@ -102,6 +106,9 @@ class FrontendMetrics:
 
     def record_finished(self, finished_reason: str) -> None:
         self.request_success.labels(self.model_name, finished_reason).inc()
+
+    def record_resubmitted(self, count: int) -> None:
+        self.requests_resubmitted.inc(count)
 
     def record_routed(self, replica: int, reason: str) -> None:
         if self.requests_routed is not None:

@@ -132,10 +132,11 @@ def counting_scheduler(address: str) -> FakeScheduler:
 
 def test_a_request_survives_its_scheduler_dying_and_resumes_where_it_was(address):
     scheduler = counting_scheduler(address)
+    resubmit_counts = []
 
     async def main():
         nonlocal scheduler
-        async with started(EngineClient(address)) as client:
+        async with started(EngineClient(address, on_resubmit=resubmit_counts.append)) as client:
             tokens = []
             stream = client.generate("survivor", [1, 2], SamplingParams(max_tokens=12))
             async with aclosing(stream):
@@ -160,6 +161,7 @@ def test_a_request_survives_its_scheduler_dying_and_resumes_where_it_was(address
     assert resubmitted.attempt == 1 and resubmitted.prompt_token_ids == [1, 2]
     assert [(r.index, r.output_token_ids, r.finished) for r in resubmitted.resumed] == [(0, COUNTING[:4], False)]
     assert "survivor" in restarted.aborts  # before the resubmission, in case the scheduler still held it
+    assert resubmit_counts == [1]  # (counted for the metrics)
     assert restarted.hellos, "no FrontendHello after reconnecting"
 
 

@@ -22,7 +22,7 @@ from common.grpc_gen import pagedserve_pb2 as pb
 from common.grpc_gen import pagedserve_pb2_grpc as pb_grpc
 from local_ports import free_port
 from polling import wait_for
-from serve_helpers import MODEL, REPO, cmdline, running_server
+from serve_helpers import MODEL, REPO, cmdline, metric_samples, running_server
 from tests.reliability.clients import many_streams, scheduler_stats, stream_completion
 from tests.reliability.stack import wait_all_blocks_free, wait_healthy
 
@@ -244,6 +244,7 @@ def test_scheduler_killed_mid_generation_loses_no_request(server, kind):
     assert all(status == 200 for status, _, _ in expected), expected
 
     log_start = len(server.log())
+    resubmissions = metric_samples(server).get("pagedserve:request_resubmissions_total", 0)
     before = scheduler_stats(control(server)).num_generation_tokens
     with concurrent.futures.ThreadPoolExecutor(count + 1) as pool:
         if kind == "streamed":
@@ -272,5 +273,6 @@ def test_scheduler_killed_mid_generation_loses_no_request(server, kind):
     # Every request was still in flight (the one sent during the outage may be too).
     resubmitted = re.search(r"resubmitting (\d+) in-flight requests", log)
     assert resubmitted and int(resubmitted.group(1)) >= count, log[-4000:]
+    assert metric_samples(server)["pagedserve:request_resubmissions_total"] >= resubmissions + count
     assert server.component_pids()["scheduler"][0] != pid
     all_blocks_free(server, timeout=30)
