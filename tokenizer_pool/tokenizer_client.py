@@ -4,7 +4,9 @@ decode over one zmq.asyncio DEALER socket.
 Concurrent calls share the socket; replies are matched to callers by job id.
 A job without a reply after `resend_interval` seconds is sent again with the
 same id (the router ignores a resend of a job it still holds, and a second
-reply is ignored here), until `timeout` seconds have passed in all.
+reply is ignored here), until `timeout` seconds have passed in all. Every
+(re)connection to the router sends the waiting jobs again at once: a restarted
+router knows nothing of the jobs its predecessor took.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from collections.abc import Iterable, Sequence
 import msgspec
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from common.errors import InvalidRequestError
 from common.protocol import (ChatMessage, DetokenizeJob, MessageType, RenderChatJob, TokenizeJob,
@@ -38,6 +41,8 @@ class TokenizerClient:
         self._ctx = ctx
         self._sock: zmq.asyncio.Socket | None = None
         self._receiver: asyncio.Task | None = None
+        self._monitor: asyncio.Task | None = None
+        self._connected: asyncio.Future | None = None  # resolved by the next (re)connection
         self._waiting: dict[str, asyncio.Future] = {}
         self._id_prefix = os.urandom(6).hex()
         self._counter = itertools.count()
@@ -87,13 +92,16 @@ class TokenizerClient:
             while True:
                 await self._sock.send_multipart(frames, copy=False)
                 wait = min(self.resend_interval, deadline - loop.time())
-                try:
-                    reply = await asyncio.wait_for(asyncio.shield(reply_future), max(wait, 0.0))
+                connected = self._connected
+                await asyncio.wait([reply_future, connected], timeout=max(wait, 0.0),
+                                   return_when=asyncio.FIRST_COMPLETED)
+                if reply_future.done():
+                    reply = reply_future.result()
                     break
-                except TimeoutError:
-                    if loop.time() >= deadline:
-                        raise TokenizerUnavailableError(
-                            f"the tokenizer pool did not answer within {self.timeout:g}s") from None
+                if loop.time() >= deadline:
+                    raise TokenizerUnavailableError(
+                        f"the tokenizer pool did not answer within {self.timeout:g}s") from None
+                if not connected.done():
                     logger.warning("no reply to tokenizer job %s after %.1fs; sending it again",
                                    job.job_id, self.resend_interval)
         finally:
@@ -111,13 +119,14 @@ class TokenizerClient:
                 future.set_exception(error)
 
     async def close(self) -> None:
-        if self._receiver is not None:
-            self._receiver.cancel()
-            try:
-                await self._receiver
-            except asyncio.CancelledError:
-                pass
-            self._receiver = None
+        for task in (self._receiver, self._monitor):
+            if task is not None:
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
+        self._receiver = self._monitor = None
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
@@ -141,9 +150,27 @@ class TokenizerClient:
             return
         ctx = self._ctx or zmq.asyncio.Context.instance()
         self._sock = make_socket(ctx, zmq.DEALER)
+        loop = asyncio.get_running_loop()
+        self._connected = loop.create_future()
+        monitor = self._sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
         for address in self.addresses:
             self._sock.connect(address)
-        self._receiver = asyncio.get_running_loop().create_task(self._read_replies(), name="tokenizer-replies")
+        self._receiver = loop.create_task(self._read_replies(), name="tokenizer-replies")
+        self._monitor = loop.create_task(self._watch_connections(monitor), name="tokenizer-connections")
+
+    async def _watch_connections(self, monitor: zmq.asyncio.Socket) -> None:
+        """Wake the waiting jobs on every (re)connection, so they are sent again."""
+        try:
+            while True:
+                event = parse_monitor_message(await monitor.recv_multipart())["event"]
+                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    connected, self._connected = self._connected, asyncio.get_running_loop().create_future()
+                    connected.set_result(None)
+                    if self._waiting:
+                        logger.info("connected to the tokenizer pool: sending %d waiting jobs again",
+                                    len(self._waiting))
+        finally:
+            monitor.close(linger=0)
 
     async def _read_replies(self) -> None:
         decoder = MessageDecoder([MessageType.TOKENIZER_REPLY])
