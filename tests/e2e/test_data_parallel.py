@@ -10,7 +10,6 @@ import concurrent.futures
 import os
 import re
 import signal
-import threading
 
 import httpx
 import openai
@@ -18,7 +17,7 @@ import pytest
 
 from polling import wait_for
 from serve_helpers import Server
-from tests.reliability.clients import stream_completion
+from tests.reliability.clients import scheduler_stats, stream_completion
 
 PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "The three primary colors are",
            "In 1492, Columbus", "Water boils at"]
@@ -141,22 +140,27 @@ def test_a_replicas_worker_killed_mid_stream_costs_no_request(dp2, tiny_model):
         expected = list(pool.map(lambda b: stream_completion(dp2.base_url, b), bodies))
     assert all(r.ok for r in expected), expected
 
-    victim = started_pid(dp2, "worker-dp1")
-    chunks_seen = threading.Semaphore(0)
+    def busy_replica() -> str | None:
+        """The worker of a replica that runs requests now, read from its scheduler (counting
+        streamed chunks instead kills too late on a loaded machine, where the client reads late)."""
+        for index in (1, 0):
+            if scheduler_stats(f"unix:{dp2.runtime_dir}/control-{index}").num_running >= 2:
+                return f"worker-dp{index}"
+        return None
+
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
-        futures = [pool.submit(stream_completion, dp2.base_url, b, on_chunk=lambda r: chunks_seen.release())
-                   for b in bodies]
-        for _ in range(16 * 2):  # every request under way, few of its 160 tokens out
-            assert chunks_seen.acquire(timeout=120)
+        futures = [pool.submit(stream_completion, dp2.base_url, b) for b in bodies]
+        name = wait_for(busy_replica, "a replica to run requests", timeout=120, interval=0.02)
+        victim = started_pid(dp2, name)
         os.kill(victim, signal.SIGKILL)
         results = [f.result() for f in futures]
     assert [r.errors for r in results] == [[]] * 16
     assert [r.text for r in results] == [r.text for r in expected]
     assert all(r.ok and r.finish_reason == "length" for r in results)
     log = dp2.log()
-    assert f"worker-dp1 (pid {victim}) was killed by SIGKILL; restarting" in log
-    moved = re.search(r"worker \S+ lost \(.*\): (\d+) running requests moved back", log)
-    assert moved and int(moved.group(1)) > 0, "the killed worker's replica had no request in flight"
+    assert f"{name} (pid {victim}) was killed by SIGKILL; restarting" in log
+    moved = re.findall(rf"worker \S+-{victim} lost \(.*\): (\d+) running requests moved back", log)
+    assert moved and int(moved[-1]) > 0, "the killed worker's replica had no request in flight"
     wait_for(lambda: "registered and replaces the lost worker" in dp2.log(), "the new worker to register")
 
 
