@@ -4,8 +4,11 @@ One thread runs the engine loop: it blocks in zmq poll while idle (no busy
 spinning: every idle cycle on a 2-core machine is stolen from the model),
 takes requests and aborts from any number of frontends, sends each step's
 plan to the worker, applies the result and sends every frontend the outputs
-of its own requests, batched per step. The gRPC control service reads a
-snapshot the loop publishes and hands state changes to the loop.
+of its own requests, batched per step. The per-frontend bookkeeping (who
+owns which request, frontend liveness, the waiting-queue limit) lives in
+frontend_requests.py; this module keeps the loop, the workers and the
+steps. The gRPC control service reads a snapshot the loop publishes and
+hands state changes to the loop.
 
 Failures it survives (see docs/operations.md):
 - a worker whose connection closes (process died), goes silent (ZMTP
@@ -25,21 +28,18 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections import defaultdict
 from concurrent.futures import Future
 from dataclasses import asdict
 
 import zmq
 
 from common.config import EngineConfig
-from common.errors import InvalidRequestError
-from common.protocol import (Abort, EngineError, EngineOutputs, EngineRequest, FrontendHello, MessageType,
-                             RequestOutput, StepPlan, StepResult, WorkerGoodbye, WorkerHello, WorkerReady,
-                             PROTOCOL_VERSION)
+from common.protocol import MessageType, StepPlan, StepResult, WorkerGoodbye, WorkerHello, WorkerReady
 from common.transport import MessageDecoder, bind_exclusive, make_socket, send
 from scheduler.command_inbox import CommandInbox
 from scheduler.connections import PeerTracker, enable_heartbeats
 from scheduler.control import ControlSnapshot, ControlState
+from scheduler.frontend_requests import FrontendRequests
 from scheduler.scheduler import Scheduler
 from scheduler.stats_logger import StatsLogger
 from scheduler.worker_registry import CrashLedger, Verdict, WorkerRegistry, peer_name as _name
@@ -49,7 +49,6 @@ logger = logging.getLogger(__name__)
 FRONTEND_TYPES = (MessageType.ENGINE_REQUEST, MessageType.ABORT, MessageType.FRONTEND_HELLO)
 WORKER_TYPES = (MessageType.WORKER_HELLO, MessageType.STEP_RESULT, MessageType.WORKER_GOODBYE)
 IDLE_POLL_MS = 1000
-OVERLOADED_STATUS = 429
 
 
 class SchedulerService:
@@ -59,8 +58,6 @@ class SchedulerService:
         self.config = config
         self.control = control
         self.worker_step_timeout_s = worker_step_timeout_s
-        self.frontend_timeout_s = frontend_timeout_s
-        self.max_waiting_requests = max_waiting_requests
         self.ctx = zmq.Context.instance()
         self.frontends = make_socket(self.ctx, zmq.ROUTER)
         enable_heartbeats(self.frontends)
@@ -77,14 +74,12 @@ class SchedulerService:
         self.scheduler: Scheduler | None = None
         self.scheduler_id = uuid.uuid4().hex
         self.registry = WorkerRegistry(self.scheduler_id)
-        self.pending: list[tuple[bytes, EngineRequest]] = []  # arrived before any worker registered
-        self.owner: dict[str, bytes] = {}  # request id -> frontend identity
-        self.attempt: dict[str, int] = {}  # request id -> its EngineRequest.attempt (echoed in errors)
-        self.frontend_seen: dict[bytes, float] = {}
         self.step_in_flight: StepPlan | None = None
         self.step_sent_at = 0.0
         self.crashes = CrashLedger(limit=2)  # a request in the step of two worker deaths is failed
-        self.queue_full = False
+        self.frontend_requests = FrontendRequests(  # who owns which request; liveness; the queue limit
+            self.frontends, self.frontend_peers, lambda: self.scheduler, self.crashes,
+            timeout_s=frontend_timeout_s, max_waiting_requests=max_waiting_requests)
         self.stats_logger = StatsLogger(enabled=log_stats)
         self.running = True
 
@@ -103,7 +98,7 @@ class SchedulerService:
             events = dict(poller.poll(0 if self._ready_to_step() else IDLE_POLL_MS))
             # Messages first: a result sent just before a worker died still counts.
             if self.frontends in events:
-                self._drain(self.frontend_peers, self.frontend_decoder, self._on_frontend_message)
+                self._drain(self.frontend_peers, self.frontend_decoder, self.frontend_requests.on_message)
             if self.workers in events:
                 self._drain(self.worker_peers, self.worker_decoder, self._on_worker_message)
             if self.worker_peers.monitor in events:
@@ -113,14 +108,14 @@ class SchedulerService:
                         self._on_worker_lost("its connection closed")
             if self.frontend_peers.monitor in events:
                 for peer in self.frontend_peers.disconnected_peers():
-                    self._frontend_gone(peer, "disconnected")
+                    self.frontend_requests.gone(peer, "disconnected")
             if self.inbox.socket in events:
                 self._drain_commands()
-            self._expire_silent_frontends()
+            self.frontend_requests.expire_silent()
             self._check_step_timeout()
             if self._ready_to_step():
                 self._start_step()
-            self._announce_queue_state()
+            self.frontend_requests.announce_queue_state()
             self._publish_snapshot()
             self.stats_logger.maybe_log(self.scheduler)
 
@@ -151,124 +146,6 @@ class SchedulerService:
             except Exception:  # one bad message must never take the scheduler down
                 logger.exception("error while handling %s from %r", type(msg).__name__, peer)
 
-    # --- frontends ----------------------------------------------------------------
-    def _on_frontend_message(self, peer: bytes, msg) -> None:
-        is_new = peer not in self.frontend_seen
-        self.frontend_seen[peer] = time.monotonic()
-        if is_new:
-            logger.info("frontend %s connected", _name(peer))
-            if self.queue_full:
-                send(self.frontends, EngineOutputs(outputs=[], timestamp=time.time(), queue_full=True), to=peer)
-        if isinstance(msg, EngineRequest):
-            if self._queue_is_full() and msg.attempt == 0:  # a resubmission was accepted once already
-                send(self.frontends, EngineError(
-                    request_id=msg.request_id, status=OVERLOADED_STATUS, attempt=msg.attempt,
-                    message=f"The server is overloaded: {self._num_waiting()} requests are waiting already "
-                            f"(max_waiting_requests={self.max_waiting_requests}); retry later"), to=peer)
-            elif self.scheduler is None:
-                self.pending.append((peer, msg))
-            else:
-                self._add_request(peer, msg)
-        elif isinstance(msg, Abort):
-            self._on_abort(peer, msg.request_ids)
-        elif isinstance(msg, FrontendHello):
-            if msg.protocol_version != PROTOCOL_VERSION:
-                logger.error("frontend %r speaks protocol %d, we speak %d", peer, msg.protocol_version,
-                             PROTOCOL_VERSION)
-
-    def _add_request(self, peer: bytes, req: EngineRequest) -> None:
-        if req.request_id in self.owner:
-            send(self.frontends, EngineError(request_id=req.request_id, attempt=req.attempt, message=(
-                f"request id {req.request_id!r} is already in flight")), to=peer)
-            return
-        try:
-            self.scheduler.add_request(req)  # which validates the sampling params
-        except InvalidRequestError as e:
-            send(self.frontends, EngineError(request_id=req.request_id, message=e.message, attempt=req.attempt),
-                 to=peer)
-            return
-        self.owner[req.request_id] = peer
-        self.attempt[req.request_id] = req.attempt
-
-    def _on_abort(self, peer: bytes, request_ids: list[str]) -> None:
-        """Abort what this frontend asked for: its requests, or samples of them (n > 1)."""
-        dropped = set(request_ids)
-        self.pending = [(owner, req) for owner, req in self.pending
-                        if owner != peer or req.request_id not in dropped]
-        if self.scheduler is not None:
-            self._abort([rid for rid in request_ids
-                         if self.owner.get(self.scheduler.client_request_id(rid)) == peer])
-
-    def _abort(self, request_ids: list[str]) -> None:
-        if request_ids and self.scheduler is not None:
-            self._publish_outputs(self.scheduler.abort_requests(request_ids))
-
-    def _frontend_gone(self, peer: bytes, reason: str, *, still_connected: bool = False) -> None:
-        """Abort everything the frontend asked for: nobody is left to read it. One
-        that only fell silent is told which requests were dropped, so that if it is
-        alive after all it resubmits them instead of waiting for them forever."""
-        self.frontend_seen.pop(peer, None)
-        self.frontend_peers.forget(peer)
-        dropped = {req.request_id: req.attempt for owner, req in self.pending if owner == peer}
-        self.pending = [(owner, req) for owner, req in self.pending if owner != peer]
-        orphans = [rid for rid, owner in self.owner.items() if owner == peer]
-        for rid in orphans:  # their abort outputs go nowhere: a frontend told of `dropped` resubmits
-            del self.owner[rid]
-            dropped[rid] = self.attempt.pop(rid, 0)
-            self.crashes.forget(rid)
-        if orphans:
-            logger.warning("frontend %s %s: aborting its %d requests", _name(peer), reason, len(orphans))
-            if self.scheduler is not None:
-                self.scheduler.abort_requests(orphans)
-        else:
-            logger.info("frontend %s %s", _name(peer), reason)
-        if still_connected and dropped:
-            send(self.frontends, EngineOutputs(outputs=[], timestamp=time.time(), queue_full=self.queue_full,
-                                               dropped=dropped), to=peer)
-
-    def _expire_silent_frontends(self) -> None:
-        now = time.monotonic()
-        for peer, seen in list(self.frontend_seen.items()):
-            if now - seen > self.frontend_timeout_s:
-                self._frontend_gone(peer, f"silent for {now - seen:.0f}s", still_connected=True)
-
-    def _num_waiting(self) -> int:
-        return len(self.pending) + (len(self.scheduler.waiting) if self.scheduler is not None else 0)
-
-    def _queue_is_full(self) -> bool:
-        return self.max_waiting_requests is not None and self._num_waiting() >= self.max_waiting_requests
-
-    def _announce_queue_state(self) -> None:
-        """Tell every frontend when the queue fills or drains, so they answer
-        429 before starting a response instead of after."""
-        full = self._queue_is_full()
-        if full == self.queue_full:
-            return
-        self.queue_full = full
-        if full:
-            logger.warning("waiting queue full (%d requests): new requests get 429 until it drains",
-                           self._num_waiting())
-        else:
-            logger.info("waiting queue below its limit again: accepting new requests")
-        message = EngineOutputs(outputs=[], timestamp=time.time(), queue_full=full)
-        for peer in self.frontend_seen:
-            send(self.frontends, message, to=peer)
-
-    def _publish_outputs(self, outputs: list[RequestOutput]) -> None:
-        by_frontend: dict[bytes, list[RequestOutput]] = defaultdict(list)
-        for out in outputs:
-            peer = self.owner.get(out.request_id)
-            if peer is None:
-                continue
-            by_frontend[peer].append(out)
-            if out.request_finished:  # (with n > 1, a sample's finish is not the request's)
-                del self.owner[out.request_id]
-                self.attempt.pop(out.request_id, None)
-                self.crashes.forget(out.request_id)
-        now = time.time()
-        for peer, outs in by_frontend.items():
-            send(self.frontends, EngineOutputs(outputs=outs, timestamp=now, queue_full=self.queue_full), to=peer)
-
     # --- workers ------------------------------------------------------------------
     def _on_worker_message(self, peer: bytes, msg) -> None:
         if isinstance(msg, WorkerHello):
@@ -280,7 +157,7 @@ class SchedulerService:
                 return
             self.step_in_flight = None
             outputs = self.scheduler.update(plan, msg)
-            self._publish_outputs(outputs)
+            self.frontend_requests.publish(outputs)
             self.stats_logger.record_step(plan, outputs)
         elif isinstance(msg, WorkerGoodbye):
             if peer == self.registry.identity:
@@ -330,9 +207,7 @@ class SchedulerService:
         if not self._reply_worker(peer, WorkerReady(accepted=True, scheduler_id=self.registry.session_id)):
             self._on_worker_lost("unreachable right after its hello")
             return
-        for frontend, req in self.pending:
-            self._add_request(frontend, req)
-        self.pending.clear()
+        self.frontend_requests.admit_pending()
 
     def _on_worker_lost(self, reason: str, crashed: bool = True) -> None:
         """Keep every request: back to waiting with its tokens, recomputed by the next worker.
@@ -357,15 +232,14 @@ class SchedulerService:
         """Charge a worker death to every request of the lost step; fail the
         ones charged twice rather than feed them to the next worker."""
         charged = self.crashes.charge([self.scheduler.client_request_id(rid) for rid in request_ids])
-        suspects = [rid for rid in charged if rid in self.owner]
+        suspects = [rid for rid in charged if rid in self.frontend_requests.owner]
         for request_id in suspects:
             deaths = self.crashes.deaths[request_id]
             logger.error("request %s was running when %d workers died: failing it", request_id, deaths)
-            send(self.frontends, EngineError(
-                request_id=request_id, status=500, attempt=self.attempt.get(request_id, 0), message=(
+            self.frontend_requests.fail(request_id, 500, (
                 f"the model worker died {deaths} times while running this request; it was failed so that it "
-                f"cannot take down the next one")), to=self.owner[request_id])
-        self._abort(suspects)
+                f"cannot take down the next one"))
+        self.frontend_requests.abort(suspects)
 
     def _start_step(self) -> None:
         plan = self.scheduler.schedule()
