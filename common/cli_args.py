@@ -122,6 +122,8 @@ class SettingsParser(argparse.ArgumentParser):
             if action.choices is not None and isinstance(value, EnvText) and value not in action.choices:
                 self.error(f"argument {'/'.join(action.option_strings)}: invalid choice: {str(value)!r} "
                            f"(choose from {', '.join(map(str, action.choices))})")
+            if isinstance(value, EnvText):  # plain text from here on: msgspec encodes no str subclass
+                setattr(parsed, action.dest, str(value))
         return parsed, extras
 
     def error(self, message: str) -> NoReturn:

@@ -76,3 +76,27 @@ def test_a_kv_cache_dtype_that_cannot_run_is_refused(capsys):
     with pytest.raises(SystemExit):
         add_engine_args(argparse.ArgumentParser()).parse_args(["--kv-cache-dtype", "int4"])
     assert "--kv-cache-dtype: invalid choice: 'int4'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["worker", "scheduler", "frontend", "tokenizer"])
+def test_settings_from_the_environment_are_plain_text_that_messages_can_carry(monkeypatch, command):
+    """compose passes settings as PAGEDSERVE_* variables: a value read that way must encode in a
+    protocol message like one from the command line (the worker sent its dtype in WorkerHello)."""
+    import importlib
+
+    from common.cli_args import EnvText
+    from common.protocol import WorkerHello
+    from common.transport import encode
+    from pagedserve.cli import COMMANDS
+
+    for name, value in {"DTYPE": "float32", "MODEL": "smollm2-135m-instruct", "LOG_LEVEL": "INFO",
+                        "KV_CACHE_DTYPE": "auto", "DEVICE": "cpu"}.items():
+        monkeypatch.setenv(f"PAGEDSERVE_{name}", value)
+    module = importlib.import_module(COMMANDS[command][0])
+    args = module.parse_args(module.build_parser(), [])
+    from_env = {key: value for key, value in vars(args).items() if isinstance(value, EnvText)}
+    assert from_env == {}
+    if command == "worker":
+        assert args.dtype == "float32"
+        encode(WorkerHello(rank=0, model_name=args.model, num_blocks=1, block_size=16, max_model_len=8,
+                           vocab_size=8, eos_token_ids=[0], dtype=args.dtype))
