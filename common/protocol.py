@@ -308,7 +308,10 @@ class TokenizerReply(msgspec.Struct, **_STRUCT):
 
 
 class TokenizerReady(msgspec.Struct, **_STRUCT):
+    """A tokenizer worker's hello and heartbeat; `leaving`: it is stopping (SIGTERM), so the
+    router hands what it held to other workers without counting that against the jobs."""
     worker_id: str
+    leaving: bool = False
 
 
 MESSAGE_TYPES: dict[MessageType, type[msgspec.Struct]] = {

@@ -106,9 +106,11 @@ class Balancer:
             self.workers[worker_id] = WorkerInfo(worker_id, last_seen=now)
         return register
 
-    def remove_worker(self, worker_id: str) -> tuple[list[PendingJob], list[PendingJob]]:
+    def remove_worker(self, worker_id: str, *, charge: bool = True) -> tuple[list[PendingJob], list[PendingJob]]:
         """Forget a worker. Returns (jobs put back at the head of the queue,
-        jobs given up because they already used up their dispatches)."""
+        jobs given up because they already used up their dispatches). Without
+        `charge` (the worker said it is stopping) its jobs get their dispatch back:
+        they did not take a worker down."""
         worker = self.workers.pop(worker_id, None)
         if worker is None:
             return [], []
@@ -117,6 +119,8 @@ class Balancer:
         for key in sorted(worker.jobs, key=lambda k: int(k.rsplit(".", 1)[1]), reverse=True):
             pending = self.jobs[key]
             pending.worker = None
+            if not charge:
+                pending.dispatches -= 1
             if pending.dispatches >= self.max_dispatches:
                 self.jobs.pop(key)
                 self._by_client_job.pop((pending.client, pending.job.job_id), None)
@@ -135,6 +139,10 @@ class Balancer:
         if not self.workers:
             return None
         return min(w.last_seen for w in self.workers.values()) + timeout
+
+    def undeliverable(self, pending: PendingJob) -> None:
+        """The job handed to `pending.worker` never reached it: that dispatch does not count."""
+        pending.dispatches -= 1
 
     # ---- dispatch ---------------------------------------------------------
     def assignments(self, now: float) -> Iterator[tuple[str, PendingJob]]:

@@ -69,10 +69,10 @@ class Router:
         _drain(self.backend, self._worker_decoder, self._on_worker_message)
         self._dispatch()
 
-    def remove_worker(self, worker_id: str, reason: str) -> None:
+    def remove_worker(self, worker_id: str, reason: str, *, charge: bool = True) -> None:
         if worker_id not in self.balancer.workers:
             return  # a local worker that never joined, or one already given up on
-        requeued, given_up = self.balancer.remove_worker(worker_id)
+        requeued, given_up = self.balancer.remove_worker(worker_id, charge=charge)
         logger.warning("tokenizer worker %s left the pool (%s); re-dispatching %d job(s), %d workers remain",
                        worker_id, reason, len(requeued), len(self.balancer.workers))
         for pending in given_up:
@@ -107,6 +107,9 @@ class Router:
     def _on_worker_message(self, identity: bytes, msg: TokenizerReady | TokenizerReply) -> None:
         now = time.monotonic()
         if isinstance(msg, TokenizerReady):
+            if msg.leaving:
+                self.remove_worker(msg.worker_id, "stopping", charge=False)
+                return
             # heartbeats come from the worker's side socket, so trust the name, not the identity
             if self.balancer.worker_alive(msg.worker_id, now):
                 logger.info("tokenizer worker %s joined the pool (%d workers)", msg.worker_id,
@@ -129,6 +132,7 @@ class Router:
         for worker_id, pending in self.balancer.assignments(time.monotonic()):
             job = msgspec.structs.replace(pending.job, job_id=pending.key)
             if not self._send(self.backend, worker_id.encode(), job):
+                self.balancer.undeliverable(pending)  # the job never left: a gone peer is not its fault
                 lost.append(worker_id)
                 break  # the balancer still counts this worker; remove it before dispatching more
         for worker_id in lost:

@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import threading
+import time
 
 import zmq
 
@@ -25,29 +26,65 @@ from common.transport import MessageDecoder, make_socket, recv, send
 logger = logging.getLogger(__name__)
 
 DEFAULT_HEARTBEAT_INTERVAL = 1.0
+STOP_POLL_MS = 200  # how soon an idle worker notices a stop
+REPORT_INTERVAL = 60.0  # seconds between "served N jobs" log lines while jobs come
 JOB_TYPES = (MessageType.TOKENIZE, MessageType.RENDER_CHAT, MessageType.DETOKENIZE)
 _PR_SET_PDEATHSIG = 1
 
 
 def serve(tokenizer, backend_addr: str, worker_id: str, *,
-          heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL, ctx: zmq.Context | None = None) -> None:
-    """Answer jobs until the process is terminated."""
+          heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL, ctx: zmq.Context | None = None,
+          stopping: threading.Event | None = None) -> None:
+    """Answer jobs until `stopping` is set (SIGTERM sets it in a worker process), then finish the
+    job at hand, tell the router this worker is leaving, and return. The router then gives
+    anything it sent meanwhile to another worker, uncharged: a stop is not a crash."""
     from tokenizer_pool.jobs import run_job  # imports transformers: keep it out of the router process
 
     ctx = ctx or zmq.Context.instance()
+    stopping = stopping or threading.Event()
     sock = make_socket(ctx, zmq.DEALER, connect=backend_addr, identity=worker_id.encode())
     send(sock, TokenizerReady(worker_id=worker_id))
     heartbeat = Heartbeat(ctx, backend_addr, worker_id, heartbeat_interval)
     heartbeat.start()
     decoder = MessageDecoder(JOB_TYPES)
     logger.info("tokenizer worker %s serving jobs from %s", worker_id, backend_addr)
+    served = JobCounter(worker_id)
     try:
-        while True:
-            job = recv(sock, decoder)  # blocks while idle; bad frames are logged and dropped
+        while not stopping.is_set():
+            if not sock.poll(STOP_POLL_MS):
+                continue
+            job = recv(sock, decoder)  # bad frames are logged and dropped
             send(sock, run_job(tokenizer, job))
+            served.add()
+        heartbeat.stop()
+        heartbeat.join()  # no heartbeat may follow the goodbye and sign this worker up again
+        send(sock, TokenizerReady(worker_id=worker_id, leaving=True))
+        logger.info("tokenizer worker %s stopping after %d jobs", worker_id, served.total)
     finally:
         heartbeat.stop()
-        sock.close(linger=0)
+        sock.close(linger=1000)  # let the goodbye out
+
+
+class JobCounter:
+    """Logs a worker's first job and then, at most every REPORT_INTERVAL seconds, how many it
+    served: enough for an operator (and the compose test) to see which workers take load."""
+
+    def __init__(self, worker_id: str, interval: float = REPORT_INTERVAL):
+        self.worker_id, self.interval = worker_id, interval
+        self.total = self.reported = 0
+        self.last_report = time.monotonic()
+
+    def add(self) -> None:
+        self.total += 1
+        now = time.monotonic()
+        if self.total == 1:
+            logger.info("tokenizer worker %s served its first job", self.worker_id)
+        elif now - self.last_report >= self.interval:
+            logger.info("tokenizer worker %s served %d jobs (%d in the last %.0f s)", self.worker_id,
+                        self.total, self.total - self.reported, now - self.last_report)
+        else:
+            return
+        self.reported, self.last_report = self.total, now
 
 
 class Heartbeat(threading.Thread):
@@ -98,5 +135,7 @@ def worker_main(model_dir: str, backend_addr: str, worker_id: str, index: int, p
     setup_logging(f"tokenizer {index}", log_level)
     from common.tokenizer import load_tokenizer  # heavy (transformers): only in the child
 
+    stopping = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stopping.set())  # finish the job at hand, then leave
     tokenizer = load_tokenizer(model_dir, chat_template)
-    serve(tokenizer, backend_addr, worker_id, heartbeat_interval=heartbeat_interval)
+    serve(tokenizer, backend_addr, worker_id, heartbeat_interval=heartbeat_interval, stopping=stopping)

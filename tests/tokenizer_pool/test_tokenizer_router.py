@@ -145,6 +145,36 @@ def test_a_worker_that_cannot_be_reached_is_dropped_and_its_job_goes_elsewhere(c
     assert take(real, JOBS).text == "x"
 
 
+def test_workers_that_stop_or_cannot_be_reached_do_not_use_up_a_jobs_dispatches(ctx, make_router):
+    """A stop (`leaving`) and a send to a peer already gone are not crashes caused by the job: a
+    job may meet more of them than max_dispatches and still be answered. A crash still counts."""
+    router = make_router(max_dispatches=2)
+    client = connect(ctx, router, "front")
+    client.send_multipart(encode(TokenizeJob(job_id="j", text="x")))
+    pump(router)
+    for name in ("A", "B", "C"):  # each takes the job, then says it is stopping
+        w = worker(ctx, router, name)
+        taken = take(w, JOBS)
+        w.send_multipart(encode(TokenizerReady(worker_id=name, leaving=True)))
+        pump(router)
+        assert name not in router.balancer.workers
+    for name in ("ghost-1", "ghost-2", "ghost-3"):  # announced by others: sends to them fail
+        liar = connect(ctx, router, "back", "someone-else")
+        liar.send_multipart(encode(TokenizerReady(worker_id=name)))
+        pump(router)
+    assert router.balancer.workers == {} and nothing_for(client)
+    crashing = worker(ctx, router, "D")
+    take(crashing, JOBS)
+    router.remove_worker("D", "process exited")  # its first charged loss: below the limit
+    assert nothing_for(client)
+    last = worker(ctx, router, "E")
+    job = take(last, JOBS)
+    assert job.job_id == taken.job_id
+    last.send_multipart(encode(TokenizerReply(job_id=job.job_id, token_ids=[5])))
+    pump(router)
+    assert take(client, REPLIES) == TokenizerReply(job_id="j", token_ids=[5])
+
+
 def test_overload_is_refused_with_a_pool_error(ctx, make_router):
     router = make_router(max_queued=1)
     client = connect(ctx, router, "front")
