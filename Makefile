@@ -6,7 +6,7 @@ STAMP := $(VENV)/.pagedserve-installed
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install serve test test-slow bench proto clean
+.PHONY: install serve test test-slow compose-test bench proto clean
 
 install: $(STAMP)
 
@@ -28,6 +28,10 @@ test: install
 
 test-slow: install
 	$(BIN)/python -m pytest -q -m slow $(PYTEST_ARGS)
+
+# The docker compose stack for real: builds the image, then tests/compose (docs/operations.md).
+compose-test: install
+	PYTHON=$(BIN)/python scripts/docker/compose_test.sh $(PYTEST_ARGS)
 
 proto: install
 	$(BIN)/python proto/generate.py

@@ -21,9 +21,28 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("pagedserve", "common", "scheduler", "worker", "frontend", "tokenizer_pool")
 
 
+def interpolate(text: str, env: dict[str, str] | None = None) -> str:
+    """compose's variable substitution: ${VAR}, ${VAR:-default} (unset or empty) and
+    ${VAR-default} (unset), with no variable set unless `env` says so."""
+    env = env or {}
+
+    def value(match: re.Match) -> str:
+        name, op, default = match.group(1), match.group(2), match.group(3) or ""
+        if op == ":-":
+            return env.get(name) or default
+        if op == "-":
+            return env.get(name, default)
+        return env.get(name, "")
+    return re.sub(r"\$\{([A-Z0-9_]+)(?:(:?-)([^}]*))?\}", value, text)
+
+
+def load(name: str, env: dict[str, str] | None = None) -> dict:
+    return yaml.safe_load(interpolate((ROOT / name).read_text(), env))
+
+
 @pytest.fixture(scope="module")
 def compose() -> dict:
-    return yaml.safe_load((ROOT / "compose.yaml").read_text())
+    return load("compose.yaml")
 
 
 def env_vars_read_by_code() -> set[str]:
@@ -125,3 +144,38 @@ def test_the_tokenizer_healthcheck_does_not_count_itself(compose):
     finally:
         titled.kill()
         titled.wait()
+
+
+def test_the_gpu_override_gives_the_worker_nvidia_gpus_and_a_cuda_image():
+    """compose.gpu.yaml over compose.yaml: the worker reserves NVIDIA GPUs and runs on cuda, and
+    every service runs one CUDA image built with PyPI's torch and Triton."""
+    base, gpu = load("compose.yaml"), load("compose.gpu.yaml")
+    assert set(gpu["services"]) <= set(base["services"])
+    assert set(gpu["services"]) >= {"scheduler", "tokenizer-router", "tokenizer", "frontend", "worker"}
+    images = {service["image"] for service in gpu["services"].values()}
+    assert images == {"pagedserve:cuda"} and base["services"]["worker"]["image"] != "pagedserve:cuda"
+    for name, service in gpu["services"].items():
+        args = service["build"]["args"]
+        assert args["TORCH_INDEX_URL"] == "" and args["PIP_EXTRAS"] == "triton", name
+    worker = gpu["services"]["worker"]
+    (device,) = worker["deploy"]["resources"]["reservations"]["devices"]
+    assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
+    assert worker["environment"]["PAGEDSERVE_DEVICE"] == "cuda"
+    known = env_vars_read_by_code()
+    assert set(worker["environment"]) <= known
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    for arg in ("BASE_IMAGE", "TORCH_INDEX_URL", "PIP_EXTRAS"):
+        assert f"ARG {arg}" in dockerfile, f"the Dockerfile takes no {arg}"
+
+
+def test_compose_itself_reads_both_files():
+    """The compose command that is installed (v2 or Debian's 1.29) accepts the files as they are."""
+    import shutil
+    command = (["docker", "compose"] if shutil.which("docker") and subprocess.run(
+        ["docker", "compose", "version"], capture_output=True).returncode == 0 else ["docker-compose"])
+    if not shutil.which(command[0]):
+        pytest.skip("no compose command installed (make compose-test installs one)")
+    for files in (["compose.yaml"], ["compose.yaml", "compose.gpu.yaml"]):
+        args = [x for f in files for x in ("-f", f)]
+        result = subprocess.run([*command, *args, "config", "-q"], cwd=ROOT, capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr
