@@ -52,5 +52,6 @@ $COMPOSE -p pagedserve-compose-test build scheduler
 echo "compose-test: image built in $(( $(date +%s) - start )) s;" \
      "size $(docker image inspect -f '{{.Size}}' pagedserve:latest | awk '{printf "%.0f MB", $1/1e6}')"
 for f in "${staged[@]}"; do rm -f "$f"; done; staged=()
+docker image prune -f >/dev/null  # the images earlier builds left untagged (the build cache stays)
 
 PAGEDSERVE_COMPOSE="$COMPOSE" "$PYTHON" -m pytest -q -rs -p no:cacheprovider -m compose tests/compose "$@"

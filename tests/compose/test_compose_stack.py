@@ -12,6 +12,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import openai
 import pytest
 from compose_stack import REPORT, Stack, run
@@ -93,16 +94,30 @@ def test_three_tokenizer_containers_each_serve_jobs(stack):
     assert len(tokenizers) == 3
     api = client(stack)
 
-    def idle() -> list[str]:
-        return [c for c in tokenizers if "served its first job" not in stack.logs(c)]
+    def serving() -> set[str]:
+        """The containers whose lines in `docker compose logs tokenizer` (prefixed with the
+        container's name) say a tokenizer process served a job."""
+        lines = stack("logs", "--no-color", "tokenizer").stdout.splitlines()
+        return {line.split("|", 1)[0].strip() for line in lines if "served its first job" in line}
 
     def one_round() -> bool:  # a burst of requests: the router spreads them over idle workers
         with ThreadPoolExecutor(12) as pool:
             list(pool.map(lambda i: api.completions.create(model="smollm2-135m-instruct", max_tokens=1,
                                                            prompt=f"Count to {i}:"), range(12)))
-        return not idle()
+        return len(serving()) == 3
 
     wait_for(one_round, "every tokenizer container to serve a job", timeout=180, interval=0)
+    assert all("tokenizer" in name for name in serving())
+
+
+def test_health_and_metrics_through_the_published_port(stack):
+    base = f"http://127.0.0.1:{stack.port}"
+    assert httpx.get(f"{base}/health", timeout=10).status_code == 200
+    metrics = httpx.get(f"{base}/metrics", timeout=10).text
+    served = [line for line in metrics.splitlines()
+              if line.startswith("pagedserve:request_success_total") and not line.endswith(" 0.0")]
+    assert served, "no finished requests counted in /metrics"
+    assert "pagedserve:num_requests_running" in metrics and "pagedserve:kv_cache_usage_perc" in metrics
 
 
 def restart_worker_by_crash(stack) -> None:
@@ -122,13 +137,15 @@ def reference(stack) -> list[tuple[str, str]]:
         return list(pool.map(lambda p: stream_completion(client(stack), p), PROMPTS))
 
 
-DISRUPTIONS = {
+DISRUPTIONS = {  # compose commands run one after the other
     "worker crash": None,
-    "restart scheduler": ["restart", "scheduler"],
-    "restart tokenizer": ["restart", "tokenizer"],
-    "restart tokenizer-router": ["restart", "tokenizer-router"],
+    # `kill` is a stop by hand to Docker 20.10: the restart policy leaves the container down.
+    "kill worker, then start it": [["kill", "-s", "SIGKILL", "worker"], ["start", "worker"]],
+    "restart scheduler": [["restart", "scheduler"]],
+    "restart tokenizer": [["restart", "tokenizer"]],
+    "restart tokenizer-router": [["restart", "tokenizer-router"]],
     # What an upgrade of one component does once the new image is built.
-    "recreate scheduler": ["up", "-d", "--no-deps", "--force-recreate", "scheduler"],
+    "recreate scheduler": [["up", "-d", "--no-deps", "--force-recreate", "scheduler"]],
 }
 
 
@@ -140,7 +157,7 @@ def test_sixteen_greedy_requests_survive(stack, reference, disruption):
     if disruption == "worker crash":
         disrupt = lambda: restart_worker_by_crash(stack)  # noqa: E731
     else:
-        disrupt = lambda: stack(*DISRUPTIONS[disruption])  # noqa: E731
+        disrupt = lambda: [stack(*command) for command in DISRUPTIONS[disruption]]  # noqa: E731
     half = len(PROMPTS) // 2
     started = [threading.Event() for _ in range(half)]
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
