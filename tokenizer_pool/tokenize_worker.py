@@ -62,7 +62,7 @@ def serve(tokenizer, backend_addr: str, worker_id: str, *,
         logger.info("tokenizer worker %s stopping after %d jobs", worker_id, served.total)
     finally:
         heartbeat.stop()
-        sock.close(linger=1000)  # let the goodbye out
+        sock.close(linger=200)  # let the goodbye out, without waiting long for a router that is gone
 
 
 class JobCounter:

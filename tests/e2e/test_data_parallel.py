@@ -134,7 +134,9 @@ def started_pid(server: Server, name: str) -> int:
 
 
 def test_a_replicas_worker_killed_mid_stream_costs_no_request(dp2, tiny_model):
-    bodies = [{"model": tiny_model, "prompt": f"{PROMPTS[i % len(PROMPTS)]} {i}", "max_tokens": 160,
+    # Long enough that a loaded machine still sees them run: with the prefix cache warm from the
+    # reference run, 160 tokens of the tiny model could come and go between two polls of the stats.
+    bodies = [{"model": tiny_model, "prompt": f"{PROMPTS[i % len(PROMPTS)]} {i}", "max_tokens": 400,
                "temperature": 0, "ignore_eos": True} for i in range(16)]
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
         expected = list(pool.map(lambda b: stream_completion(dp2.base_url, b), bodies))
@@ -144,7 +146,7 @@ def test_a_replicas_worker_killed_mid_stream_costs_no_request(dp2, tiny_model):
         """The worker of a replica that runs requests now, read from its scheduler (counting
         streamed chunks instead kills too late on a loaded machine, where the client reads late)."""
         for index in (1, 0):
-            if scheduler_stats(f"unix:{dp2.runtime_dir}/control-{index}").num_running >= 2:
+            if scheduler_stats(f"unix:{dp2.runtime_dir}/control-{index}").num_running >= 1:
                 return f"worker-dp{index}"
         return None
 
