@@ -8,7 +8,7 @@ import re
 import sys
 from typing import NoReturn
 
-from common.config import KV_CACHE_DTYPES, EngineConfig
+from common.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
 from common.errors import ConfigError
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
@@ -161,6 +161,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--kv-cache-dtype", default=env_default("KV_CACHE_DTYPE", "auto"), choices=list(KV_CACHE_DTYPES),
                    help="the KV cache's element type: auto (the model's) or bfloat16 (half a float32 model's "
                         "cache: twice the tokens, faster decoding, attention over rounded K/V)")
+    g.add_argument("--quantization", "-q", default=env_default("QUANTIZATION", None), choices=list(QUANTIZATIONS),
+                   help="how linear weights are kept and multiplied: int8 (W8A8: int8 weights and per-token int8 "
+                        "activations), gguf (a .gguf model's quantized blocks, the default for .gguf models) or "
+                        "none (weights at --dtype; a .gguf model dequantized at load)")
     g.add_argument("--device", default=env_default("DEVICE", "auto"), choices=["auto", "cpu", "cuda"])
     g.add_argument("--attention-backend", default=env_default("ATTENTION_BACKEND", "auto"),
                    choices=["auto", "torch", "triton"])
@@ -204,6 +208,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     kv = args.kv_cache_memory
     return EngineConfig(
         model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, device=args.device,
+        quantization=args.quantization,
         attention_backend=args.attention_backend,
         block_size=args.block_size, kv_cache_memory=kv if isinstance(kv, int) else parse_size(kv),
         gpu_memory_utilization=args.gpu_memory_utilization,
@@ -243,7 +248,7 @@ def engine_argv(config: EngineConfig) -> list[str]:
             "--enable-prefix-caching" if config.enable_prefix_caching else "--no-enable-prefix-caching"]
     optional = {"--max-model-len": config.max_model_len, "--max-num-batched-tokens": config.max_num_batched_tokens,
                 "--num-gpu-blocks-override": config.num_gpu_blocks_override,
-                "--model-cache-dir": config.model_cache_dir,
+                "--model-cache-dir": config.model_cache_dir, "--quantization": config.quantization,
                 "--distributed-init-method": config.distributed_init_method}
     for flag, value in optional.items():
         if value is not None:

@@ -14,6 +14,11 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # (twice the tokens in the same memory, half the bytes each decode step reads).
 KV_CACHE_DTYPES = ("auto", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
+# How the linear layers' weights are kept and multiplied (vLLM's --quantization): "int8" is W8A8
+# (int8 weights with per-channel scales made at load, int8 activations with per-token scales);
+# "gguf" keeps a .gguf model's quantized blocks and multiplies in their format; "none" runs the
+# weights at --dtype (a .gguf model dequantized at load). Unset: "gguf" for a .gguf model, else "none".
+QUANTIZATIONS = ("none", "int8", "gguf")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
@@ -36,6 +41,7 @@ class EngineConfig:
     tokenizer: str | None = None  # defaults to the model's own
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
+    quantization: str | None = None  # one of QUANTIZATIONS; None: chosen by the model's format
     device: str = "auto"
     attention_backend: str = "auto"
     block_size: int | None = None  # CPU: 128 (16-bit) or 64 (float32) tokens, long runs stream fast; CUDA: 16
@@ -72,6 +78,8 @@ class EngineConfig:
             raise ConfigError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.kv_cache_dtype == "bfloat16" and self.dtype == "float16":
             raise ConfigError("kv_cache_dtype bfloat16 needs a float32 or bfloat16 model, not float16")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ConfigError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.device not in DEVICES:
             raise ConfigError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:

@@ -100,3 +100,21 @@ def test_settings_from_the_environment_are_plain_text_that_messages_can_carry(mo
         assert args.dtype == "float32"
         encode(WorkerHello(rank=0, model_name=args.model, num_blocks=1, block_size=16, max_model_len=8,
                            vocab_size=8, eos_token_ids=[0], dtype=args.dtype))
+
+
+def test_quantization_from_the_flag_or_the_environment_and_handed_on(monkeypatch, capsys):
+    from common.cli_args import engine_argv
+
+    def parse(*argv: str) -> EngineConfig:
+        return engine_config_from_args(add_engine_args(argparse.ArgumentParser()).parse_args(list(argv)))
+
+    assert parse("--device", "cpu").quantization is None  # chosen by the model's format
+    config = parse("--device", "cpu", "--quantization", "int8")
+    assert config.quantization == "int8" and parse(*engine_argv(config)).quantization == "int8"
+    monkeypatch.setenv("PAGEDSERVE_QUANTIZATION", "none")
+    assert parse("--device", "cpu").quantization == "none"
+    with pytest.raises(ConfigError, match="quantization must be one of"):
+        EngineConfig(device="cpu", quantization="awq")
+    with pytest.raises(SystemExit):
+        add_engine_args(argparse.ArgumentParser()).parse_args(["--quantization", "fp4"])
+    assert "--quantization/-q: invalid choice: 'fp4'" in capsys.readouterr().err

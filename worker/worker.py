@@ -24,6 +24,7 @@ from worker.lm_head import LmHead, choose_lm_head
 from worker.lm_head.vocab_parallel import VocabParallelLmHead
 from worker.model_loader import load_model
 from worker.model_runner import ModelRunner
+from worker.quantization import prepare_linear_weights
 from worker.models.rotary import CONTEXT_STRETCHING_ROPE_TYPES, rope_parameters
 from worker.structured_output import GrammarCompiler
 
@@ -56,7 +57,7 @@ class Worker:
         self.kv_cache_dtype: torch.dtype = getattr(torch, self.kv_cache_dtype_name)
 
         self.model, self.hf_config, self.model_dir = load_model(config, self.device, self.dtype, self.layout)
-        self.model.pack_weights()  # on AVX-512 CPUs: matmul weights packed for the CPU kernel
+        self.quantization = prepare_linear_weights(self.model, config)
         # Compiled on CPU unless --enforce-eager (CUDA runs eager: its compile path is untested).
         compile_step = not config.enforce_eager and self.device.type == "cpu"
         self.lm_head = self._lm_head(compile_step)

@@ -1,0 +1,24 @@
+"""How a model's linear layers keep and multiply their weights (`--quantization`):
+"none" packs them at the model's dtype for the CPU kernel (`LlamaForCausalLM.pack_weights`);
+"int8" and "gguf" replace them with quantized copies and the kernels that multiply those."""
+from __future__ import annotations
+
+from typing import Any
+
+from common.config import EngineConfig
+from common.errors import ConfigError
+
+
+def resolved_quantization(config: EngineConfig) -> str:
+    """The method `config` asks for; unset: "none" (a .gguf model is dequantized at load)."""
+    return config.quantization or "none"
+
+
+def prepare_linear_weights(model: Any, config: EngineConfig) -> str:
+    """Pack or quantize `model`'s matmul weights as `config` asks (after load_weights); returns
+    the method used."""
+    method = resolved_quantization(config)
+    if method == "none":
+        model.pack_weights()  # on AVX-512 CPUs: matmul weights packed for the CPU kernel
+        return method
+    raise ConfigError(f"--quantization {method} is not available yet")
