@@ -145,6 +145,33 @@ def resolve_model_dir(name_or_path: str, cache_dir: str | None = None) -> str:
         f"pass a local directory or .gguf path.")
 
 
+def gguf_source_path(name_or_path: str) -> str | None:
+    """The .gguf file `name_or_path` is served from (a .gguf path, a directory holding one .gguf
+    and no Hugging Face model, or the alias), else None; resolve_model_dir's rules."""
+    name = name_or_path.strip()
+    path = os.path.abspath(os.path.expanduser(name)) if name else ""
+    if name and os.path.isdir(path):
+        gguf_files = sorted(glob.glob(os.path.join(glob.escape(path), "*.gguf")))
+        return gguf_files[0] if _hf_dir_problem(path) is not None and len(gguf_files) == 1 else None
+    if name.lower().endswith(".gguf"):
+        return path if os.path.isfile(path) else None
+    if is_alias(name):
+        return smollm2_gguf_path()
+    return None
+
+
+def check_quantization_source(model: str, quantization: str | None) -> str | None:
+    """The .gguf file of `model` when `quantization` is "gguf" (None otherwise); ConfigError
+    when the model is not a .gguf one."""
+    if quantization != "gguf":
+        return None
+    path = gguf_source_path(model)
+    if path is None:
+        raise ConfigError(f"--quantization gguf needs a .gguf model (a .gguf file, a directory holding one, "
+                          f"or the {SMOLLM2_ALIASES[0]} alias); {model!r} is not one")
+    return path
+
+
 def model_display_name(name_or_path: str) -> str:
     """The id served in /v1/models: aliases and hub-style ids as given, the
     last path component (without .gguf) for local paths."""

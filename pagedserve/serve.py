@@ -25,6 +25,7 @@ from common.cli_args import (SettingsParser, add_engine_args, add_log_level_arg,
                              env_default, non_negative_int, positive_float)
 from common.errors import USAGE_ERROR, ConfigError
 from common.logging_setup import setup_logging
+from common.model_files import check_quantization_source
 from common.parallel_layout import check_model_layout
 from common.proctitle import set_process_title
 from common.runtime_dir import create_runtime_dir, remove_stale_runtime_dirs
@@ -255,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     _prepare_model(args)
     try:  # a group size the model cannot be split by: say so now, not in every rank's restart loop
         check_model_layout(engine_config(args))
+        check_quantization_source(args.model, args.quantization)
     except ConfigError as e:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
         return USAGE_ERROR

@@ -86,8 +86,11 @@ def tiny_hf_model(arch: str, *, tied: bool):
     return model.eval()
 
 
-def write_gguf(path: str, model, arch: str, *, with_tokenizer: bool = True) -> None:
+def write_gguf(path: str, model, arch: str, *, with_tokenizer: bool = True,
+               matmul_types: tuple[gguf.GGMLQuantizationType, ...] = ()) -> None:
+    """`matmul_types`: the layers' matmul weights quantized to these types in turn (gguf's quantize)."""
     cfg = model.config
+    quantized = 0
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     writer = gguf.GGUFWriter(path, arch)
     writer.add_context_length(cfg.max_position_embeddings)
@@ -125,7 +128,13 @@ def write_gguf(path: str, model, arch: str, *, with_tokenizer: bool = True) -> N
             data = llama_cpp_permute(data, cfg.num_attention_heads, cfg.num_attention_heads)
         elif arch == "llama" and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
             data = llama_cpp_permute(data, cfg.num_attention_heads, cfg.num_key_value_heads)
-        writer.add_tensor(name_map.get_name(hf_name, try_suffixes=(".weight", ".bias")), data)
+        name = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if matmul_types and hf_name.endswith("proj.weight"):
+            qtype = matmul_types[quantized % len(matmul_types)]
+            quantized += 1
+            writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(name, data)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

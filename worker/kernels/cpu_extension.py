@@ -168,6 +168,8 @@ def load() -> Any | None:
             torch.library.register_fake("pagedserve::packed_linear")(_packed_linear_shape)
             torch.library.register_fake("pagedserve::packed_linear_silu")(_packed_linear_shape)
             torch.library.register_fake("pagedserve::rotary_qk")(_rotary_qk_shapes)
+            torch.library.register_fake("pagedserve::gguf_linear")(_packed_linear_shape)
+            torch.library.register_fake("pagedserve::gguf_linear_silu")(_packed_linear_shape)
         except Exception as exc:  # no compiler, headers or a build error: plain PyTorch still works
             _failed = True
             _failure = str(exc).strip() or type(exc).__name__

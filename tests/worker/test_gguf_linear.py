@@ -1,0 +1,106 @@
+"""The GGUF quantized matmul (`pagedserve::gguf_linear`, worker/csrc/gguf_linear.cpp) against
+gguf's own dequantize: the weights it multiplies are `gguf.quants.dequantize`'s bit for bit, and
+its products are the packed matmul's over those weights (float32, and bfloat16 where the CPU has
+AVX512-BF16) and close to x @ W.T in float64."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf.quants import dequantize, quantize
+
+from worker.kernels import cpu_extension, cpu_ops
+from worker.models.packed_linear import pack_gated, pack_weight
+from worker.quantization.gguf_packing import concat_rows, pack, pack_gated_rows, unpack_tensor
+
+pytestmark = pytest.mark.skipif(not cpu_ops.packed_linear_available(torch.float32),
+                                reason="the packed kernels need AVX-512 and a compiler")
+TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q6_K]
+K = 512  # two super-blocks of the K-quants
+N = 40  # not a multiple of the panels' 16 rows
+
+
+def random_blocks(qtype: T, rows: int, cols: int, seed: int) -> np.ndarray:
+    """Valid raw blocks [rows, bytes per row]: gguf's quantize where it has one, else random
+    bytes with sane float16 scales."""
+    rng = np.random.default_rng(seed)
+    if qtype in (T.Q8_0, T.Q4_0, T.Q4_1):
+        return quantize(rng.standard_normal((rows, cols)).astype(np.float32) * 0.05, qtype)
+    size = {T.Q4_K: 144, T.Q6_K: 210}[qtype]
+    blocks = rng.integers(0, 256, (rows * cols // 256, size), dtype=np.uint8)
+    scales = (rng.uniform(0.5, 2.0, (blocks.shape[0], 2)) * 1e-3).astype(np.float16).view(np.uint8)
+    if qtype == T.Q4_K:
+        blocks[:, :4] = scales  # d, dmin
+    else:
+        blocks[:, 208:210] = scales[:, :2]  # d
+    return blocks.reshape(rows, -1)
+
+
+def packed_of(qtype: T, rows: int, cols: int, seed: int):
+    raw = random_blocks(qtype, rows, cols, seed)
+    return raw, unpack_tensor(raw, qtype, rows, cols)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_unpacked_weights_are_gguf_dequantize_bit_for_bit(qtype):
+    raw, rows = packed_of(qtype, N, K, seed=1)
+    got = cpu_extension.load().gguf_dequantize(pack(rows), K)[:N]
+    expected = torch.from_numpy(np.asarray(dequantize(raw, qtype), dtype=np.float32))
+    assert got.shape == expected.shape
+    # Bit for bit, but for the sign of zero: scale * q + offset gives +0.0 where gguf's d * (q - z)
+    # gives -0.0 (a negative d), which no product or sum tells apart from +0.0.
+    nonzero = expected != 0
+    assert torch.equal(got == 0, ~nonzero)
+    assert torch.equal(got[nonzero].view(torch.int32), expected[nonzero].view(torch.int32))
+
+
+def test_mixed_parts_share_the_widest_layout():
+    parts = [packed_of(t, 24, K, seed=i) for i, t in enumerate([T.Q4_1, T.Q6_K, T.Q8_0])]
+    fused = concat_rows([rows for _, rows in parts])
+    expected = np.concatenate([dequantize(raw, t) for (raw, _), t in zip(parts, [T.Q4_1, T.Q6_K, T.Q8_0])])
+    got = cpu_extension.load().gguf_dequantize(pack(fused), K)[:72]
+    assert torch.equal(got, torch.from_numpy(expected.astype(np.float32)))
+
+
+DTYPES = [torch.float32] + ([torch.bfloat16] if cpu_ops.packed_linear_available(torch.bfloat16) else [])
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
+def test_matmul_is_the_packed_matmul_of_the_dequantized_weight(qtype, dtype, gated):
+    raw, rows = packed_of(qtype, 2 * N if gated else N, K, seed=2)
+    weight = torch.from_numpy(np.asarray(dequantize(raw, qtype), dtype=np.float32))
+    if gated:
+        packed = pack_gated_rows(*(unpack_tensor(part, qtype, N, K) for part in np.split(raw, 2)))
+        reference_packed = pack_gated(weight.to(dtype))
+        op, ref_op = torch.ops.pagedserve.gguf_linear_silu, torch.ops.pagedserve.packed_linear_silu
+    else:
+        packed, reference_packed = pack(rows), pack_weight(weight.to(dtype))
+        op, ref_op = torch.ops.pagedserve.gguf_linear, torch.ops.pagedserve.packed_linear
+    generator = torch.Generator().manual_seed(3)
+    bias = torch.randn(weight.shape[0], generator=generator).to(dtype)
+    for m in (1, 5, 8, 33, 300):
+        x = torch.randn(m, K, generator=generator).to(dtype)
+        for b in (None, bias):
+            got = op(x, packed, N, b)
+            assert got.shape == (m, N) and got.dtype == dtype
+            # The same function as the dequantized path's kernel, summed in the same order.
+            assert torch.equal(got, ref_op(x, reference_packed, N, b)), f"m={m} bias={b is not None}"
+            full = x.double() @ weight.to(dtype).double().T + (0 if b is None else b.double())
+            if gated:
+                full = torch.nn.functional.silu(full[:, :N]) * full[:, N:]
+            tolerance = 1e-3 if dtype == torch.float32 else 3e-2  # the kernel's exp in silu
+            torch.testing.assert_close(got.double(), full, rtol=tolerance, atol=tolerance)
+
+
+def test_bad_shapes_are_refused_with_a_message():
+    _, rows = packed_of(T.Q4_1, N, K, seed=4)
+    packed = pack(rows)
+    with pytest.raises(RuntimeError, match="not a whole number"):
+        torch.ops.pagedserve.gguf_linear(torch.randn(2, K - 16), packed, N, None)
+    with pytest.raises(RuntimeError, match="out_features does not match"):
+        torch.ops.pagedserve.gguf_linear(torch.randn(2, K), packed, N + 16, None)
+    with pytest.raises(RuntimeError, match="match no layout"):
+        torch.ops.pagedserve.gguf_linear(torch.randn(2, K), packed[:, :, :-1].contiguous(), N, None)

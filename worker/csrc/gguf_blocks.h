@@ -1,0 +1,72 @@
+// GGUF quantized weights repacked for the CPU matmul (worker/quantization/gguf_weights.py): panels
+// of 16 output rows, each a run of chunks of G consecutive K values (G = 32, or 16 when a Q6_K
+// part needs its 16-value scales). A chunk is [scale: 16 float32][offset: 16 float32][values],
+// the weight of row r at K value k being scale[r] * q + offset[r] with q the stored unsigned value
+// (each GGUF type's d, d * sub-scale, min and zero point folded into scale and offset at load, the
+// quantized values' bits unchanged). `values` are stored by pairs of K values (k0, k1), 16 rows each:
+//   BITS 4: 16 bytes per pair, byte r = q(r, k0) | q(r, k1) << 4;
+//   BITS 6: those 16 bytes per pair for the low 4 bits, then G / 4 x 16 bytes of high bits, byte r
+//           of row r holding 2 bits of each of 2 pairs (pair 2i at bits 0-3, k0 first);
+//   BITS 8: 32 bytes per pair, the 16 rows' k0 then their k1.
+// `unpack_pair` gives the float32 weights of pair j for the 16 rows. scale * q is exact in float32
+// for every type (at most 24 significant bits), so the one rounding of the add is gguf's own: the
+// value equals gguf.quants.dequantize's bit for bit whether or not the compiler fuses the FMA.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int64_t GGUF_ROWS = 16;            // rows per panel
+constexpr int64_t GGUF_CHUNK_HEADER = 128;   // the scales and offsets of a chunk, in bytes
+
+// The bytes of a chunk's values for G K values.
+constexpr int64_t gguf_value_bytes(int bits, int64_t g) { return bits == 4 ? g * 8 : bits == 6 ? g * 12 : g * 16; }
+
+// The bits per value of a chunk of `chunk` bytes holding G K values; 0 when no layout matches.
+inline int gguf_bits_of(int64_t chunk, int64_t g) {
+  for (int bits : {4, 6, 8})
+    if (GGUF_CHUNK_HEADER + gguf_value_bytes(bits, g) == chunk) return bits;
+  return 0;
+}
+
+// Pair j (K values 2j, 2j + 1 of the chunk) of the 16 rows: w0 (k0), w1 (k1), in float32.
+template <int BITS>
+inline void unpack_pair(const uint8_t* chunk, __m512 scale, __m512 offset, int64_t g, int64_t j, __m512& w0,
+                        __m512& w1) {
+  const uint8_t* values = chunk + GGUF_CHUNK_HEADER;
+  __m512i q0, q1;
+  if constexpr (BITS == 8) {
+    q0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(values + 32 * j)));
+    q1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(values + 32 * j + 16)));
+  } else {
+    const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(values + 16 * j)));
+    q0 = _mm512_and_si512(e, _mm512_set1_epi32(0xF));
+    q1 = _mm512_srli_epi32(e, 4);
+    if constexpr (BITS == 6) {
+      const uint8_t* high = values + 8 * g + 16 * (j / 2);
+      const __m512i h = _mm512_srli_epi32(
+          _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(high))), static_cast<int>(4 * (j & 1)));
+      q0 = _mm512_or_si512(q0, _mm512_slli_epi32(_mm512_and_si512(h, _mm512_set1_epi32(0x3)), 4));
+      q1 = _mm512_or_si512(q1, _mm512_slli_epi32(_mm512_and_si512(h, _mm512_set1_epi32(0xC)), 2));
+    }
+  }
+  w0 = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(q0), offset);
+  w1 = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(q1), offset);
+}
+
+#if defined(__AVX512BF16__)
+// w0 and w1 rounded to bfloat16 (as a float -> bfloat16 cast) and interleaved as the bf16 packed
+// kernel's step: (row 0 k0, row 0 k1, row 1 k0, ...).
+inline __m512bh gguf_bf16_pair(__m512 w0, __m512 w1) {
+  const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21,
+                                       5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  return (__m512bh)_mm512_permutexvar_epi16(idx, (__m512i)_mm512_cvtne2ps_pbh(w1, w0));
+}
+#endif
+#endif
+
+}  // namespace

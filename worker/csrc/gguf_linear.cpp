@@ -1,0 +1,320 @@
+// The GGUF quantized matmuls `pagedserve::gguf_linear` and `pagedserve::gguf_linear_silu`: y = x @ W.T
+// (+ bias), or the gated MLP's silu(gate) * up, with W kept in its GGUF blocks (gguf_blocks.h) and
+// x in bfloat16 or float32. The weights are dequantized to x's type and fed to the packed kernel's
+// dot products (packed_linear.h), so the result is the packed matmul's over the dequantized weight
+// rounded to x's type: bit for bit, both sum in K order. Few rows (decode) unpack each step's
+// weights in registers; more rows dequantize one block of panels into a scratch packing and run
+// the packed kernel's tiles over all rows from it.
+#include <vector>
+
+#include "gguf_blocks.h"
+#include "op_namespace.h"
+#include "packed_linear.h"
+
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int64_t REGISTER_ROWS = 4;  // at most this many rows: weights unpacked in registers
+
+// The packed kernel's step units of one chunk: M::Unit values, K order (float32: [G, 16];
+// bf16: [G / 2, 16] pairs).
+template <typename M, int BITS>
+inline void dequantize_chunk(const uint8_t* chunk, int64_t g, typename M::Unit* out) {
+  const __m512 scale = _mm512_loadu_ps(reinterpret_cast<const float*>(chunk));
+  const __m512 offset = _mm512_loadu_ps(reinterpret_cast<const float*>(chunk) + GGUF_ROWS);
+  for (int64_t j = 0; j < g / 2; ++j) {
+    __m512 w0, w1;
+    unpack_pair<BITS>(chunk, scale, offset, g, j, w0, w1);
+    if constexpr (std::is_same_v<M, F32Math>) {
+      _mm512_storeu_ps(out + 2 * j * GGUF_ROWS, w0);
+      _mm512_storeu_ps(out + (2 * j + 1) * GGUF_ROWS, w1);
+    } else {
+#if defined(__AVX512BF16__)
+      _mm512_storeu_si512(out + j * GGUF_ROWS, (__m512i)gguf_bf16_pair(w0, w1));
+#endif
+    }
+  }
+}
+
+// R rows x NV panels with the weights unpacked in registers each step; as linear_tile, whose
+// accumulators, bias and sink handling this follows.
+template <typename M, int BITS, int R, int NV, bool GATED, typename Sink>
+inline void gguf_tile(const typename M::Unit* x, int64_t ldx, const uint8_t* w, int64_t panel_bytes, int64_t chunks,
+                      int64_t g, int64_t chunk_bytes, const float* bias, const float* bias_up, const Sink& sink,
+                      int64_t cols) {
+  constexpr int OUT = GATED ? NV / 2 : NV;
+  constexpr bool F32 = std::is_same_v<M, F32Math>;
+  __mmask16 valid[OUT];
+  for (int v = 0; v < OUT; ++v) {
+    const int64_t left = cols - v * LINEAR_LANES;
+    valid[v] = left >= LINEAR_LANES ? (__mmask16)0xFFFF : (__mmask16)(left > 0 ? (1u << left) - 1 : 0);
+  }
+  __m512 acc[R][NV];
+  for (int v = 0; v < NV; ++v) {
+    const int o = v % OUT;
+    const float* bv = GATED && v >= OUT ? bias_up : bias;
+    const __m512 b = bv ? _mm512_maskz_loadu_ps(valid[o], bv + o * LINEAR_LANES) : _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) acc[r][v] = b;
+  }
+  const int64_t units_per_chunk = F32 ? g : g / 2;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const uint8_t* chunk[NV];
+    __m512 scale[NV], offset[NV];
+    for (int v = 0; v < NV; ++v) {
+      chunk[v] = w + v * panel_bytes + c * chunk_bytes;
+      const char* ahead = reinterpret_cast<const char*>(chunk[v] + 4 * chunk_bytes);  // 4 chunks on
+      for (int64_t line = 0; line < chunk_bytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+      scale[v] = _mm512_loadu_ps(reinterpret_cast<const float*>(chunk[v]));
+      offset[v] = _mm512_loadu_ps(reinterpret_cast<const float*>(chunk[v]) + GGUF_ROWS);
+    }
+    const typename M::Unit* xc = x + c * units_per_chunk;
+    for (int64_t j = 0; j < g / 2; ++j) {
+      __m512 w0[NV], w1[NV];
+      for (int v = 0; v < NV; ++v) unpack_pair<BITS>(chunk[v], scale[v], offset[v], g, j, w0[v], w1[v]);
+      if constexpr (F32) {
+        for (int r = 0; r < R; ++r) {
+          const __m512 a0 = _mm512_set1_ps(xc[r * ldx + 2 * j]);
+          for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_fmadd_ps(a0, w0[v], acc[r][v]);
+        }
+        for (int r = 0; r < R; ++r) {
+          const __m512 a1 = _mm512_set1_ps(xc[r * ldx + 2 * j + 1]);
+          for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_fmadd_ps(a1, w1[v], acc[r][v]);
+        }
+      } else {
+#if defined(__AVX512BF16__)
+        typename M::Vec b[NV];
+        for (int v = 0; v < NV; ++v) b[v] = gguf_bf16_pair(w0[v], w1[v]);
+        for (int r = 0; r < R; ++r) {
+          const typename M::Vec a = M::broadcast(xc[r * ldx + j]);
+          for (int v = 0; v < NV; ++v) acc[r][v] = M::madd(acc[r][v], a, b[v]);
+        }
+#endif
+      }
+    }
+  }
+  for (int v = 0; v < OUT; ++v)
+    for (int r = 0; r < R; ++r) {
+      if constexpr (GATED)
+        sink.put_gated(r, v, valid[v], acc[r][v], acc[r][v + OUT]);
+      else
+        sink.put(r, v, valid[v], acc[r][v]);
+    }
+}
+
+// All m (<= REGISTER_ROWS) rows of one block of NV panels, unpacked in registers.
+template <typename M, int BITS, int NV, bool GATED, typename Sink>
+void gguf_register_block(const typename M::Unit* x, int64_t m, int64_t ldx, const uint8_t* w, int64_t panel_bytes,
+                         int64_t chunks, int64_t g, int64_t chunk_bytes, const float* bias, const float* bias_up,
+                         const Sink& sink, int64_t cols) {
+#define PAGEDSERVE_GGUF_TILE(R)                                                                                   \
+  gguf_tile<M, BITS, R, NV, GATED>(x, ldx, w, panel_bytes, chunks, g, chunk_bytes, bias, bias_up, sink, cols); \
+  break
+  switch (m) {
+    case 4:
+      PAGEDSERVE_GGUF_TILE(4);
+    case 3:
+      PAGEDSERVE_GGUF_TILE(3);
+    case 2:
+      PAGEDSERVE_GGUF_TILE(2);
+    default:
+      PAGEDSERVE_GGUF_TILE(1);
+  }
+#undef PAGEDSERVE_GGUF_TILE
+}
+
+// y [m, out_features] from x [m, steps] (M::Unit steps) and `panels` quantized panels, threaded as
+// linear_run: each thread claims the next unit from a shared counter. Few rows: a unit is one block
+// of panels over all rows, unpacked in registers. More rows: a unit is a block of panels by a block
+// of rows, ordered block of panels first so that a thread mostly reuses the block it dequantized
+// into its scratch (the packed layout) for the next rows.
+template <typename M, int BITS, bool GATED, typename Sink>
+void gguf_run(const typename M::Unit* xp, int64_t m, int64_t steps, const uint8_t* wp, int64_t panels,
+              int64_t chunks, int64_t g, int64_t chunk_bytes, const float* b, int64_t out_features, const Sink& sink) {
+  constexpr int ROWS = GATED ? GATED_ROWS : PLAIN_ROWS, PANELS = GATED ? GATED_PANELS : PLAIN_PANELS;
+  constexpr int64_t OUT_PANELS = GATED ? PANELS / 2 : PANELS;
+  constexpr int64_t ROW_BLOCK = M::ROW_BLOCK / ROWS * ROWS;
+  const int64_t panel_bytes = chunks * chunk_bytes, panel_units = steps * LINEAR_LANES;
+  const int64_t blocks = (panels + PANELS - 1) / PANELS;
+  const bool in_registers = m <= REGISTER_ROWS;
+  const int64_t row_blocks = in_registers ? 1 : (m + ROW_BLOCK - 1) / ROW_BLOCK;
+  const int64_t units = blocks * row_blocks;
+  std::atomic<int64_t> next_unit{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), units), 1, [&](int64_t, int64_t) {
+    std::vector<typename M::Unit> scratch;
+    int64_t scratch_block = -1;
+    for (int64_t unit = next_unit++; unit < units; unit = next_unit++) {
+      const int64_t blk = unit / row_blocks, r0 = unit % row_blocks * ROW_BLOCK;
+      const int64_t rows_here = in_registers ? m : std::min<int64_t>(ROW_BLOCK, m - r0);
+      const int64_t first = blk * PANELS, nv = std::min<int64_t>(PANELS, panels - first);
+      const int64_t col = blk * OUT_PANELS * LINEAR_LANES;
+      const int64_t cols = std::min<int64_t>((GATED ? nv / 2 : nv) * LINEAR_LANES, out_features - col);
+      const float* bb = b ? b + col : nullptr;
+      const float* bu = b && GATED ? b + out_features + col : nullptr;
+      const uint8_t* w = wp + first * panel_bytes;
+      const auto o = sink.at(r0, col);
+      const typename M::Unit* xr = xp + r0 * steps;
+      if (in_registers) {
+#define PAGEDSERVE_GGUF_BLOCK(NV) \
+  gguf_register_block<M, BITS, NV, GATED>(xr, rows_here, steps, w, panel_bytes, chunks, g, chunk_bytes, bb, bu, o, cols)
+        if constexpr (GATED) {
+          if (nv == 4)
+            PAGEDSERVE_GGUF_BLOCK(4);
+          else
+            PAGEDSERVE_GGUF_BLOCK(2);
+        } else {
+          if (nv == 3)
+            PAGEDSERVE_GGUF_BLOCK(3);
+          else if (nv == 2)
+            PAGEDSERVE_GGUF_BLOCK(2);
+          else
+            PAGEDSERVE_GGUF_BLOCK(1);
+        }
+#undef PAGEDSERVE_GGUF_BLOCK
+        continue;
+      }
+      if (scratch_block != blk) {
+        scratch.resize(PANELS * panel_units);
+        const int64_t units_per_chunk = panel_units / chunks;
+        for (int64_t v = 0; v < nv; ++v)
+          for (int64_t c = 0; c < chunks; ++c)
+            dequantize_chunk<M, BITS>(w + v * panel_bytes + c * chunk_bytes, g,
+                                      scratch.data() + v * panel_units + c * units_per_chunk);
+        scratch_block = blk;
+      }
+      const typename M::Unit* s = scratch.data();
+#define PAGEDSERVE_GGUF_BLOCK(NV) \
+  linear_block<M, ROWS, NV, GATED>(xr, rows_here, s, panel_units, steps, bb, bu, o, cols, nullptr, 0)
+      if constexpr (GATED) {
+        if (nv == 4)
+          PAGEDSERVE_GGUF_BLOCK(4);
+        else
+          PAGEDSERVE_GGUF_BLOCK(2);
+      } else {
+        if (nv == 3)
+          PAGEDSERVE_GGUF_BLOCK(3);
+        else if (nv == 2)
+          PAGEDSERVE_GGUF_BLOCK(2);
+        else
+          PAGEDSERVE_GGUF_BLOCK(1);
+      }
+#undef PAGEDSERVE_GGUF_BLOCK
+    }
+  });
+}
+
+template <typename M, bool GATED, typename Sink>
+void gguf_dispatch(int bits, const typename M::Unit* xp, int64_t m, int64_t steps, const uint8_t* wp, int64_t panels,
+                   int64_t chunks, int64_t g, int64_t chunk_bytes, const float* b, int64_t out_features,
+                   const Sink& sink) {
+  if (bits == 4)
+    gguf_run<M, 4, GATED>(xp, m, steps, wp, panels, chunks, g, chunk_bytes, b, out_features, sink);
+  else if (bits == 6)
+    gguf_run<M, 6, GATED>(xp, m, steps, wp, panels, chunks, g, chunk_bytes, b, out_features, sink);
+  else
+    gguf_run<M, 8, GATED>(xp, m, steps, wp, panels, chunks, g, chunk_bytes, b, out_features, sink);
+}
+#endif
+
+// The chunk layout of a packed weight [panels, chunks, chunk_bytes] for K input columns: (G, bits).
+std::pair<int64_t, int> checked_layout(const torch::Tensor& packed, int64_t k) {
+  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte && packed.dim() == 3 &&
+                  packed.is_contiguous(),
+              "gguf_linear: the packed weight must be a contiguous uint8 CPU tensor [panels, chunks, chunk_bytes]");
+  const int64_t chunks = packed.size(1);
+  TORCH_CHECK(chunks > 0 && k % chunks == 0, "gguf_linear: K (", k, ") is not a whole number of the weight's ",
+              chunks, " chunks");
+  const int64_t g = k / chunks;
+  TORCH_CHECK(g == 16 || g == 32, "gguf_linear: chunks of ", g, " K values (need 16 or 32)");
+#if defined(__AVX512F__)
+  const int bits = gguf_bits_of(packed.size(2), g);
+#else
+  const int bits = 0;
+#endif
+  TORCH_CHECK(bits, "gguf_linear: chunks of ", packed.size(2), " bytes match no layout for ", g, " K values");
+  return {g, bits};
+}
+
+template <bool GATED>
+torch::Tensor gguf_matmul(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
+                          const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() >= 1, "gguf_linear runs on CPU tensors");
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(bf16 || x.scalar_type() == at::kFloat, "gguf_linear takes bfloat16 or float32");
+  TORCH_CHECK(bf16 ? bf16_linear_available() : f32_linear_available(),
+              bf16 ? "gguf_linear in bfloat16 needs a CPU with AVX512-BF16" : "gguf_linear needs a CPU with AVX-512");
+  const int64_t k = x.size(-1);
+  const auto [g, bits] = checked_layout(packed, k);
+  const int64_t copies = GATED ? 2 : 1;
+  TORCH_CHECK(out_features > 0 && copies * ((out_features + 15) / 16) == packed.size(0),
+              "gguf_linear: out_features does not match the weight");
+  TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == copies * out_features), "bias must be [",
+              copies * out_features, "]");
+  const torch::Tensor rows = x.reshape({-1, k}).contiguous();
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = out_features;
+  torch::Tensor out = torch::empty(shape, x.options());
+  if (rows.size(0) == 0) return out;
+  const torch::Tensor bias_f = bias ? bias->to(at::kFloat).contiguous() : torch::Tensor();
+  const float* b = bias ? bias_f.data_ptr<float>() : nullptr;
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+#if defined(__AVX512F__)
+  if (!bf16) {
+    const StoreSink<F32Math> sink{out.data_ptr<float>(), out_features};
+    gguf_dispatch<F32Math, GATED>(bits, rows.data_ptr<float>(), rows.size(0), k, w, packed.size(0), packed.size(1), g,
+                                  packed.size(2), b, out_features, sink);
+  }
+#endif
+#if defined(__AVX512BF16__)
+  if (bf16) {
+    const StoreSink<Bf16Math> sink{reinterpret_cast<c10::BFloat16*>(out.data_ptr()), out_features};
+    gguf_dispatch<Bf16Math, GATED>(bits, reinterpret_cast<const uint32_t*>(rows.data_ptr()), rows.size(0), k / 2, w,
+                                   packed.size(0), packed.size(1), g, packed.size(2), b, out_features, sink);
+  }
+#endif
+  return out;
+}
+
+}  // namespace
+
+// x [..., K], packed [ceil(N / 16), K / G, chunk bytes] (gguf_blocks.h), bias [N] or none -> [..., N].
+torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features,
+                          c10::optional<torch::Tensor> bias) {
+  return gguf_matmul<false>(x, packed, out_features, bias);
+}
+
+// silu(gate) * up of a fused gate/up weight packed gated (panels in blocks of two gate panels then
+// the two up panels of the same columns, as packed_linear.pack_gated): [..., K] -> [..., N].
+torch::Tensor gguf_linear_silu(torch::Tensor x, torch::Tensor packed, int64_t out_features,
+                               c10::optional<torch::Tensor> bias) {
+  return gguf_matmul<true>(x, packed, out_features, bias);
+}
+
+// The float32 weights [16 panels, K] a packed weight holds (what the matmuls multiply by), for tests.
+torch::Tensor gguf_dequantize(torch::Tensor packed, int64_t k) {
+  const auto [g, bits] = checked_layout(packed, k);
+  torch::Tensor out = torch::empty({packed.size(0), k, 16}, torch::kFloat);
+#if defined(__AVX512F__)
+  const int64_t chunks = packed.size(1), chunk_bytes = packed.size(2);
+  for (int64_t p = 0; p < packed.size(0); ++p)
+    for (int64_t c = 0; c < chunks; ++c) {
+      const uint8_t* chunk = packed.data_ptr<uint8_t>() + (p * chunks + c) * chunk_bytes;
+      float* dst = out.data_ptr<float>() + (p * k + c * g) * 16;
+      if (bits == 4)
+        dequantize_chunk<F32Math, 4>(chunk, g, dst);
+      else if (bits == 6)
+        dequantize_chunk<F32Math, 6>(chunk, g, dst);
+      else
+        dequantize_chunk<F32Math, 8>(chunk, g, dst);
+    }
+#endif
+  return out.permute({0, 2, 1}).reshape({packed.size(0) * 16, k});
+}
+
+TORCH_LIBRARY_FRAGMENT(PAGEDSERVE_OPS, m) {
+  m.def("gguf_linear(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
+  m.def("gguf_linear_silu(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(PAGEDSERVE_OPS, CPU, m) {
+  m.impl("gguf_linear", &gguf_linear);
+  m.impl("gguf_linear_silu", &gguf_linear_silu);
+}
