@@ -55,12 +55,16 @@ def test_unpacked_weights_are_gguf_dequantize_bit_for_bit(qtype):
     assert torch.equal(got[nonzero].view(torch.int32), expected[nonzero].view(torch.int32))
 
 
-def test_mixed_parts_share_the_widest_layout():
-    parts = [packed_of(t, 24, K, seed=i) for i, t in enumerate([T.Q4_1, T.Q6_K, T.Q8_0])]
-    fused = concat_rows([rows for _, rows in parts])
-    expected = np.concatenate([dequantize(raw, t) for (raw, _), t in zip(parts, [T.Q4_1, T.Q6_K, T.Q8_0])])
-    got = cpu_extension.load().gguf_dequantize(pack(fused), K)[:72]
-    assert torch.equal(got, torch.from_numpy(expected.astype(np.float32)))
+@pytest.mark.parametrize("types", [(T.Q4_1, T.Q6_K), (T.Q4_0, T.Q8_0), (T.Q4_K, T.Q6_K, T.Q8_0)],
+                         ids=lambda types: "+".join(t.name for t in types))
+def test_mixed_parts_share_the_widest_layout(types):
+    parts = [packed_of(t, 24, K, seed=i) for i, t in enumerate(types)]
+    packed = pack(concat_rows([rows for _, rows in parts]))
+    weight = torch.from_numpy(np.concatenate([dequantize(raw, t) for (raw, _), t in zip(parts, types)]))
+    assert torch.equal(cpu_extension.load().gguf_dequantize(packed, K)[:weight.shape[0]], weight)
+    x = torch.randn(3, K)
+    assert torch.equal(torch.ops.pagedserve.gguf_linear(x, packed, weight.shape[0], None),
+                       torch.ops.pagedserve.packed_linear(x, pack_weight(weight), weight.shape[0], None))
 
 
 DTYPES = [torch.float32] + ([torch.bfloat16] if cpu_ops.packed_linear_available(torch.bfloat16) else [])
@@ -98,8 +102,9 @@ def test_matmul_is_the_packed_matmul_of_the_dequantized_weight(qtype, dtype, gat
 def test_bad_shapes_are_refused_with_a_message():
     _, rows = packed_of(T.Q4_1, N, K, seed=4)
     packed = pack(rows)
-    with pytest.raises(RuntimeError, match="not a whole number"):
-        torch.ops.pagedserve.gguf_linear(torch.randn(2, K - 16), packed, N, None)
+    for k in (K - 8, K // 2):
+        with pytest.raises(RuntimeError, match="columns are not the weight's"):
+            torch.ops.pagedserve.gguf_linear(torch.randn(2, k), packed, N, None)
     with pytest.raises(RuntimeError, match="out_features does not match"):
         torch.ops.pagedserve.gguf_linear(torch.randn(2, K), packed, N + 16, None)
     with pytest.raises(RuntimeError, match="match no layout"):

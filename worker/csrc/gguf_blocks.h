@@ -10,12 +10,16 @@
 //   BITS 8: 32 bytes per pair, the 16 rows' k0 then their k1.
 // `unpack_pair` gives the float32 weights of pair j for the 16 rows. scale * q is exact in float32
 // for every type (at most 24 significant bits), so the one rounding of the add is gguf's own: the
-// value equals gguf.quants.dequantize's bit for bit whether or not the compiler fuses the FMA.
+// value equals gguf.quants.dequantize's bit for bit whether or not the compiler fuses the FMA (a
+// zero weight is +0.0 where gguf's d * (q - z) may give -0.0: the same in every product and sum).
+// The chunk's size names its layout (`gguf_layout_of`); 8-bit chunks of 16 are padded to tell them
+// from 4-bit chunks of 32.
 #pragma once
 
 #include <immintrin.h>
 
 #include <cstdint>
+#include <utility>
 
 namespace {
 
@@ -23,14 +27,21 @@ namespace {
 constexpr int64_t GGUF_ROWS = 16;            // rows per panel
 constexpr int64_t GGUF_CHUNK_HEADER = 128;   // the scales and offsets of a chunk, in bytes
 
-// The bytes of a chunk's values for G K values.
-constexpr int64_t gguf_value_bytes(int bits, int64_t g) { return bits == 4 ? g * 8 : bits == 6 ? g * 12 : g * 16; }
-
-// The bits per value of a chunk of `chunk` bytes holding G K values; 0 when no layout matches.
-inline int gguf_bits_of(int64_t chunk, int64_t g) {
-  for (int bits : {4, 6, 8})
-    if (GGUF_CHUNK_HEADER + gguf_value_bytes(bits, g) == chunk) return bits;
-  return 0;
+// (K values G, bits per value) of a chunk of `chunk` bytes: 4-bit chunks of 32 (Q4_0, Q4_1, Q4_K),
+// 6-bit of 16 (Q6_K), 8-bit of 32 (Q8_0) or of 16 (Q8_0 fused with Q6_K, padded); (0, 0): none.
+inline std::pair<int64_t, int> gguf_layout_of(int64_t chunk) {
+  switch (chunk) {
+    case GGUF_CHUNK_HEADER + 32 * 8:
+      return {32, 4};
+    case GGUF_CHUNK_HEADER + 16 * 12:
+      return {16, 6};
+    case GGUF_CHUNK_HEADER + 32 * 16:
+      return {32, 8};
+    case GGUF_CHUNK_HEADER + 16 * 16 + 64:
+      return {16, 8};
+    default:
+      return {0, 0};
+  }
 }
 
 // Pair j (K values 2j, 2j + 1 of the chunk) of the 16 rows: w0 (k0), w1 (k1), in float32.

@@ -215,22 +215,20 @@ void gguf_dispatch(int bits, const typename M::Unit* xp, int64_t m, int64_t step
 }
 #endif
 
-// The chunk layout of a packed weight [panels, chunks, chunk_bytes] for K input columns: (G, bits).
+// The chunk layout (G, bits) of a packed weight [panels, chunks, chunk_bytes] for K input columns.
 std::pair<int64_t, int> checked_layout(const torch::Tensor& packed, int64_t k) {
   TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte && packed.dim() == 3 &&
                   packed.is_contiguous(),
               "gguf_linear: the packed weight must be a contiguous uint8 CPU tensor [panels, chunks, chunk_bytes]");
-  const int64_t chunks = packed.size(1);
-  TORCH_CHECK(chunks > 0 && k % chunks == 0, "gguf_linear: K (", k, ") is not a whole number of the weight's ",
-              chunks, " chunks");
-  const int64_t g = k / chunks;
-  TORCH_CHECK(g == 16 || g == 32, "gguf_linear: chunks of ", g, " K values (need 16 or 32)");
 #if defined(__AVX512F__)
-  const int bits = gguf_bits_of(packed.size(2), g);
+  const auto [g, bits] = gguf_layout_of(packed.size(2));
 #else
+  const int64_t g = 0;
   const int bits = 0;
 #endif
-  TORCH_CHECK(bits, "gguf_linear: chunks of ", packed.size(2), " bytes match no layout for ", g, " K values");
+  TORCH_CHECK(bits, "gguf_linear: chunks of ", packed.size(2), " bytes match no layout");
+  TORCH_CHECK(packed.size(1) * g == k, "gguf_linear: x's ", k, " columns are not the weight's ", packed.size(1),
+              " chunks of ", g);
   return {g, bits};
 }
 

@@ -5,7 +5,7 @@ row and chunk of G K values, the float32 scale and offset with weight = scale * 
 value `gguf.quants.dequantize` computes (scale * q is exact in float32 for every type here). They
 are then packed into panels of 16 rows, [ceil(N / 16), K / G, chunk bytes]: the chunk's 16 scales
 and 16 offsets, then the values by pairs of K (4 bits: two to a byte; Q6_K: those 4 bits and a
-plane of the 2 high bits; Q8_0: a byte each). Parts of a fused weight of different types share
+plane of the 2 high bits; Q8_0: a byte each, 8-bit chunks of 16 padded). Parts of a fused weight of different types share
 the widest layout (4-bit values fit the 6- and 8-bit ones unchanged).
 """
 from __future__ import annotations
@@ -120,6 +120,8 @@ def pack(rows: QuantRows) -> torch.Tensor:
             shifts = np.array([[0, 2], [4, 6]], dtype=np.uint8).reshape(1, 1, 1, 2, 2, 1)
             values.append(np.bitwise_or.reduce((high << shifts).reshape(panels, chunks, g // 4, 4, PANEL), axis=3)
                           .reshape(panels, chunks, -1))
+    if rows.bits == 8 and g == 16:  # padded: the size of a chunk names its layout (gguf_blocks.h)
+        values.append(np.zeros((panels, chunks, 64), dtype=np.uint8))
     packed = np.concatenate([h.reshape(panels, chunks, -1) for h in header] + values, axis=-1)
     return torch.from_numpy(np.ascontiguousarray(packed))
 
