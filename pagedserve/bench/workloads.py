@@ -6,7 +6,8 @@ yields exactly `max_tokens` tokens). The named workloads come from the
 performance issue:
 
 - W1: 64 requests, prompts of 32-512 random token ids, 128 output tokens;
-- W2: 256 requests, prompts of 16-64 random token ids, 256 output tokens.
+- W2: 256 requests, prompts of 16-64 random token ids, 256 output tokens;
+- S1: one request, a prompt of 128 random token ids, 256 output tokens (single-stream decode).
 
 A file holds one JSON object a line: {"prompt_token_ids": [...], "max_tokens": N},
 the format `vllm_offline_runner.py` reads, so every system runs the
@@ -37,6 +38,7 @@ class WorkloadSpec:
 NAMED_WORKLOADS: dict[str, WorkloadSpec] = {
     "W1": WorkloadSpec(num_requests=64, min_prompt_len=32, max_prompt_len=512, output_len=128),
     "W2": WorkloadSpec(num_requests=256, min_prompt_len=16, max_prompt_len=64, output_len=256),
+    "S1": WorkloadSpec(num_requests=1, min_prompt_len=128, max_prompt_len=128, output_len=256),
 }
 DEFAULT_SEED = 0
 
@@ -85,7 +87,7 @@ def load_workload_file(path: str) -> list[BenchRequest]:
 
 
 def resolve_workload(name_or_path: str, vocab_size: int, seed: int = DEFAULT_SEED) -> list[BenchRequest]:
-    """A named workload (W1, W2; case-insensitive) generated for `vocab_size`, or a JSONL file."""
+    """A named workload (W1, W2, S1; case-insensitive) generated for `vocab_size`, or a JSONL file."""
     spec = NAMED_WORKLOADS.get(name_or_path.upper())
     if spec is not None:
         return generate_workload(spec, vocab_size, seed)

@@ -9,7 +9,8 @@ from pagedserve.bench.workloads import (NAMED_WORKLOADS, BenchRequest, generate_
                                          resolve_workload, save_workload, workload_summary)
 
 
-@pytest.mark.parametrize("name,count,lo,hi,out", [("W1", 64, 32, 512, 128), ("W2", 256, 16, 64, 256)])
+@pytest.mark.parametrize("name,count,lo,hi,out", [("W1", 64, 32, 512, 128), ("W2", 256, 16, 64, 256),
+                                                              ("S1", 1, 128, 128, 256)])
 def test_named_workloads_match_the_definition(name, count, lo, hi, out):
     requests = resolve_workload(name, vocab_size=49152)
     assert len(requests) == count
@@ -17,7 +18,7 @@ def test_named_workloads_match_the_definition(name, count, lo, hi, out):
     assert all(r.max_tokens == out for r in requests)
     assert all(0 <= t < 49152 for r in requests for t in r.prompt_token_ids)
     lengths = [len(r.prompt_token_ids) for r in requests]
-    assert min(lengths) < lo + (hi - lo) // 4 and max(lengths) > hi - (hi - lo) // 4  # spread over the range
+    assert lo == hi or (min(lengths) < lo + (hi - lo) // 4 and max(lengths) > hi - (hi - lo) // 4)  # spread
 
 
 def test_workloads_are_seeded():
