@@ -37,9 +37,12 @@ def greedy(llm, prompt: list, max_tokens: int) -> list:
 
     llm.reset()
     llm.eval(prompt)
+    n_vocab = llm.n_vocab()
     out = []
     for _ in range(max_tokens):
-        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        # Llama.eval keeps no logits unless logits_all: read the last token's row from the context.
+        logits = np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(n_vocab,))
+        token = int(np.argmax(logits))
         out.append(token)
         if len(out) < max_tokens:
             llm.eval([token])
