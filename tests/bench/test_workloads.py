@@ -9,7 +9,8 @@ from pagedserve.bench.workloads import (NAMED_WORKLOADS, BenchRequest, generate_
                                          resolve_workload, save_workload, workload_summary)
 
 
-@pytest.mark.parametrize("name,count,lo,hi,out", [("W1", 64, 32, 512, 128), ("W2", 256, 16, 64, 256)])
+@pytest.mark.parametrize("name,count,lo,hi,out", [("W1", 64, 32, 512, 128), ("W2", 256, 16, 64, 256),
+                                                              ("S1", 1, 128, 128, 256)])
 def test_named_workloads_match_the_definition(name, count, lo, hi, out):
     requests = resolve_workload(name, vocab_size=49152)
     assert len(requests) == count
@@ -17,7 +18,23 @@ def test_named_workloads_match_the_definition(name, count, lo, hi, out):
     assert all(r.max_tokens == out for r in requests)
     assert all(0 <= t < 49152 for r in requests for t in r.prompt_token_ids)
     lengths = [len(r.prompt_token_ids) for r in requests]
-    assert min(lengths) < lo + (hi - lo) // 4 and max(lengths) > hi - (hi - lo) // 4  # spread over the range
+    assert lo == hi or (min(lengths) < lo + (hi - lo) // 4 and max(lengths) > hi - (hi - lo) // 4)  # spread
+
+
+def test_prefix_workload_shares_long_prefixes():
+    requests = resolve_workload("p1", vocab_size=49152)
+    assert len(requests) == 128 and resolve_workload("P1", 49152) == requests
+    groups: dict[tuple[int, ...], list] = {}
+    for r in requests:
+        assert 1500 + 32 <= len(r.prompt_token_ids) <= 1500 + 128 and 16 <= r.max_tokens <= 32
+        groups.setdefault(tuple(r.prompt_token_ids[:1500]), []).append(r)
+    assert sorted(len(g) for g in groups.values()) == [16] * 8
+    for group in groups.values():  # the tails are the requests' own: the prefix is exactly 1,500 tokens
+        assert len({r.prompt_token_ids[1500] for r in group}) > 1
+    assert len({r.max_tokens for r in requests}) > 8
+    first_groups = [tuple(r.prompt_token_ids[:1500]) for r in requests[:16]]
+    assert len(set(first_groups)) > 1  # interleaved, not one group after another
+    assert resolve_workload("P1", 49152, seed=1) != requests
 
 
 def test_workloads_are_seeded():
