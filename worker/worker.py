@@ -89,9 +89,10 @@ class Worker:
             self.forward.compile_seconds += time.perf_counter() - started  # reported with the step's
         self.input_batch = InputBatch(config.block_size, self.device, eos_token_ids=eos_ids,
                                       grammar_compiler=self.grammar_compiler)
-        logger.info("Worker %s ready: %s on %s (%s, %s), %d KV blocks, max_model_len %d, %d threads",
+        logger.info("Worker %s ready: %s on %s (%s%s, %s), %d KV blocks, max_model_len %d, %d threads",
                     self.layout.describe() if self.layout.world_size > 1 else rank, config.model, self.device, self.dtype_name if self.kv_cache_dtype == self.dtype
                     else f"{self.dtype_name}, KV cache {self.kv_cache_dtype_name}",
+                    "" if self.quantization == "none" else f", quantization {self.quantization}",
                     f"compiled in {self.forward.compile_seconds:.1f} s" if self.forward.compiled else "eager",
                     self.num_blocks, self.max_model_len, torch.get_num_threads())
 
