@@ -10,10 +10,13 @@ namespace {
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 // x's rows quantized: u8 [rows, K padded to 4] and the scales [rows]; q [rows, K] int8 if defined.
+// In parallel only for large batches: a pass over a decode batch costs less than waking the
+// other threads (a parallel region of its own before the matmul's).
 template <typename In>
 void quantize_rows(const In* x, int64_t rows, int64_t k, uint8_t* u8, float* scales, int8_t* q) {
   const int64_t padded = (k + INT8_UNIT - 1) / INT8_UNIT * INT8_UNIT;
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+  constexpr int64_t VALUES_PER_TASK = 1 << 20;
+  at::parallel_for(0, rows, std::max<int64_t>(1, VALUES_PER_TASK / std::max<int64_t>(k, 1)), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
       scales[r] = quantize_row(x + r * k, k, u8 + r * padded, q ? q + r * k : nullptr);
   });

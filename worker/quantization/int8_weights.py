@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from common.errors import ConfigError
 from worker.kernels import int8_ops
 from worker.models.packed_linear import GATED_BLOCK, panels
 
@@ -110,7 +111,7 @@ class Int8Linear(nn.Module):
 
 
 def check_int8_dtype(dtype: torch.dtype, device: torch.device) -> None:
-    from common.errors import ConfigError
+    """W8A8 runs on CPU with bfloat16 or float32 activations (ConfigError otherwise)."""
     if device.type != "cpu":
         raise ConfigError(f"--quantization int8 runs on CPU only, not {device.type}")
     if dtype not in (torch.float32, torch.bfloat16):
