@@ -16,6 +16,7 @@ from common.parallel_layout import TensorShard
 from worker.distributed.parallel_state import ParallelLayout
 from worker.models import get_model_class
 from worker.models.llama import LlamaForCausalLM
+from worker.quantization import checkpoint_weights
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +66,7 @@ def load_model(config: EngineConfig, device: str | torch.device, dtype: torch.dt
     model_class = get_model_class(hf_config)
     model = model_class(hf_config, dtype=dtype, device=device, shard=TensorShard(layout.tp_rank, layout.tp_size),
                         stage=(layout.pp_rank, layout.pp_size))
-    model.load_weights(iterate_weights(safetensors_files(model_dir)))
+    model.load_weights(checkpoint_weights(model, iterate_weights(safetensors_files(model_dir))))
     model.eval()
     logger.info("Loaded %s from %s (%s, %s, %.1fM parameters)", model_class.__name__, model_dir, dtype,
                 device, sum(p.numel() for p in model.parameters()) / 1e6)

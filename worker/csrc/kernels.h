@@ -30,6 +30,8 @@ bool bf16_linear_available();
 bool f32_linear_available();
 // gguf_linear.cpp (operators gguf_linear, gguf_linear_silu): the float32 weights of a GGUF packing.
 torch::Tensor gguf_dequantize(torch::Tensor packed, int64_t k);
+// int8_linear.cpp (operators int8_linear, int8_linear_silu, int8_quantize_rows): whether this build runs them.
+bool int8_linear_available();
 // lm_head_argmax.cpp: each row's argmax of x @ W.T (operator packed_linear_argmax), and the same
 // screened with W's int16 packing.
 torch::Tensor packed_linear_argmax(torch::Tensor x, torch::Tensor packed, int64_t out_features);

@@ -9,7 +9,8 @@ feeds `vdpbf16ps` with 16 columns of a pair of K), one value in float32. The
 packed copy is an ordinary tensor: compiled graphs take it as an input like any
 weight. A uint8 packed copy holds GGUF quantized blocks (`pagedserve::gguf_linear`).
 Where the kernel is not available (no compiler, no AVX-512, float16,
-other devices) layers keep F.linear.
+other devices) layers keep F.linear. The int8 method (worker.quantization) puts an object
+with its own `linear(x, bias)` and `linear_silu(x, bias)` in place of the packed tensor.
 """
 from __future__ import annotations
 
@@ -67,6 +68,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     """F.linear(x, weight, bias), through the packed copy of weight when there is one."""
     if packed is None:
         return F.linear(x, weight, bias)
+    if not isinstance(packed, torch.Tensor):  # a quantized weight multiplies itself
+        return packed.linear(x, bias)
     if packed.dtype == torch.uint8:  # GGUF quantized blocks (worker.quantization.gguf_packing)
         return torch.ops.pagedserve.gguf_linear(x, packed, weight.shape[0], bias)
     return torch.ops.pagedserve.packed_linear(x, packed, weight.shape[0], bias)
@@ -79,6 +82,8 @@ def linear_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if packed is None:
         gate, up = F.linear(x, weight, bias).chunk(2, dim=-1)
         return F.silu(gate).mul_(up)
+    if not isinstance(packed, torch.Tensor):
+        return packed.linear_silu(x, bias)
     if packed.dtype == torch.uint8:
         return torch.ops.pagedserve.gguf_linear_silu(x, packed, weight.shape[0] // 2, bias)
     return torch.ops.pagedserve.packed_linear_silu(x, packed, weight.shape[0] // 2, bias)

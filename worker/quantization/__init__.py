@@ -3,25 +3,49 @@
 "int8" and "gguf" replace them with quantized copies and the kernels that multiply those."""
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from typing import Any
+
+import torch
 
 from common.config import EngineConfig
 from common.errors import ConfigError
+from worker.quantization import compressed_checkpoint
 from worker.quantization.gguf_choice import gguf_default, prepare_gguf
 
 
-def resolved_quantization(config: EngineConfig) -> str:
-    """The method `config` asks for; unset: "gguf" for a .gguf model, else "none"."""
+def resolved_quantization(config: EngineConfig, hf_config: Any = None) -> str:
+    """The method `config` asks for; unset: "int8" for a compressed-tensors W8A8 checkpoint
+    (`hf_config`'s quantization_config), "gguf" for a .gguf model, else "none"."""
+    checkpoint = compressed_checkpoint.quantization_config(hf_config)
+    if checkpoint is not None:
+        if config.quantization not in (None, "int8"):
+            raise ConfigError(f"--quantization {config.quantization} does not fit a compressed-tensors "
+                              "W8A8 checkpoint: leave it unset or use int8")
+        compressed_checkpoint.check_w8a8(checkpoint)
+        return "int8"
     return config.quantization or gguf_default(config)
+
+
+def checkpoint_weights(model: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors for `model.load_weights`: a compressed-tensors checkpoint's
+    weight scales are kept aside (`model.checkpoint_scales`) for prepare_linear_weights."""
+    if compressed_checkpoint.quantization_config(model.config) is None:
+        return iter(weights)
+    model.checkpoint_scales = {}
+    return compressed_checkpoint.split_scales(weights, model.checkpoint_scales)
 
 
 def prepare_linear_weights(model: Any, config: EngineConfig) -> str:
     """Pack or quantize `model`'s matmul weights as `config` asks (after load_weights); returns
     the method used."""
-    method = resolved_quantization(config)
+    method = resolved_quantization(config, model.config)
     if method == "gguf":
         return prepare_gguf(model, config)
     if method == "none":
         model.pack_weights()  # on AVX-512 CPUs: matmul weights packed for the CPU kernel
         return method
+    if method == "int8":
+        from worker.quantization import int8_weights
+        return int8_weights.prepare_int8(model)
     raise ConfigError(f"--quantization {method} is not available yet")

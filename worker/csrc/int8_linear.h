@@ -1,0 +1,100 @@
+// W8A8 matmuls on AVX512-VNNI through the packed matmul driver (`linear_run`, packed_linear.h):
+// `Int8Math` steps over 4 K values at a time with vpdpbusd (u8 x s8 -> int32), the activations
+// quantized per token to int8 and stored as u8 = q + 128, the weight's panels [N / 16, K / 4, 16, 4]
+// of int8 (one 64-byte load per step). The accumulators hold int32 (in __m512 registers, cast);
+// `Int8Sink` finishes them: acc - 128 * sum_k w[col][k] (the u8 offset, precomputed per column),
+// times the row's and the column's scales, plus the bias, silu(gate) * up for the gated MLP, all in
+// float32, rounded once to the output dtype (float32 or bfloat16).
+#pragma once
+
+#include "packed_linear.h"
+
+namespace {
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr int64_t INT8_UNIT = 4;  // K values per step
+
+struct Int8Math {
+  using Unit = uint32_t;  // 4 bytes of K: x as u8, the weight as s8
+  using Vec = __m512i;
+  static constexpr int64_t ROW_BLOCK = 256;
+  static inline Vec load(const uint32_t* p) { return _mm512_loadu_si512(p); }
+  static inline Vec broadcast(uint32_t x) { return _mm512_set1_epi32(static_cast<int>(x)); }
+  static inline __m512 madd(__m512 acc, Vec a, Vec b) {
+    return _mm512_castsi512_ps(_mm512_dpbusd_epi32(_mm512_castps_si512(acc), a, b));
+  }
+};
+
+inline void store_out(float* out, __mmask16 valid, __m512 y) { _mm512_mask_storeu_ps(out, valid, y); }
+inline void store_out(c10::BFloat16* out, __mmask16 valid, __m512 y) {
+  _mm256_mask_storeu_epi16(out, valid, bf16_bits(round_bf16_ps(y)));
+}
+
+// The epilogue: rows of y [m, ldo]; per row its activation scale, per column the weight's scale,
+// its u8-offset compensation and the bias (gated: the up columns `up` entries after the gates').
+template <typename Out>
+struct Int8Sink {
+  Out* out;
+  int64_t ldo;
+  const float* row_scale;
+  const float* col_scale;
+  const int32_t* comp;
+  const float* bias;
+  int64_t up;
+  Int8Sink at(int64_t row, int64_t col) const {
+    return {out + row * ldo + col, ldo, row_scale + row, col_scale + col, comp + col, bias ? bias + col : nullptr, up};
+  }
+  inline __m512 value(int r, int64_t c, __mmask16 valid, __m512 acc) const {
+    const __m512i exact = _mm512_sub_epi32(_mm512_castps_si512(acc), _mm512_maskz_loadu_epi32(valid, comp + c));
+    const __m512 y = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(exact), _mm512_set1_ps(row_scale[r])),
+                                   _mm512_maskz_loadu_ps(valid, col_scale + c));
+    return bias ? _mm512_add_ps(y, _mm512_maskz_loadu_ps(valid, bias + c)) : y;
+  }
+  void put(int r, int v, __mmask16 valid, __m512 acc) const {
+    store_out(out + r * ldo + v * LINEAR_LANES, valid, value(r, v * LINEAR_LANES, valid, acc));
+  }
+  void put_gated(int r, int v, __mmask16 valid, __m512 gate, __m512 upv) const {
+    const __m512 g = value(r, v * LINEAR_LANES, valid, gate), u = value(r, v * LINEAR_LANES + up, valid, upv);
+    const __m512 denominator = _mm512_add_ps(_mm512_set1_ps(1.0f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g)));
+    store_out(out + r * ldo + v * LINEAR_LANES, valid, _mm512_mul_ps(_mm512_div_ps(g, denominator), u));
+  }
+};
+
+// One row of x (k values) quantized symmetrically: scale = max|x| / 127 (0 for a zero row),
+// q = x * (127 / max|x|) rounded to nearest even; stored as u8 q + 128 into `u8` (k rounded up to
+// a multiple of 4, the padding 128) and, when `q` is given, as int8 there.
+template <typename In>
+inline float quantize_row(const In* x, int64_t k, uint8_t* u8, int8_t* q) {
+  auto load = [&](int64_t i, __mmask16 m) -> __m512 {
+    if constexpr (std::is_same_v<In, float>) {
+      return _mm512_maskz_loadu_ps(m, x + i);
+    } else {
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, x + i)), 16));
+    }
+  };
+  __m512 amax = _mm512_setzero_ps();
+  for (int64_t i = 0; i < k; i += 16) {
+    const __mmask16 m = k - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (k - i)) - 1);
+    amax = _mm512_max_ps(amax, _mm512_abs_ps(load(i, m)));
+  }
+  const float max_abs = _mm512_reduce_max_ps(amax);
+  const volatile float limit = 127.0f;  // volatile: keep these divisions exact under -ffast-math
+  const float inv = max_abs > 0.0f ? limit / max_abs : 0.0f;
+  const __m512 scale = _mm512_set1_ps(inv);
+  const __m512i offset = _mm512_set1_epi32(128), lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+  const int64_t padded = (k + INT8_UNIT - 1) / INT8_UNIT * INT8_UNIT;
+  for (int64_t i = 0; i < padded; i += 16) {
+    const int64_t n = std::min<int64_t>(16, padded - i);
+    const __mmask16 store = n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1);
+    const __mmask16 m = k - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)(k > i ? (1u << (k - i)) - 1 : 0);
+    const __m512 scaled = _mm512_mul_ps(load(i, m), scale);
+    __m512i v = _mm512_cvt_roundps_epi32(scaled, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    v = _mm512_min_epi32(_mm512_max_epi32(v, lo), hi);
+    if (q) _mm_mask_storeu_epi8(q + i, m, _mm512_cvtepi32_epi8(v));
+    _mm_mask_storeu_epi8(u8 + i, store, _mm512_cvtepi32_epi8(_mm512_add_epi32(v, offset)));
+  }
+  return max_abs > 0.0f ? max_abs / limit : 0.0f;
+}
+#endif
+
+}  // namespace

@@ -1,0 +1,54 @@
+"""The Python side of the W8A8 kernels (worker/csrc/int8_linear.cpp): whether they run here,
+the fakes compiled graphs trace them with, and their entry points."""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from worker.kernels import cpu_extension
+
+_registered = False
+_lock = threading.Lock()
+
+
+def int8_linear_available() -> bool:
+    """Whether the extension is built and this CPU has AVX512-VNNI (registers the fakes once)."""
+    global _registered
+    module = cpu_extension.load()
+    if module is None or not bool(module.int8_linear_available()):
+        return False
+    with _lock:
+        if not _registered:
+            torch.library.register_fake("pagedserve::int8_linear")(_linear_shape)
+            torch.library.register_fake("pagedserve::int8_linear_silu")(_linear_shape)
+            torch.library.register_fake("pagedserve::int8_quantize_rows")(_quantize_shapes)
+            _registered = True
+    return True
+
+
+def _linear_shape(x: torch.Tensor, packed: torch.Tensor, col_scale: torch.Tensor, comp: torch.Tensor,
+                  out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+def _quantize_shapes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return x.new_empty(x.shape, dtype=torch.int8), x.new_empty(x.shape[:-1], dtype=torch.float32)
+
+
+def int8_linear(x: torch.Tensor, packed: torch.Tensor, col_scale: torch.Tensor, comp: torch.Tensor,
+                out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] (float32/bfloat16) W8A8 through int8 panels [ceil(N/16), ceil(K/4), 16, 4] with
+    the weight's scales [N] and compensation [N] (int32: 128 x each column's sum) -> [..., N]."""
+    return torch.ops.pagedserve.int8_linear(x, packed, col_scale, comp, out_features, bias)
+
+
+def int8_linear_silu(x: torch.Tensor, packed: torch.Tensor, col_scale: torch.Tensor, comp: torch.Tensor,
+                     out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """silu(gate) * up of a gated int8 packing (scales, compensation and bias [2N], gates first)."""
+    return torch.ops.pagedserve.int8_linear_silu(x, packed, col_scale, comp, out_features, bias)
+
+
+def int8_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q int8 [..., K], scales float32 [...]): the kernel's per-token activation quantization."""
+    return torch.ops.pagedserve.int8_quantize_rows(x)
