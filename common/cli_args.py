@@ -159,8 +159,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="HF model directory, .gguf file, or alias (default: smollm2-135m-instruct)")
     g.add_argument("--dtype", default=env_default("DTYPE", "auto"), choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--kv-cache-dtype", default=env_default("KV_CACHE_DTYPE", "auto"), choices=list(KV_CACHE_DTYPES),
-                   help="the KV cache's element type: auto (the model's) or bfloat16 (half a float32 model's "
-                        "cache: twice the tokens, faster decoding, attention over rounded K/V)")
+                   help="the KV cache's element type: auto (the model's), bfloat16 (half a float32 model's "
+                        "cache: twice the tokens, faster decoding, attention over rounded K/V), or 8-bit floats "
+                        "fp8 (= fp8_e4m3) / fp8_e5m2 (half a 16-bit cache, per-layer scales: 1.0 unless the "
+                        "checkpoint has k_scale/v_scale)")
     g.add_argument("--quantization", "-q", default=env_default("QUANTIZATION", None), choices=list(QUANTIZATIONS),
                    help="how linear weights are kept and multiplied: int8 (W8A8: int8 weights and per-token int8 "
                         "activations), gguf (a .gguf model's quantized blocks, the default for .gguf models) or "

@@ -11,8 +11,10 @@ from common.errors import ConfigError
 GiB = 1 << 30
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # The KV cache's element type: "auto" is the model's; "bfloat16" halves a float32 model's cache
-# (twice the tokens in the same memory, half the bytes each decode step reads).
-KV_CACHE_DTYPES = ("auto", "bfloat16")
+# (twice the tokens in the same memory, half the bytes each decode step reads); the 8-bit floats
+# ("fp8" = "fp8_e4m3", or "fp8_e5m2", as vLLM) halve a 16-bit cache again, with per-layer scales.
+FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")
+KV_CACHE_DTYPES = ("auto", "bfloat16", *FP8_KV_CACHE_DTYPES)
 DEVICES = ("auto", "cpu", "cuda")
 # How the linear layers' weights are kept and multiplied (vLLM's --quantization): "int8" is W8A8
 # (int8 weights with per-channel scales made at load, int8 activations with per-token scales);
@@ -123,10 +125,12 @@ class EngineConfig:
         # runs of 16 tokens (hardware prefetch restarts at every block), as vLLM's CPU
         # backend also chooses. A float32 cache gets the same bytes per run from 64
         # tokens, and loses half the space in each sequence's last block (fewer
-        # preemptions in a full cache). Prefix caching shares whole blocks only.
+        # preemptions in a full cache); an 8-bit cache gets them from 256 tokens.
+        # Prefix caching shares whole blocks only.
         if self.resolved_device() == "cuda":
             return 16
-        return 64 if self.resolved_kv_cache_dtype() == "float32" else 128
+        kv_cache_dtype = self.resolved_kv_cache_dtype()
+        return 64 if kv_cache_dtype == "float32" else 256 if kv_cache_dtype in FP8_KV_CACHE_DTYPES else 128
 
     def resolved_dtype(self) -> str:
         if self.dtype != "auto":

@@ -68,9 +68,28 @@ def test_kv_cache_dtype_from_the_flag_or_the_environment_and_handed_on(monkeypat
     assert config.kv_cache_dtype == "bfloat16" and parse(*engine_argv(config)).kv_cache_dtype == "bfloat16"
 
 
+@pytest.mark.parametrize("name", ["fp8", "fp8_e4m3", "fp8_e5m2"])
+def test_the_8bit_kv_cache_dtypes_are_accepted_with_blocks_of_the_same_bytes(name, monkeypatch):
+    from common.cli_args import engine_argv
+
+    def parse(*argv: str) -> EngineConfig:
+        return engine_config_from_args(add_engine_args(argparse.ArgumentParser()).parse_args(list(argv)))
+
+    for dtype in ("float32", "bfloat16", "float16"):
+        config = parse("--device", "cpu", "--dtype", dtype, "--kv-cache-dtype", name)
+        assert config.resolved_kv_cache_dtype() == name
+        assert config.block_size == 256  # a 16-bit cache's 128 tokens, in bytes
+        assert parse(*engine_argv(config)).kv_cache_dtype == name
+    assert EngineConfig(device="cuda", kv_cache_dtype=name).block_size == 16
+    assert EngineConfig(device="cpu", kv_cache_dtype=name, block_size=64).block_size == 64
+    monkeypatch.setenv("PAGEDSERVE_KV_CACHE_DTYPE", name)
+    assert parse("--device", "cpu").kv_cache_dtype == name
+
+
 def test_a_kv_cache_dtype_that_cannot_run_is_refused(capsys):
-    with pytest.raises(ConfigError, match="kv_cache_dtype must be one of"):
-        EngineConfig(device="cpu", kv_cache_dtype="fp8_e4m3")
+    for name in ("fp8_e4m3fn", "float8", "FP8", "int8", "float16"):
+        with pytest.raises(ConfigError, match="kv_cache_dtype must be one of"):
+            EngineConfig(device="cpu", kv_cache_dtype=name)
     with pytest.raises(ConfigError, match="needs a float32 or bfloat16 model"):
         EngineConfig(device="cpu", dtype="float16", kv_cache_dtype="bfloat16")
     with pytest.raises(SystemExit):

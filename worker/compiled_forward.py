@@ -69,9 +69,10 @@ class ModelForward:
     """Callable (input_ids [T], positions [T], meta) -> final hidden states [T, hidden]."""
 
     def __init__(self, model: Any, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], backend: Any, *,
-                 max_model_len: int, compile: bool):
+                 max_model_len: int, compile: bool, kv_scales: list[tuple[float, float]] | None = None):
         self.model = model
         self.kv_caches = kv_caches
+        self.kv_scales = kv_scales  # an 8-bit cache's per-layer (k_scale, v_scale)
         self.backend = backend
         self.dtype: torch.dtype = model.dtype
         self.device: torch.device = model.device
@@ -96,7 +97,7 @@ class ModelForward:
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = int(input_ids.shape[0])
         self.model.rotary.reserve(meta.max_seq_len, self.dtype, self.device)  # a no-op once reserved
-        with step_context(self.backend, meta, self.kv_caches, num_tokens):
+        with step_context(self.backend, meta, self.kv_caches, num_tokens, self.kv_scales):
             if self._compiled is None:
                 return self.model.forward_tokens(input_ids, positions)
             if num_tokens < MIN_TOKENS:

@@ -14,15 +14,17 @@ from common.parallel_layout import check_model_layout
 from common.protocol import StepPlan, StepResult, WorkerHello
 from common.tokenizer import eos_token_ids
 from worker.attention import get_attention_backend
+from worker.attention.fp8_kv import is_fp8, kv_cache_torch_dtype
 from worker.compiled_forward import ModelForward, inductor_available
 from worker.heap_tuning import keep_freed_memory_mapped
 from worker.input_batch import InputBatch
 from worker.kv_cache import allocate_kv_caches, kv_cache_spec, num_blocks_for
+from worker.kv_scales import read_kv_scales
 from worker.distributed.cpu_binding import bind_rank_cores
 from worker.distributed.parallel_state import group_minimum, init_worker_group
 from worker.lm_head import LmHead, choose_lm_head
 from worker.lm_head.vocab_parallel import VocabParallelLmHead
-from worker.model_loader import load_model
+from worker.model_loader import load_model, safetensors_files
 from worker.model_runner import ModelRunner
 from worker.quantization import prepare_linear_weights
 from worker.models.rotary import CONTEXT_STRETCHING_ROPE_TYPES, rope_parameters
@@ -54,7 +56,7 @@ class Worker:
         self.dtype_name = config.resolved_dtype()
         self.dtype: torch.dtype = getattr(torch, self.dtype_name)
         self.kv_cache_dtype_name = config.resolved_kv_cache_dtype()
-        self.kv_cache_dtype: torch.dtype = getattr(torch, self.kv_cache_dtype_name)
+        self.kv_cache_dtype: torch.dtype = kv_cache_torch_dtype(self.kv_cache_dtype_name)
 
         self.model, self.hf_config, self.model_dir = load_model(config, self.device, self.dtype, self.layout)
         self.quantization = prepare_linear_weights(self.model, config)
@@ -74,12 +76,15 @@ class Worker:
                            self.max_model_len, model_limit, self.num_blocks, config.block_size)
         self.kv_caches = allocate_kv_caches(self.hf_config, self.num_blocks, config.block_size, self.kv_cache_dtype,
                                             self.device, max_model_len=self.max_model_len, spec=spec)
+        # An 8-bit cache's per-layer scales (this rank's layers); other caches have none.
+        self.kv_scales = read_kv_scales(safetensors_files(self.model_dir), range(
+            self.model.first_layer, self.model.end_layer)) if is_fp8(self.kv_cache_dtype) else None
         self.backend = get_attention_backend(config.resolved_attention_backend())
         eos_ids = eos_token_ids(self.model_dir)
         self.grammar_compiler = GrammarCompiler(self.model_dir, int(self.hf_config.vocab_size), eos_ids)
         self.grammar_compiler.start_warm_up()  # alongside the model's warm-up, which leaves a core mostly idle
         self.forward = ModelForward(self.model, self.kv_caches, self.backend, max_model_len=self.max_model_len,
-                                    compile=compile_step)
+                                    compile=compile_step, kv_scales=self.kv_scales)
         self.forward.warm_up(config.block_size)
         self.runner = ModelRunner(self.model, self.lm_head, self.kv_caches, self.backend, config.block_size,
                                   self.device, seed=config.seed, forward=self.forward)

@@ -45,12 +45,15 @@ def test_the_portable_build_has_no_avx512_paths(portable):
 
 
 @pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
-                                               (torch.float32, torch.bfloat16)])
+                                               (torch.float32, torch.bfloat16), (torch.float32, torch.float8_e4m3fn),
+                                               (torch.bfloat16, torch.float8_e5m2)])
 @pytest.mark.parametrize("window", [None, 37])
 def test_portable_attention_and_cache_write_match_the_reference(use_portable, dtype, cache_dtype, window,
                                                                 make_metadata, make_block_tables):
     """Decodes of assorted lengths, a fresh prefill and a chunk that extends a context, with
-    GQA (9 query heads on 3 KV heads); the backend writes K/V with the kernel first."""
+    GQA (9 query heads on 3 KV heads); the backend writes K/V with the kernel first. 8-bit
+    caches with K/V scales other than 1."""
+    scales = {"k_scale": 0.5, "v_scale": 1.25} if cache_dtype.itemsize == 1 else {}
     g = torch.Generator().manual_seed(0)
     contexts, query_lens = [0, 5, 17, 100, 40, 0, 61], [1, 1, 1, 1, 1, 50, 23]
     seq_lens = [c + q for c, q in zip(contexts, query_lens)]
@@ -59,14 +62,15 @@ def test_portable_attention_and_cache_write_match_the_reference(use_portable, dt
     caches = [torch.randn(num_blocks, 16, 3, 64, generator=g).to(cache_dtype) for _ in range(2)]
     query, key, value = (torch.randn(sum(query_lens), h, 64, generator=g).to(dtype) for h in (9, 3, 3))
     expected_caches = [c.clone() for c in caches]
-    expected = reference_attention(query, key, value, *expected_caches, meta, scale=0.125, sliding_window=window)
+    expected = reference_attention(query, key, value, *expected_caches, meta, scale=0.125, sliding_window=window,
+                                   **scales)
     backend = TorchAttentionBackend(use_cpu_kernel=True)
     assert backend.use_cpu_kernel
-    out = backend.forward(query, key, value, *caches, meta, scale=0.125, sliding_window=window)
+    out = backend.forward(query, key, value, *caches, meta, scale=0.125, sliding_window=window, **scales)
     tolerance = dict(atol=2e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(out.float(), expected.float(), **tolerance)
     for got, want in zip(caches, expected_caches):
-        assert torch.equal(got, want)
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

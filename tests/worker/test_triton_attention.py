@@ -45,6 +45,7 @@ class Case:
     dtype: torch.dtype = torch.float32
     cache_dtype: torch.dtype | None = None  # the KV cache's, when not `dtype` (--kv-cache-dtype)
     strided_inputs: bool = False  # q/k/v as column slices of one fused projection
+    kv_scales: tuple[float, float] = (1.0, 1.0)  # an 8-bit cache's (k_scale, v_scale)
 
 
 Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]
@@ -111,8 +112,17 @@ CASES = {
     "bfloat16": Case(decode_context_lens=(5, 18), chunks=((7, 10),), dtype=torch.bfloat16),
     "float16_window": Case(decode_context_lens=(25,), chunks=((3, 14),), dtype=torch.float16, sliding_window=7),
     "float32_bfloat16_cache": Case(decode_context_lens=(5, 18), chunks=((7, 10),), cache_dtype=torch.bfloat16),
+    "bfloat16_fp8_e4m3_cache": Case(decode_context_lens=(5, 18), chunks=((7, 10),), dtype=torch.bfloat16,
+                                    cache_dtype=torch.float8_e4m3fn, kv_scales=(0.05, 0.02)),
+    "float32_fp8_e5m2_cache_window": Case(decode_context_lens=(2, 37), chunks=((21, 18),), sliding_window=5,
+                                          cache_dtype=torch.float8_e5m2, kv_scales=(2.0, 0.5)),
+    "float32_fp8_e4m3_cache_gqa3": Case(decode_context_lens=(9,), chunks=((5, 12),), num_heads=6, num_kv_heads=2,
+                                        cache_dtype=torch.float8_e4m3fn, kv_scales=(1.0, 1.0)),
 }
-TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+# An 8-bit cache: the reference reads the cache the reference wrote; the interpreter may round the
+# new K/V one step differently (see same_cache).
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2, torch.float8_e4m3fn: 0.1,
+             torch.float8_e5m2: 0.2}
 
 
 # ---- run inside the interpreter subprocess -------------------------------------------------
@@ -122,6 +132,9 @@ def same_cache(case: Case, cache: torch.Tensor, expected: torch.Tensor) -> bool:
     even (as the reference's Tensor.to), the interpreter truncates."""
     if case.cache_dtype is None:
         return torch.equal(cache, expected)
+    if case.cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):  # sign and magnitude: one step is one code
+        codes = cache.view(torch.uint8).int(), expected.view(torch.uint8).int()
+        return bool(((codes[0] - codes[1]).abs() <= 1).all())
     step = torch.finfo(case.cache_dtype).eps
     return torch.allclose(cache.float(), expected.float(), rtol=step, atol=0.0)
 
@@ -129,10 +142,12 @@ def same_cache(case: Case, cache: torch.Tensor, expected: torch.Tensor) -> bool:
 def compare_with_reference(case: Case, seed: int, scale: float, **tiles: int) -> dict[str, Any]:
     query, key, value, k_cache, v_cache, meta = build_batch(case, torch.Generator().manual_seed(seed))
     ref_k_cache, ref_v_cache = k_cache.clone(), v_cache.clone()
-    expected = reference_attention(query, key, value, ref_k_cache, ref_v_cache, meta,
-                                   scale=scale, sliding_window=case.sliding_window)
-    output = TritonAttentionBackend(**tiles).forward(query, key, value, k_cache, v_cache, meta,
-                                                     scale=scale, sliding_window=case.sliding_window)
+    k_scale, v_scale = case.kv_scales
+    expected = reference_attention(query, key, value, ref_k_cache, ref_v_cache, meta, scale=scale,
+                                   sliding_window=case.sliding_window, k_scale=k_scale, v_scale=v_scale)
+    output = TritonAttentionBackend(**tiles).forward(query, key, value, k_cache, v_cache, meta, scale=scale,
+                                                     sliding_window=case.sliding_window, k_scale=k_scale,
+                                                     v_scale=v_scale)
     return {
         "same_shape_and_dtype": output.shape == query.shape and output.dtype == query.dtype,
         "caches_equal": all(same_cache(case, a, b) for a, b in ((k_cache, ref_k_cache), (v_cache, ref_v_cache))),
@@ -165,6 +180,37 @@ def rejected_head_mismatch() -> str:
     return "accepted"
 
 
+def fp8_write_mismatches() -> dict[str, int]:
+    """The cache write into 8-bit caches against torch's conversion (worker.attention.fp8_kv.to_cache):
+    how many codes differ, over values of every binade, exact ties, subnormals, beyond the largest
+    finite value, and NaN."""
+    from worker.attention.fp8_kv import to_cache
+    generator = torch.Generator().manual_seed(11)
+    magnitudes = torch.exp2(torch.empty(4096).uniform_(-24, 18, generator=generator))
+    signs = torch.where(torch.rand(4096, generator=generator) < 0.5, -1.0, 1.0)
+    values = signs * magnitudes
+    mismatches = {}
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        codes = torch.arange(256, dtype=torch.uint8).view(dtype).float()
+        codes = codes[codes.isfinite()]
+        ties = (codes[:-1] + codes[1:]) / 2  # exactly between neighbours (codes sorted by sign then size)
+        special = torch.tensor([0.0, -0.0, 1e9, -1e9, float("inf"), float("-inf"), float("nan"), 447.9, 464.0, 480.0])
+        x = torch.cat([values, codes, ties, special])
+        x = torch.cat([x, x.new_zeros(-x.numel() % 32)]).view(-1, 2, 16)  # [tokens, 2 kv heads, 16]
+        scale = 0.5
+        meta = AttentionMetadata(num_decodes=0, slot_mapping=torch.arange(x.shape[0]), query_start_loc=torch.zeros(1),
+                                 seq_lens=torch.zeros(0), block_tables=torch.zeros(0, 1), max_query_len=0,
+                                 max_seq_len=0, query_start_loc_cpu=[0], seq_lens_cpu=[])
+        k_cache = torch.zeros(x.shape[0], 1, 2, 16, dtype=dtype)
+        v_cache = torch.zeros_like(k_cache)
+        TritonAttentionBackend()._write_kv_cache(x, -x, k_cache, v_cache, meta, scale, 2.0)
+        expected_k = to_cache(x, dtype, scale).view(torch.uint8).view(k_cache.shape)
+        expected_v = to_cache(-x, dtype, 2.0).view(torch.uint8).view(v_cache.shape)
+        mismatches[str(dtype)] = int((k_cache.view(torch.uint8) != expected_k).sum()
+                                     + (v_cache.view(torch.uint8) != expected_v).sum())
+    return mismatches
+
+
 def kernels_interpreted() -> bool:
     from worker.attention import triton_kernels
     return triton_kernels.RUNS_INTERPRETED
@@ -178,6 +224,7 @@ def run_all_in_interpreter() -> dict[str, Any]:
             case, seed, case.head_dim ** -0.5, block_m=16, block_n=16)
     jobs["default_tiles"] = lambda: compare_with_reference(CASES["mixed_with_context"], 3, 0.3)
     jobs["context_edit"] = rows_changed_by_context_edit
+    jobs["fp8_write"] = fp8_write_mismatches
     jobs["head_mismatch"] = rejected_head_mismatch
     results: dict[str, Any] = {}
     for name, job in jobs.items():
@@ -195,21 +242,28 @@ INT32_POINTERS = {"block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr"}
 
 def compile_for_sm80() -> list[str]:
     """Compile every kernel down to a cubin for an sm_80 GPU (triton ships ptxas, so no
-    GPU is needed); catches what the interpreter lets through, e.g. tl.dot shape limits."""
+    GPU is needed); catches what the interpreter lets through, e.g. tl.dot shape limits. The
+    8-bit cache variants (bf16 queries) compile for sm_90: triton's fp8e4nv needs sm_89 or later."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from worker.attention import triton_kernels as kernels
 
-    launches = [
-        (kernels.write_kv_cache_kernel, {"KV_HEADS_PAD": 4, "HEAD_DIM_PAD": 64}),
-        (kernels.paged_decode_kernel, {"GROUP_PAD": 16, "HEAD_DIM_PAD": 64, "BLOCK_N": 32, "UPCAST_DOT": False}),
-        (kernels.paged_prefill_kernel, {"BLOCK_Q": 21, "BLOCK_M": 64, "HEAD_DIM_PAD": 64, "BLOCK_N": 32,
-                                        "UPCAST_DOT": False}),
-    ]
     compiled = []
-    for dtype in ("fp32", "bf16"):
+    for dtype, cache_dtype, arch in (("fp32", "fp32", 80), ("bf16", "bf16", 80), ("bf16", "fp8e4nv", 90),
+                                     ("bf16", "fp8e5", 90)):
+        fp8 = cache_dtype.startswith("fp8")
+        launches = [
+            (kernels.write_kv_cache_kernel, {"KV_HEADS_PAD": 4, "HEAD_DIM_PAD": 64, "KV_FP8": fp8,
+                                             "FP8_MAX": {"fp8e4nv": 448.0, "fp8e5": 57344.0}.get(cache_dtype, 0.0),
+                                             "FP8_MANTISSA": 3 if cache_dtype == "fp8e4nv" else 2,
+                                             "FP8_BIAS": 7 if cache_dtype == "fp8e4nv" else 15}),
+            (kernels.paged_decode_kernel, {"GROUP_PAD": 16, "HEAD_DIM_PAD": 64, "BLOCK_N": 32, "UPCAST_DOT": False,
+                                           "KV_FP8": fp8}),
+            (kernels.paged_prefill_kernel, {"BLOCK_Q": 21, "BLOCK_M": 64, "HEAD_DIM_PAD": 64, "BLOCK_N": 32,
+                                            "UPCAST_DOT": False, "KV_FP8": fp8}),
+        ]
         for kernel, constexprs in launches:
             signature = {}
             for arg in kernel.arg_names:
@@ -217,15 +271,17 @@ def compile_for_sm80() -> list[str]:
                     signature[arg] = "constexpr"
                 elif arg == "slot_mapping_ptr":
                     signature[arg] = "*i64"
+                elif arg in ("k_cache_ptr", "v_cache_ptr"):
+                    signature[arg] = f"*{cache_dtype}"
                 elif arg.endswith("_ptr"):
                     signature[arg] = "*i32" if arg in INT32_POINTERS else f"*{dtype}"
                 else:
-                    signature[arg] = "fp32" if arg == "scale" else "i32"
+                    signature[arg] = "fp32" if arg.endswith("scale") else "i32"
             source = ASTSource(fn=kernel, signature=signature,
                                constexprs={(kernel.arg_names.index(k),): v for k, v in constexprs.items()})
-            binary = triton.compile(source, target=GPUTarget("cuda", 80, 32), options={"num_warps": 4})
+            binary = triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
             if binary.asm.get("cubin"):
-                compiled.append(f"{kernel.__name__}[{dtype}]")
+                compiled.append(f"{kernel.__name__}[{cache_dtype}]")
     return compiled
 
 
@@ -275,6 +331,11 @@ def test_context_edit_changes_exactly_its_sequence(interpreted) -> None:
 
 
 @needs_triton
+def test_fp8_cache_write_is_torchs_conversion_bit_for_bit(interpreted) -> None:
+    assert result_of(interpreted, "fp8_write") == {"torch.float8_e4m3fn": 0, "torch.float8_e5m2": 0}
+
+
+@needs_triton
 def test_rejects_mismatched_heads(interpreted) -> None:
     assert "multiple" in result_of(interpreted, "head_mismatch")
 
@@ -288,7 +349,7 @@ def test_kernels_compile_for_a_cuda_gpu(tmp_path) -> None:
     assert proc.returncode == 0, proc.stderr[-4000:]
     compiled = json.loads(proc.stdout.strip().splitlines()[-1])
     names = ("write_kv_cache_kernel", "paged_decode_kernel", "paged_prefill_kernel")
-    assert compiled == [f"{name}[{dtype}]" for dtype in ("fp32", "bf16") for name in names]
+    assert compiled == [f"{name}[{dtype}]" for dtype in ("fp32", "bf16", "fp8e4nv", "fp8e5") for name in names]
 
 
 def test_rejects_tile_sizes_that_are_not_powers_of_two() -> None:

@@ -8,16 +8,18 @@ from __future__ import annotations
 
 import torch
 
+from worker.attention.fp8_kv import from_cache, to_cache
 from worker.attention.metadata import AttentionMetadata
 
 
 def reference_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                         k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                        *, scale: float, sliding_window: int | None) -> torch.Tensor:
+                        *, scale: float, sliding_window: int | None, k_scale: float = 1.0,
+                        v_scale: float = 1.0) -> torch.Tensor:
     """query [T, H, D], key/value [T, KVH, D], caches [num_blocks, block_size, KVH, D].
 
     Writes key/value into the caches at meta.slot_mapping, then returns [T, H, D]
-    in query's dtype.
+    in query's dtype. An 8-bit cache holds K / k_scale and V / v_scale (worker.attention.fp8_kv).
     """
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     num_heads = query.shape[1]
@@ -25,8 +27,8 @@ def reference_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
 
     for token, slot in enumerate(meta.slot_mapping.tolist()):
         block, offset = divmod(slot, block_size)
-        k_cache[block, offset] = key[token]
-        v_cache[block, offset] = value[token]
+        k_cache[block, offset] = to_cache(key[token], k_cache.dtype, k_scale)
+        v_cache[block, offset] = to_cache(value[token], v_cache.dtype, v_scale)
 
     output = torch.empty_like(query)
     starts = meta.query_start_loc_cpu
@@ -38,8 +40,10 @@ def reference_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
             position = seq_len - query_len + i
             first_visible = 0 if sliding_window is None else max(0, position - sliding_window + 1)
             visible = range(first_visible, position + 1)
-            keys = torch.stack([k_cache[blocks[p // block_size], p % block_size] for p in visible]).float()
-            values = torch.stack([v_cache[blocks[p // block_size], p % block_size] for p in visible]).float()
+            keys = torch.stack([from_cache(k_cache[blocks[p // block_size], p % block_size], torch.float32, k_scale)
+                                for p in visible])
+            values = torch.stack([from_cache(v_cache[blocks[p // block_size], p % block_size], torch.float32,
+                                             v_scale) for p in visible])
             for head in range(num_heads):
                 kv_head = head // group
                 scores = keys[:, kv_head] @ query[token, head].float() * scale

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from worker.kernels import cpu_ops
+from worker.attention.fp8_kv import as_indexable, from_cache, is_fp8, to_cache
 from worker.attention.metadata import AttentionMetadata
 
 
@@ -38,29 +39,33 @@ class TorchAttentionBackend:
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                *, scale: float, sliding_window: int | None) -> torch.Tensor:
-        """query [T, H, D], key/value [T, KVH, D], caches [num_blocks, block_size, KVH, D] -> [T, H, D]."""
+                *, scale: float, sliding_window: int | None, k_scale: float = 1.0,
+                v_scale: float = 1.0) -> torch.Tensor:
+        """query [T, H, D], key/value [T, KVH, D], caches [num_blocks, block_size, KVH, D] -> [T, H, D].
+        k_scale/v_scale: an 8-bit cache's per-tensor scales (see worker.attention.fp8_kv)."""
         use_kernel = self.use_cpu_kernel and query.device.type == "cpu" and kernel_dtypes(query.dtype, k_cache.dtype)
         if use_kernel and _rows_contiguous(key) and _rows_contiguous(value) and key.dtype == query.dtype:
-            cpu_ops.write_kv_cache(key, value, k_cache, v_cache, meta.slot_mapping)
+            cpu_ops.write_kv_cache(key, value, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         else:
-            write_kv_cache(key, value, k_cache, v_cache, meta.slot_mapping)
+            write_kv_cache(key, value, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         if use_kernel:
             output = torch.empty(query.shape, dtype=query.dtype)
             cpu_ops.paged_attention(output, query.contiguous(), k_cache, v_cache, meta.block_tables,
-                                        meta.query_start_loc, meta.seq_lens, scale, sliding_window)
+                                    meta.query_start_loc, meta.seq_lens, scale, sliding_window,
+                                    k_scale=k_scale, v_scale=v_scale)
             return output
         output = torch.empty_like(query)
         num_decodes = meta.num_decodes
+        scales = (k_scale, v_scale)
         if num_decodes:
             plan = self._decode_plan(meta, k_cache, sliding_window)
-            output[:num_decodes] = plan.attend(query[:num_decodes], k_cache, v_cache, scale)
+            output[:num_decodes] = plan.attend(query[:num_decodes], k_cache, v_cache, scale, scales)
         starts = meta.query_start_loc_cpu
         for seq in range(num_decodes, meta.num_seqs):
             start, end = starts[seq], starts[seq + 1]
             output[start:end] = _prefill_attention(
                 query[start:end], key[start:end], value[start:end], k_cache, v_cache,
-                meta.block_tables[seq], meta.seq_lens_cpu[seq], scale, sliding_window)
+                meta.block_tables[seq], meta.seq_lens_cpu[seq], scale, sliding_window, scales)
         return output
 
     def _decode_plan(self, meta: AttentionMetadata, k_cache: torch.Tensor,
@@ -77,8 +82,10 @@ class TorchAttentionBackend:
 
 
 def kernel_dtypes(query_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
-    """Whether the C++ kernel takes this pair: a cache of the query's dtype, or bfloat16 under float32."""
-    return cache_dtype == query_dtype or (query_dtype == torch.float32 and cache_dtype == torch.bfloat16)
+    """Whether the C++ kernel takes this pair: a cache of the query's dtype, an 8-bit float cache,
+    or bfloat16 under float32."""
+    return (cache_dtype == query_dtype or is_fp8(cache_dtype)
+            or (query_dtype == torch.float32 and cache_dtype == torch.bfloat16))
 
 
 def _rows_contiguous(x: torch.Tensor) -> bool:
@@ -87,11 +94,14 @@ def _rows_contiguous(x: torch.Tensor) -> bool:
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                   v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Scatter the new tokens' K/V into their cache slots in one indexed copy per tensor."""
+                   v_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: float = 1.0,
+                   v_scale: float = 1.0) -> None:
+    """Scatter the new tokens' K/V into their cache slots in one indexed copy per tensor
+    (8-bit caches: divided by their scales, saturated and rounded first)."""
     num_slots = k_cache.shape[0] * k_cache.shape[1]
-    k_cache.view(num_slots, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-    v_cache.view(num_slots, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+    for new, cache, s in ((key, k_cache, k_scale), (value, v_cache, v_scale)):
+        as_indexable(cache).view(num_slots, *cache.shape[2:]).index_copy_(
+            0, slot_mapping, as_indexable(to_cache(new, cache.dtype, s)))
 
 
 MIN_BUCKET_SEQS = 8  # fewer decodes than this are not worth their own gather/matmul calls
@@ -142,13 +152,13 @@ class DecodePlan:
                 block_size, num_kv_heads, sliding_window))
 
     def attend(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               scale: float) -> torch.Tensor:
+               scale: float, kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
         """query [B, H, D] -> [B, H, D]."""
         if self.in_order:
-            return self.buckets[0].attend(query, k_cache, v_cache, scale)
+            return self.buckets[0].attend(query, k_cache, v_cache, scale, kv_scales)
         output = torch.empty_like(query)
         for bucket in self.buckets:
-            out = bucket.attend(query.index_select(0, bucket.index), k_cache, v_cache, scale)
+            out = bucket.attend(query.index_select(0, bucket.index), k_cache, v_cache, scale, kv_scales)
             output.index_copy_(0, bucket.index, out)
         return output
 
@@ -187,12 +197,12 @@ class DecodeBucket:
             ~visible[:, None, None, :], float("-inf"))
 
     def attend(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               scale: float) -> torch.Tensor:
+               scale: float, kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
         """query [b, H, D] -> [b, H, D]. Scores and softmax in float32."""
         batch, num_heads, head_dim = query.shape
         shape = (batch, self.num_kv_heads, self.context, head_dim)
-        keys = k_cache.view(-1, head_dim).index_select(0, self.rows).view(shape).to(query.dtype)
-        values = v_cache.view(-1, head_dim).index_select(0, self.rows).view(shape).to(query.dtype)
+        keys = from_cache(_gather_rows(k_cache, self.rows, head_dim), query.dtype, kv_scales[0]).view(shape)
+        values = from_cache(_gather_rows(v_cache, self.rows, head_dim), query.dtype, kv_scales[1]).view(shape)
         # GQA without copying K/V: the query heads sharing a KV head are rows of one matmul.
         queries = query.view(batch, self.num_kv_heads, num_heads // self.num_kv_heads, head_dim)
         scores = torch.add(self.bias, torch.matmul(queries, keys.transpose(-1, -2)), alpha=scale)
@@ -200,9 +210,15 @@ class DecodeBucket:
         return torch.matmul(probs, values).view(batch, num_heads, head_dim)
 
 
+def _gather_rows(cache: torch.Tensor, rows: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Rows of cache.view(-1, head_dim), in the cache's dtype."""
+    return as_indexable(cache).view(-1, head_dim).index_select(0, rows).view(cache.dtype)
+
+
 def _prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                        k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                       seq_len: int, scale: float, sliding_window: int | None) -> torch.Tensor:
+                       seq_len: int, scale: float, sliding_window: int | None,
+                       kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
     """One prefill/extend chunk: query [Q, H, D] at positions [seq_len - Q, seq_len)."""
     query_len, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -213,19 +229,22 @@ def _prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     if first_pos >= context_len:
         # Nothing needed from earlier steps: attend over the fresh K/V directly (as the cache
         # holds them: rounded like every later step will read them under a narrower cache dtype).
-        first_pos, keys, values = context_len, key.to(k_cache.dtype), value.to(v_cache.dtype)
+        first_pos = context_len
+        keys, values = to_cache(key, k_cache.dtype, kv_scales[0]), to_cache(value, v_cache.dtype, kv_scales[1])
     else:
         first_block = first_pos // block_size
         last_block = (seq_len + block_size - 1) // block_size
         blocks = block_table[first_block:last_block]
         start = first_pos - first_block * block_size
         end = start + seq_len - first_pos
-        keys = k_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[start:end]
-        values = v_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[start:end]
+        keys = as_indexable(k_cache).index_select(0, blocks).view(k_cache.dtype).view(-1, num_kv_heads,
+                                                                                       head_dim)[start:end]
+        values = as_indexable(v_cache).index_select(0, blocks).view(v_cache.dtype).view(-1, num_kv_heads,
+                                                                                         head_dim)[start:end]
 
     q = query.transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
-    k = keys.to(query.dtype).transpose(0, 1).unsqueeze(0)  # [1, KVH, K, D]
-    v = values.to(query.dtype).transpose(0, 1).unsqueeze(0)
+    k = from_cache(keys, query.dtype, kv_scales[0]).transpose(0, 1).unsqueeze(0)  # [1, KVH, K, D]
+    v = from_cache(values, query.dtype, kv_scales[1]).transpose(0, 1).unsqueeze(0)
     gqa = num_heads != num_kv_heads
     if first_pos == context_len and (sliding_window is None or sliding_window >= query_len):
         # Keys start exactly at the first query: plain top-left causal mask.

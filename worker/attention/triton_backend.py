@@ -11,6 +11,7 @@ from types import ModuleType
 
 import torch
 
+from worker.attention.fp8_kv import is_fp8
 from worker.attention.metadata import AttentionMetadata
 
 _KERNELS_MODULE = "worker.attention.triton_kernels"
@@ -74,18 +75,22 @@ class TritonAttentionBackend:
         *,
         scale: float,
         sliding_window: int | None = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
+        """k_scale/v_scale: an 8-bit cache's per-tensor scales (worker.attention.fp8_kv)."""
         self._check_inputs(query, key, value, k_cache, v_cache)
         query, key, value = (_last_dim_contiguous(t) for t in (query, key, value))
         output = torch.empty_like(query)
         if query.shape[0] == 0:
             return output
-        self._write_kv_cache(key, value, k_cache, v_cache, meta)
+        self._write_kv_cache(key, value, k_cache, v_cache, meta, k_scale, v_scale)
         window = sliding_window if sliding_window and sliding_window > 0 else self._kernels.NO_WINDOW
+        scales = (scale * k_scale, v_scale)  # the K scale scales every score; the V scale the output
         if meta.num_decodes > 0:
-            self._decode(output, query, k_cache, v_cache, meta, scale, window)
+            self._decode(output, query, k_cache, v_cache, meta, scales, window)
         if meta.num_seqs > meta.num_decodes:
-            self._prefill(output, query, k_cache, v_cache, meta, scale, window)
+            self._prefill(output, query, k_cache, v_cache, meta, scales, window)
         return output
 
     def _check_inputs(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -105,14 +110,18 @@ class TritonAttentionBackend:
                                f"{_KERNELS_MODULE} is imported")
 
     def _write_kv_cache(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                        v_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+                        v_cache: torch.Tensor, meta: AttentionMetadata, k_scale: float, v_scale: float) -> None:
         num_kv_heads, head_dim = key.shape[1], key.shape[2]
+        fp8 = is_fp8(k_cache.dtype)
         self._kernels.write_kv_cache_kernel[(key.shape[0],)](
             key, value, k_cache, v_cache, meta.slot_mapping,
             key.stride(0), key.stride(1), value.stride(0), value.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            k_cache.shape[1], num_kv_heads, head_dim,
+            k_cache.shape[1], num_kv_heads, head_dim, float(k_scale), float(v_scale),
             KV_HEADS_PAD=_next_power_of_2(num_kv_heads), HEAD_DIM_PAD=_next_power_of_2(head_dim),
+            KV_FP8=fp8, FP8_MAX=float(torch.finfo(k_cache.dtype).max) if fp8 else 0.0,
+            FP8_MANTISSA=3 if k_cache.dtype == torch.float8_e4m3fn else 2,
+            FP8_BIAS=7 if k_cache.dtype == torch.float8_e4m3fn else 15,
             num_warps=self.num_warps,
         )
 
@@ -125,18 +134,18 @@ class TritonAttentionBackend:
         )
 
     def _decode(self, output: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int) -> None:
+                v_cache: torch.Tensor, meta: AttentionMetadata, scales: tuple[float, float], window: int) -> None:
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         queries_per_kv = query.shape[1] // num_kv_heads
         self._kernels.paged_decode_kernel[(meta.num_decodes, num_kv_heads)](
             *self._common_args(output, query, k_cache, v_cache, meta),
-            float(scale), window, k_cache.shape[1], queries_per_kv, head_dim,
+            float(scales[0]), window, k_cache.shape[1], queries_per_kv, head_dim, float(scales[1]),
             GROUP_PAD=_dot_size(queries_per_kv), HEAD_DIM_PAD=_dot_size(head_dim), BLOCK_N=self.block_n,
-            UPCAST_DOT=self._kernels.RUNS_INTERPRETED, num_warps=self.num_warps,
+            UPCAST_DOT=self._kernels.RUNS_INTERPRETED, KV_FP8=is_fp8(k_cache.dtype), num_warps=self.num_warps,
         )
 
     def _prefill(self, output: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int) -> None:
+                 v_cache: torch.Tensor, meta: AttentionMetadata, scales: tuple[float, float], window: int) -> None:
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         queries_per_kv = query.shape[1] // num_kv_heads
         block_m = max(self.block_m, _dot_size(queries_per_kv))
@@ -146,7 +155,7 @@ class TritonAttentionBackend:
         grid = (meta.num_seqs - meta.num_decodes, num_kv_heads, -(-max_query_len // block_q))
         self._kernels.paged_prefill_kernel[grid](
             *self._common_args(output, query, k_cache, v_cache, meta),
-            float(scale), window, k_cache.shape[1], queries_per_kv, head_dim, meta.num_decodes,
+            float(scales[0]), window, k_cache.shape[1], queries_per_kv, head_dim, meta.num_decodes, float(scales[1]),
             BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM_PAD=_dot_size(head_dim), BLOCK_N=self.block_n,
-            UPCAST_DOT=self._kernels.RUNS_INTERPRETED, num_warps=self.num_warps,
+            UPCAST_DOT=self._kernels.RUNS_INTERPRETED, KV_FP8=is_fp8(k_cache.dtype), num_warps=self.num_warps,
         )

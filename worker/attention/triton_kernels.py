@@ -9,6 +9,9 @@ its cache slot through the block table, so the cache block size need not be a
 power of two nor match BLOCK_N. Query heads that share a kv head are packed as
 rows of one tile (GQA), so every K/V tile is loaded once per kv head.
 `sliding_window` is always applied: callers pass NO_WINDOW when there is none.
+An 8-bit float cache (KV_FP8) holds K / k_scale and V / v_scale: writes divide,
+saturate and round; reads widen the tiles to the query's dtype, the K scale
+folded into `scale` and the V scale into `out_scale`.
 """
 from __future__ import annotations
 
@@ -22,12 +25,33 @@ NO_WINDOW = 1 << 30  # larger than any sequence, still far from int32 overflow
 
 
 @triton.jit
+def _fp8_bits(x, MANTISSA: tl.constexpr, BIAS: tl.constexpr):
+    """The 8-bit float code of float32 x (already within the format's finite range; NaN: 0x7F
+    with x's sign), rounded to nearest even: integer rounding of the bits, which the CPU
+    interpreter does exactly (its float8 casts mishandle a rounding carry into the exponent)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    magnitude = bits & 0x7FFFFFFF
+    shift: tl.constexpr = 23 - MANTISSA
+    odd = (magnitude >> shift) & 1
+    normal = ((magnitude + ((1 << (shift - 1)) - 1) + odd) >> shift) - ((127 - BIAS) << MANTISSA)
+    # Below the smallest normal: units of the smallest subnormal, rounded to an even integer by
+    # adding and subtracting 2^23 (a carry to 2^MANTISSA is the smallest normal's code).
+    units = tl.where(x != x, 0.0, tl.abs(x)) * (2.0 ** (BIAS - 1 + MANTISSA))
+    subnormal = ((units + 8388608.0) - 8388608.0).to(tl.uint32)
+    code = tl.where(magnitude < ((128 - BIAS) << 23), subnormal, normal)
+    code = tl.where(x != x, 0x7F, code)
+    return (code | sign).to(tl.uint8)
+
+
+@triton.jit
 def write_kv_cache_kernel(
     key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
     key_stride_t, key_stride_h, value_stride_t, value_stride_h,
     cache_stride_b, cache_stride_o, cache_stride_h,
-    block_size, num_kv_heads, head_dim,
-    KV_HEADS_PAD: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    block_size, num_kv_heads, head_dim, k_scale, v_scale,
+    KV_HEADS_PAD: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, KV_FP8: tl.constexpr, FP8_MAX: tl.constexpr,
+    FP8_MANTISSA: tl.constexpr, FP8_BIAS: tl.constexpr,
 ):
     """One program per new token: copy its K and V (all kv heads) into its slot."""
     token = tl.program_id(0).to(tl.int64)
@@ -40,9 +64,15 @@ def write_kv_cache_kernel(
     cache_offsets = ((slot // block_size) * cache_stride_b + (slot % block_size) * cache_stride_o
                      + heads[:, None] * cache_stride_h + dims[None, :])
     key = tl.load(key_ptr + token * key_stride_t + heads[:, None] * key_stride_h + dims[None, :], mask=mask)
-    tl.store(k_cache_ptr + cache_offsets, key.to(k_cache_ptr.dtype.element_ty), mask=mask)
     value = tl.load(value_ptr + token * value_stride_t + heads[:, None] * value_stride_h + dims[None, :],
                     mask=mask)
+    if KV_FP8:  # divided by the scale, saturated (NaN stays NaN), rounded to nearest even
+        key = _fp8_bits(tl.clamp(key.to(tl.float32) / k_scale, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL),
+                        FP8_MANTISSA, FP8_BIAS).to(k_cache_ptr.dtype.element_ty, bitcast=True)
+        value = _fp8_bits(tl.clamp(value.to(tl.float32) / v_scale, -FP8_MAX, FP8_MAX,
+                                   propagate_nan=tl.PropagateNan.ALL),
+                          FP8_MANTISSA, FP8_BIAS).to(v_cache_ptr.dtype.element_ty, bitcast=True)
+    tl.store(k_cache_ptr + cache_offsets, key.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + cache_offsets, value.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
@@ -61,10 +91,11 @@ def _attend_rows(
     seq_len, key_start, key_end, scale, sliding_window,
     cache_stride_b, cache_stride_o, cache_stride_h, block_size, head_dim,
     ROWS: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-    UPCAST_DOT: tl.constexpr,
+    UPCAST_DOT: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     """Online-softmax attention of `query` rows [ROWS, HEAD_DIM_PAD] at `positions`
-    over cached keys in [key_start, key_end); returns float32 [ROWS, HEAD_DIM_PAD]."""
+    over cached keys in [key_start, key_end); returns float32 [ROWS, HEAD_DIM_PAD]
+    (8-bit caches: before the V scale)."""
     dims = tl.arange(0, HEAD_DIM_PAD)
     dim_mask = dims < head_dim
     # A finite start value keeps exp(m_old - m_new) defined for rows that see
@@ -80,6 +111,8 @@ def _attend_rows(
         key_offsets = block_ids * cache_stride_b + (keys % block_size) * cache_stride_o + kv_head * cache_stride_h
         load_mask = key_mask[:, None] & dim_mask[None, :]
         k_tile = tl.load(k_cache_ptr + key_offsets[:, None] + dims[None, :], mask=load_mask, other=0.0)
+        if KV_FP8:
+            k_tile = k_tile.to(query.dtype)
         scores = _dot(query, tl.trans(k_tile), UPCAST_DOT) * scale
         visible = ((keys[None, :] <= positions[:, None]) & (keys[None, :] > positions[:, None] - sliding_window)
                    & key_mask[None, :])
@@ -89,6 +122,8 @@ def _attend_rows(
         rescale = tl.exp(row_max - new_max)
         row_sum = row_sum * rescale + tl.sum(probs, axis=1)
         v_tile = tl.load(v_cache_ptr + key_offsets[:, None] + dims[None, :], mask=load_mask, other=0.0)
+        if KV_FP8:
+            v_tile = v_tile.to(query.dtype)
         acc = acc * rescale[:, None] + _dot(probs.to(v_tile.dtype), v_tile, UPCAST_DOT)
         row_max = new_max
     row_sum = tl.where(row_sum == 0.0, 1.0, row_sum)  # padding rows only
@@ -100,9 +135,9 @@ def paged_decode_kernel(
     out_ptr, query_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     query_stride_t, query_stride_h, out_stride_t, out_stride_h, block_table_stride,
     cache_stride_b, cache_stride_o, cache_stride_h,
-    scale, sliding_window, block_size, queries_per_kv, head_dim,
+    scale, sliding_window, block_size, queries_per_kv, head_dim, out_scale,
     GROUP_PAD: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-    UPCAST_DOT: tl.constexpr,
+    UPCAST_DOT: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     """Grid (num_decodes, num_kv_heads): the one query token of a decode
     sequence, all query heads of one kv head as rows."""
@@ -117,14 +152,16 @@ def paged_decode_kernel(
     dims = tl.arange(0, HEAD_DIM_PAD)
     mask = (group[:, None] < queries_per_kv) & (dims[None, :] < head_dim)
     query = tl.load(query_ptr + token * query_stride_t + heads[:, None] * query_stride_h + dims[None, :],
-                    mask=mask, other=0.0).to(k_cache_ptr.dtype.element_ty)
+                    mask=mask, other=0.0)
+    if not KV_FP8:  # 8-bit caches widen their tiles to the query's dtype instead
+        query = query.to(k_cache_ptr.dtype.element_ty)
     positions = tl.zeros([GROUP_PAD], dtype=tl.int32) + position
     key_start = tl.maximum(position - sliding_window + 1, 0)
     out = _attend_rows(
         query, positions, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq.to(tl.int64) * block_table_stride,
         kv_head, seq_len, key_start, seq_len, scale, sliding_window,
         cache_stride_b, cache_stride_o, cache_stride_h, block_size, head_dim,
-        GROUP_PAD, HEAD_DIM_PAD, BLOCK_N, UPCAST_DOT)
+        GROUP_PAD, HEAD_DIM_PAD, BLOCK_N, UPCAST_DOT, KV_FP8) * out_scale
     tl.store(out_ptr + token * out_stride_t + heads[:, None] * out_stride_h + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -134,9 +171,9 @@ def paged_prefill_kernel(
     out_ptr, query_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     query_stride_t, query_stride_h, out_stride_t, out_stride_h, block_table_stride,
     cache_stride_b, cache_stride_o, cache_stride_h,
-    scale, sliding_window, block_size, queries_per_kv, head_dim, first_seq,
+    scale, sliding_window, block_size, queries_per_kv, head_dim, first_seq, out_scale,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-    UPCAST_DOT: tl.constexpr,
+    UPCAST_DOT: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     """Grid (num_prefills, num_kv_heads, query tiles): BLOCK_Q query tokens of a
     chunk times the query heads of one kv head form the BLOCK_M rows of a tile.
@@ -159,7 +196,9 @@ def paged_prefill_kernel(
     dims = tl.arange(0, HEAD_DIM_PAD)
     mask = row_mask[:, None] & (dims[None, :] < head_dim)
     query = tl.load(query_ptr + tokens[:, None] * query_stride_t + heads[:, None] * query_stride_h + dims[None, :],
-                    mask=mask, other=0.0).to(k_cache_ptr.dtype.element_ty)
+                    mask=mask, other=0.0)
+    if not KV_FP8:  # 8-bit caches widen their tiles to the query's dtype instead
+        query = query.to(k_cache_ptr.dtype.element_ty)
     positions = context_len + query_index
 
     first_position = context_len + q_tile * BLOCK_Q
@@ -169,6 +208,6 @@ def paged_prefill_kernel(
         query, positions, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq.to(tl.int64) * block_table_stride,
         kv_head, seq_len, key_start, key_end, scale, sliding_window,
         cache_stride_b, cache_stride_o, cache_stride_h, block_size, head_dim,
-        BLOCK_M, HEAD_DIM_PAD, BLOCK_N, UPCAST_DOT)
+        BLOCK_M, HEAD_DIM_PAD, BLOCK_N, UPCAST_DOT, KV_FP8) * out_scale
     tl.store(out_ptr + tokens[:, None] * out_stride_t + heads[:, None] * out_stride_h + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=mask)

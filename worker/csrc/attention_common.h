@@ -22,8 +22,9 @@ struct WorkItem {
   int64_t seq, first_query, num_queries, cost;
 };
 
-// Q: the query's and output's element type; T: the cache's (the same, or bfloat16 under float32
-// queries: --kv-cache-dtype bfloat16 on a float32 model).
+// Q: the query's and output's element type; T: the cache's (the same, bfloat16 under float32
+// queries: --kv-cache-dtype bfloat16 on a float32 model, or an 8-bit float: --kv-cache-dtype fp8*).
+// `scale` includes the K scale (and kReadFactor); `out_scale` is the V scale (and kReadFactor).
 template <typename Q, typename T = Q>
 struct Problem {
   const Q* query;    // [tokens, heads, dim]
@@ -35,6 +36,7 @@ struct Problem {
   Q* out;                                                        // [tokens, heads, dim]
   int64_t max_blocks, block_size, heads, kv_heads, dim, window;  // window <= 0: none
   float scale;
+  float out_scale;  // multiplies the output: 8-bit caches' V scale, else 1
 
   // Cache rows (all KV heads of a slot) of positions [first, first + n) of a sequence.
   void chunk_rows(const T* cache, int64_t seq, int64_t first, int64_t n, const T** rows) const {
@@ -101,7 +103,7 @@ template <typename Q, typename T>
 void write_output(const Problem<Q, T>& p, const ItemGeometry& g, const Scratch& s) {
   Q* out = p.out + g.first_token * p.heads * p.dim;
   for (int64_t r = 0; r < g.rows; ++r) {
-    const float inv = s.inv_sums[r];
+    const float inv = s.inv_sums[r] * p.out_scale;
     for (int64_t d = 0; d < p.dim; ++d) out[r * p.dim + d] = static_cast<Q>(s.acc[r * p.dim + d] * inv);
   }
 }

@@ -95,9 +95,11 @@ inline void transpose_dwords(const void* const* keys, int64_t dwords, float* kt,
                    [&](int j, int64_t b) { return _mm512_loadu_si512(static_cast<const uint32_t*>(keys[j]) + b); });
 }
 
-// bfloat16 keys widened to float32 (F32Dot over a bfloat16 cache): row d holds dim d.
-inline void transpose_widened(const c10::BFloat16* const* keys, int64_t dim, float* kt, int64_t ld) {
-  transpose_blocks(dim, kt, ld, [&](int j, int64_t b) { return _mm512_castps_si512(load16(keys[j] + b)); });
+// Keys (or query rows) of a narrower type widened to float32 (F32Dot over a bfloat16 or 8-bit cache,
+// or bfloat16 queries over an 8-bit cache): row d holds dim d.
+template <typename E>
+inline void transpose_widened(const E* const* rows, int64_t dim, float* kt, int64_t ld) {
+  transpose_blocks(dim, kt, ld, [&](int j, int64_t b) { return _mm512_castps_si512(load16(rows[j] + b)); });
 }
 
 // Calls f(std::integral_constant<int, C>{}) with C = chunks (1 .. SCORE_CHUNKS).
@@ -154,20 +156,25 @@ void run_item_transposed(const Problem<Q, T>& p, const WorkItem& item, Scratch& 
   const int64_t per_head = item.num_queries * (p.heads / p.kv_heads);
   s.packed.resize(steps * SPAN_KEYS);  // one head's transposed keys of one span
   float* kt = s.packed.data();
-  const U* query = reinterpret_cast<const U*>(p.query) + g.first_token * p.heads * steps;
+  const Q* query = p.query + g.first_token * p.heads * p.dim;
   // Each KV head's rows, SCORE_ROWS at a time, transposed into lanes step by step (see score_tile;
-  // the lanes past a group's rows read the zero row).
+  // the lanes past a group's rows read the zero row); bfloat16 queries under F32Dot widened first.
+  constexpr bool kWidenQuery = std::is_same_v<U, float> && !std::is_same_v<Q, float>;
   const int64_t groups = (per_head + SCORE_ROWS - 1) / SCORE_ROWS;
   s.queries.resize(p.kv_heads * groups * steps * 16);
   const U* qt = reinterpret_cast<const U*>(s.queries.data());
   for (int64_t h = 0; h < p.kv_heads; ++h)
     for (int64_t k = 0; k < per_head; k += SCORE_ROWS) {
-      const void* q[16];
+      const Q* q[16];
       for (int64_t i = 0; i < 16; ++i) {
         const bool row = i < SCORE_ROWS && k + i < per_head;
-        q[i] = row ? static_cast<const void*>(query + s.head_rows[h * per_head + k + i] * steps) : zero_row;
+        q[i] = row ? query + s.head_rows[h * per_head + k + i] * p.dim : reinterpret_cast<const Q*>(zero_row);
       }
-      transpose_dwords(q, steps, s.queries.data() + (h * groups + k / SCORE_ROWS) * steps * 16, 16);
+      float* lanes = s.queries.data() + (h * groups + k / SCORE_ROWS) * steps * 16;
+      if constexpr (kWidenQuery)
+        transpose_widened(static_cast<const Q* const*>(q), steps, lanes, 16);
+      else
+        transpose_dwords(reinterpret_cast<const void* const*>(q), steps, lanes, 16);
     }
   for_each_span_head<SCORE_CHUNKS>(
       p, p.k_cache, item, g, zero_row, [&](int64_t offset, int64_t h, const T* const* head_rows, int64_t chunks) {
@@ -199,15 +206,15 @@ void run_item_transposed(const Problem<Q, T>& p, const WorkItem& item, Scratch& 
   write_output(p, g, s);
 }
 
-// Float32 queries over a float32 or bfloat16 cache.
-template <typename T>
-void run_item_f32(const Problem<float, T>& p, const WorkItem& item, Scratch& s) {
-  run_item_transposed<float, T, F32Dot>(p, item, s, p.dim);
+// Float32 queries over a float32, bfloat16 or 8-bit cache; bfloat16 queries over an 8-bit cache.
+template <typename Q, typename T>
+void run_item_f32(const Problem<Q, T>& p, const WorkItem& item, Scratch& s) {
+  run_item_transposed<Q, T, F32Dot>(p, item, s, p.dim);
 }
 constexpr bool kHaveTransposedPath = true;
 #else
-template <typename T>
-void run_item_f32(const Problem<float, T>& p, const WorkItem& item, Scratch& s) {
+template <typename Q, typename T>
+void run_item_f32(const Problem<Q, T>& p, const WorkItem& item, Scratch& s) {
   run_item_portable(p, item, s);
 }
 constexpr bool kHaveTransposedPath = false;

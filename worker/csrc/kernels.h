@@ -8,13 +8,15 @@
 #include <vector>
 
 // paged_attention.cpp: out [T, H, D] = attention of query [T, H, D] over the paged caches
-// [blocks, block_size, KVH, D] of each sequence (int32 metadata); window <= 0: none.
+// [blocks, block_size, KVH, D] of each sequence (int32 metadata); window <= 0: none; k_scale/v_scale:
+// an 8-bit cache's per-tensor scales (real = stored x scale), 1 for other caches.
 void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
                      torch::Tensor block_tables, torch::Tensor query_start, torch::Tensor seq_lens, double scale,
-                     int64_t window);
-// kv_cache_write.cpp: the new tokens' K/V [T, KVH, D] into their slots of the caches.
+                     int64_t window, double k_scale, double v_scale);
+// kv_cache_write.cpp: the new tokens' K/V [T, KVH, D] into their slots of the caches (8-bit caches:
+// divided by k_scale/v_scale, saturated, rounded to nearest even).
 void write_kv_cache(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
-                    torch::Tensor slot_mapping);
+                    torch::Tensor slot_mapping, double k_scale, double v_scale);
 // near_top_scan.cpp: (argmax [N], near-top counts [N]) of logits [N, vocab].
 std::vector<torch::Tensor> near_top_scan(torch::Tensor logits, double model_eps, double model_tiny);
 // random_sampling.cpp: one sampled token per row of logits [R, vocab].

@@ -10,7 +10,9 @@
 // prefill scoring (attention_transposed.h, attention_bf16.h), else the portable loops
 // (attention_common.h). Softmax (max-subtracted, over the visible positions) and the weighted
 // sum of values are float32; the result is cast to the query dtype. The cache holds the query's
-// dtype, or bfloat16 under float32 queries (`--kv-cache-dtype bfloat16`: widened as it is read).
+// dtype, or bfloat16 under float32 queries (`--kv-cache-dtype bfloat16`: widened as it is read),
+// or 8-bit floats (`--kv-cache-dtype fp8*`: widened in registers, value = stored x per-layer scale;
+// the K scale folds into the softmax scale, the V scale into the output).
 // A query at position p sees positions (p - sliding_window, p].
 #include "attention_bf16.h"
 #include "kernels.h"
@@ -32,7 +34,7 @@ void run(const Problem<Q, T>& p, int64_t num_seqs) {
     }
   }
   constexpr bool kQueryVector = std::is_same_v<Q, float> || std::is_same_v<Q, c10::BFloat16>;
-  constexpr bool kCacheVector = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>;
+  constexpr bool kCacheVector = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16> || kFp8<T>;
   constexpr bool kVectorType = kQueryVector && kCacheVector;
   const bool vector_path = kHaveAvx512 && kVectorType && p.dim % 16 == 0;
   const bool bf16_path = kHaveBf16Path && p.dim % 32 == 0;
@@ -63,7 +65,8 @@ void run(const Problem<Q, T>& p, int64_t num_seqs) {
           continue;
         }
       }
-      if constexpr (std::is_same_v<Q, float>) {  // float32 queries, float32 or bfloat16 keys
+      // float32 queries over float32, bfloat16 or 8-bit keys; bfloat16 queries over 8-bit keys
+      if constexpr (std::is_same_v<Q, float> || (kFp8<T> && kVectorType)) {
         if (kHaveTransposedPath && vector_path && transposed) {
           run_item_f32(p, item, scratch);
           continue;
@@ -87,7 +90,7 @@ void run(const Problem<Q, T>& p, int64_t num_seqs) {
 template <typename Q, typename T>
 void run_tensors(torch::Tensor& out, torch::Tensor& query, torch::Tensor& k_cache, torch::Tensor& v_cache,
                  torch::Tensor& block_tables, torch::Tensor& query_start, torch::Tensor& seq_lens, double scale,
-                 int64_t window) {
+                 int64_t window, double k_scale, double v_scale) {
   const Problem<Q, T> p{query.data_ptr<Q>(),
                         k_cache.data_ptr<T>(),
                         v_cache.data_ptr<T>(),
@@ -101,7 +104,8 @@ void run_tensors(torch::Tensor& out, torch::Tensor& query, torch::Tensor& k_cach
                         k_cache.size(2),
                         query.size(2),
                         window,
-                        static_cast<float>(scale)};
+                        static_cast<float>(scale * k_scale * kReadFactor<T>),
+                        static_cast<float>(v_scale * kReadFactor<T>)};
   run(p, seq_lens.size(0));
 }
 
@@ -109,16 +113,21 @@ void run_tensors(torch::Tensor& out, torch::Tensor& query, torch::Tensor& k_cach
 
 void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
                      torch::Tensor block_tables, torch::Tensor query_start, torch::Tensor seq_lens, double scale,
-                     int64_t window) {
+                     int64_t window, double k_scale, double v_scale) {
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query/out must be [tokens, heads, dim]");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
               "caches must be [blocks, block_size, kv_heads, dim]");
   TORCH_CHECK(query.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "tensors must be contiguous");
   const bool bf16_cache = query.scalar_type() == torch::kFloat && k_cache.scalar_type() == torch::kBFloat16;
+  const bool fp8_cache =
+      k_cache.scalar_type() == at::kFloat8_e4m3fn || k_cache.scalar_type() == at::kFloat8_e5m2;
   TORCH_CHECK(out.scalar_type() == query.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type() &&
-                  (k_cache.scalar_type() == query.scalar_type() || bf16_cache),
-              "out must have the query's dtype, and the caches the query's or (float32 queries) bfloat16");
+                  (k_cache.scalar_type() == query.scalar_type() || bf16_cache || fp8_cache),
+              "out must have the query's dtype, and the caches the query's, an 8-bit float or (float32 "
+              "queries) bfloat16");
+  TORCH_CHECK(k_scale > 0 && v_scale > 0 && (fp8_cache || (k_scale == 1 && v_scale == 1)),
+              "k_scale/v_scale must be positive, and 1 unless the cache holds 8-bit floats");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && query_start.scalar_type() == torch::kInt32 &&
                   seq_lens.scalar_type() == torch::kInt32,
               "metadata must be int32");
@@ -129,10 +138,19 @@ void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor k_cac
   const int64_t num_seqs = seq_lens.size(0);
   TORCH_CHECK(query_start.size(0) == num_seqs + 1 && block_tables.size(0) == num_seqs, "metadata sizes differ");
   if (bf16_cache) {
-    run_tensors<float, c10::BFloat16>(out, query, k_cache, v_cache, block_tables, query_start, seq_lens, scale, window);
+    run_tensors<float, c10::BFloat16>(out, query, k_cache, v_cache, block_tables, query_start, seq_lens, scale, window,
+                                      1.0, 1.0);
     return;
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention", [&] {
-    run_tensors<scalar_t, scalar_t>(out, query, k_cache, v_cache, block_tables, query_start, seq_lens, scale, window);
+    if (k_cache.scalar_type() == at::kFloat8_e4m3fn)
+      run_tensors<scalar_t, c10::Float8_e4m3fn>(out, query, k_cache, v_cache, block_tables, query_start, seq_lens,
+                                                scale, window, k_scale, v_scale);
+    else if (k_cache.scalar_type() == at::kFloat8_e5m2)
+      run_tensors<scalar_t, c10::Float8_e5m2>(out, query, k_cache, v_cache, block_tables, query_start, seq_lens,
+                                              scale, window, k_scale, v_scale);
+    else
+      run_tensors<scalar_t, scalar_t>(out, query, k_cache, v_cache, block_tables, query_start, seq_lens, scale,
+                                      window, 1.0, 1.0);
   });
 }

@@ -1,5 +1,5 @@
-// The headers every kernel uses and the vector helpers they share: widening loads of float32
-// and bfloat16 (`load_float`, `load16`) and a vectorized exp for x <= 0 that overflows to inf like
+// The headers every kernel uses and the vector helpers they share: widening loads of float32,
+// bfloat16 and the 8-bit float KV cache types (`load_float`, `load16`) and a vectorized exp for x <= 0 that overflows to inf like
 // exp (`exp_ps`). Everything here has internal linkage (an unnamed namespace), as when all the
 // kernels were one translation unit: each .cpp gets its own copy and the same inlining.
 #pragma once
@@ -32,11 +32,32 @@ inline float load_float(const c10::BFloat16* p) {
   return out;
 }
 
+// 8-bit float caches (--kv-cache-dtype fp8_e4m3 / fp8_e5m2). Loads return the stored value divided
+// by kReadFactor<T> (a power of two, so exactly): e4m3 widens through float16 bits that hold it
+// times 2^-8 (below). Callers fold the factor into the softmax scale and the output.
+template <typename T>
+constexpr bool kFp8 = std::is_same_v<T, c10::Float8_e4m3fn> || std::is_same_v<T, c10::Float8_e5m2>;
+template <typename T>
+constexpr float kReadFactor = std::is_same_v<T, c10::Float8_e4m3fn> ? 256.0f : 1.0f;
+inline float load_float(const c10::Float8_e4m3fn* p) { return static_cast<float>(*p) * (1.0f / 256.0f); }
+
 #if defined(__AVX512F__)
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const c10::BFloat16* p) {
   const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+// e5m2 is the top byte of a float16: widen, shift, vcvtph2ps (AVX-512F, no FP16 extension needed).
+inline __m512 load16(const c10::Float8_e5m2* p) {
+  const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_cvtph_ps(_mm256_slli_epi16(bytes, 8));
+}
+// e4m3 (s eeee mmm, bias 7) as the float16 s 0eeee mmm0000000 (bias 15): the value times 2^-8, subnormals
+// included. Sign-extending the byte and shifting by 7 puts the sign in bits 15 and 14; bit 14 is
+// cleared. The NaN byte (s 1111 111) reads as +-480 / 256: writes saturate, so only NaN K/V make it.
+inline __m512 load16(const c10::Float8_e4m3fn* p) {
+  const __m256i bytes = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(bytes, 7), _mm256_set1_epi16(static_cast<short>(0xBFFF))));
 }
 
 // exp(x) for x <= 0 (max-subtracted scores): 2^n * p(r) with a degree-6 polynomial.

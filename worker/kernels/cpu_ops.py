@@ -29,18 +29,21 @@ def packed_linear_available(dtype: torch.dtype) -> bool:
 
 def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                    scale: float, sliding_window: int | None) -> None:
+                    scale: float, sliding_window: int | None, *, k_scale: float = 1.0,
+                    v_scale: float = 1.0) -> None:
     """Fill `out` [T, H, D] with attention over the paged cache for every sequence of the batch.
-    All tensors on CPU, int32 metadata (see worker/csrc/paged_attention.cpp)."""
+    All tensors on CPU, int32 metadata (see worker/csrc/paged_attention.cpp); k_scale/v_scale: an
+    8-bit cache's per-tensor scales."""
     cpu_extension._module.paged_attention(out, query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
-                                          float(scale), int(sliding_window or 0))
+                                          float(scale), int(sliding_window or 0), float(k_scale), float(v_scale))
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
-    """Copy the new tokens' K/V [T, KVH, D] (rows contiguous; the caches' dtype, or float32 rounded
-    into bfloat16 caches) into their slots of the [blocks, block_size, KVH, D] caches."""
-    cpu_extension._module.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+                   slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """Copy the new tokens' K/V [T, KVH, D] (rows contiguous; the caches' dtype, float32 rounded
+    into bfloat16 caches, or any of float32/bfloat16/float16 divided by k_scale/v_scale into 8-bit
+    float caches) into their slots of the [blocks, block_size, KVH, D] caches."""
+    cpu_extension._module.write_kv_cache(key, value, k_cache, v_cache, slot_mapping, float(k_scale), float(v_scale))
 
 
 def near_top_scan(logits: torch.Tensor, model_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

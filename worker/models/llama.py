@@ -25,6 +25,7 @@ from worker.attention.metadata import AttentionMetadata
 from worker.attention.step_context import paged_attention, step_context
 from worker.models.packed_linear import linear, linear_silu, pack_gated, pack_weight, packing_supported
 from worker.models.rotary import RotaryEmbedding, apply_rotary
+from worker.kv_scales import kv_scale_target
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -289,6 +290,8 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if name.endswith("rotary_emb.inv_freq"):
                 continue  # a buffer older checkpoints saved; recomputed from the config
+            if kv_scale_target(name) is not None:
+                continue  # an 8-bit KV cache's scales: worker.kv_scales reads them
             if name not in targets and self._elsewhere(name):
                 continue  # another pipeline stage's weight
             if name == "lm_head.weight" and self.tie_word_embeddings:
