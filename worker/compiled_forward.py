@@ -35,6 +35,10 @@ logger = logging.getLogger(__name__)
 
 MIN_TOKENS = 2  # smallest compiled batch (see the module docstring)
 MAX_LAYERS_PER_GRAPH = 6
+# Each engine built in one process (offline `LLM` objects one after another: other models,
+# dtypes, quantizations) adds its own graph of `decoder_layers`; dynamo's default limit of 8
+# per function would turn the ninth engine eager.
+RECOMPILE_LIMIT = 64
 
 
 def layers_per_graph(num_layers: int, limit: int = MAX_LAYERS_PER_GRAPH) -> int:
@@ -86,6 +90,7 @@ class ModelForward:
             compile = False
         if compile:
             from worker.models.llama import decoder_layers
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
             self._compiled = torch.compile(decoder_layers, dynamic=True, fullgraph=True,
                                            options=compile_options(self.dtype, self.device))
             self.group_size = layers_per_graph(len(model.layers))
