@@ -18,6 +18,9 @@ from worker.kernels import cpu_ops
 
 ENV_SWITCH = "PAGEDSERVE_SHARED_PREFIX_ATTENTION"
 MAX_ROWS_PER_KV_HEAD = 64  # the kernel's limit on query heads per KV head
+# A member's own positions cost more per position in the grouped kernel than in paged_attention
+# (few rows per pass): a decode joins a group only while they are at most this share of the prefix.
+MAX_OWN_SHARE = 1.0
 
 
 def enabled() -> bool:
@@ -31,7 +34,8 @@ def find_groups(block_tables: np.ndarray, seq_lens: np.ndarray, block_size: int)
     Only blocks wholly before a decode's current position count (the block it writes into is its
     own). Rows sorted by their tables put the longest common prefixes side by side; a run of
     neighbours grows while the shared prefix it keeps saves at least as much as before
-    ((members - 1) x blocks)."""
+    ((members - 1) x blocks); members whose own positions outnumber the prefix's (MAX_OWN_SHARE)
+    are left out."""
     n = block_tables.shape[0]
     if n < 2:
         return []
@@ -61,7 +65,13 @@ def find_groups(block_tables: np.ndarray, seq_lens: np.ndarray, block_size: int)
         members, shared = [nxt], 0
     if len(members) >= 2:
         groups.append((members, shared))
-    return groups
+    kept = []
+    for members, shared in groups:
+        limit = MAX_OWN_SHARE * shared * block_size
+        members = [m for m in members if seq_lens[m] - shared * block_size <= limit]
+        if len(members) >= 2:
+            kept.append((members, shared))
+    return kept
 
 
 class SharedPrefixPlan:

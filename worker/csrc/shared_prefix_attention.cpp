@@ -7,11 +7,13 @@
 // pass is needed. Softmax and the weighted sum are float32; results match paged_attention up to
 // float rounding.
 //
-// Layout: rows in vector lanes. A work item holds up to MAX_VECS x 16 rows; its queries are
-// stored transposed (qt[d][row], pre-scaled), scores as [key][row], the accumulator as
-// [d][row], so the scoring (broadcast key element x query lanes), the softmax (max, exp and
-// sums down the keys) and the weighted sum (broadcast value element x probability lanes) need no
-// horizontal reductions. AVX-512 only: without it the caller keeps paged_attention.
+// Layout of the shared part: rows in vector lanes. A work item holds up to MAX_VECS x 16 rows;
+// its queries are stored transposed (qt[d][row], pre-scaled), scores as [key][row], the
+// accumulator as [d][row], so the scoring (broadcast key element x query lanes; bfloat16 pairs
+// on vdpbf16ps where the CPU has AVX512-BF16), the softmax (max, exp and sums down the keys) and
+// the weighted sum (broadcast value element x probability lanes) need no horizontal reductions.
+// A member's own positions have only its few rows: dims in lanes there, as in paged_attention.
+// AVX-512 only: without it the caller keeps paged_attention.
 #include "kernels.h"
 #include "vector_helpers.h"
 
@@ -22,10 +24,12 @@ constexpr int64_t LANES = 16;
 constexpr int MAX_VECS = 4;     // rows of an item: up to 64
 constexpr int64_t TILE = 32;    // keys scored, softmaxed and weighed together
 
-// One work item's running state and scratch: rows in lanes, `vecs` registers of them.
+// One work item's running state and scratch: rows in lanes, `vecs` registers of them (or, for a
+// member's own positions, row-major: qt and acc [rows][dim]).
 struct RowState {
   int vecs = 1;
   std::vector<float> qt, m, l, acc;  // qt, acc: [dim][vecs * 16]; m, l: [vecs * 16]
+  std::vector<uint32_t> qpairs;      // bfloat16 queries, unscaled: [dim / 2][vecs * 16] pairs of dims
   std::vector<float> scores;         // [TILE][vecs * 16]: scores, then probabilities
   std::vector<float> kf, vf;         // a tile's keys / values widened to float32: [TILE][dim]
   std::vector<float> zeros;          // a zero row of dim floats
@@ -35,6 +39,7 @@ struct RowState {
     const int64_t w = v * LANES;
     qt.assign(dim * w, 0.0f);
     acc.assign(dim * w, 0.0f);
+    qpairs.assign(dim / 2 * w, 0u);
     m.assign(w, -std::numeric_limits<float>::infinity());
     l.assign(w, 0.0f);
     scores.resize(TILE * w);
@@ -98,6 +103,35 @@ inline void score_tile(const float* qt, const float* const* keys, int64_t padded
   }
 }
 
+#if defined(__AVX512BF16__)
+// score_tile on vdpbf16ps for bfloat16 queries and keys: lane pairs hold dims 2i, 2i + 1 of each
+// row, times the broadcast pair of each key (read straight from the cache), then scaled.
+template <int V, int KB>
+inline void score_tile_bf16(const uint32_t* qpairs, const c10::BFloat16* const* keys, int64_t padded, int64_t dim,
+                            float scale, float* scores) {
+  constexpr int64_t W = V * LANES;
+  const __m512 scale_v = _mm512_set1_ps(scale);
+  for (int64_t k = 0; k < padded; k += KB) {
+    __m512 a[KB][V];
+    for (int b = 0; b < KB; ++b)
+      for (int v = 0; v < V; ++v) a[b][v] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < dim / 2; ++i) {
+      __m512bh q[V];
+      for (int v = 0; v < V; ++v) q[v] = (__m512bh)_mm512_loadu_si512(qpairs + i * W + v * LANES);
+      for (int b = 0; b < KB; ++b) {
+        const __m512bh kv = (__m512bh)_mm512_set1_epi32(reinterpret_cast<const int32_t*>(keys[k + b])[i]);
+        for (int v = 0; v < V; ++v) a[b][v] = _mm512_dpbf16_ps(a[b][v], kv, q[v]);
+      }
+    }
+    for (int b = 0; b < KB; ++b)
+      for (int v = 0; v < V; ++v) _mm512_storeu_ps(scores + (k + b) * W + v * LANES, _mm512_mul_ps(a[b][v], scale_v));
+  }
+}
+constexpr bool kHaveBf16Dot = true;
+#else
+constexpr bool kHaveBf16Dot = false;
+#endif
+
 // Online softmax over the first n keys of the tile: new running max, probabilities in place
 // (zero for the padded keys), sums updated; returns each lane's factor for the old accumulator.
 template <int V>
@@ -157,15 +191,109 @@ void attend_span(const Problem<Q, T>& p, int64_t seq, int64_t head, int64_t lo, 
     const int64_t n = std::min<int64_t>(TILE, hi - first);
     const int64_t padded = (n + KB - 1) / KB * KB;
     for (int64_t j = 0; j < n; ++j) rows[j] = p.row(p.k_cache, seq, first + j, head);
-    as_float(rows, n, p.dim, s.kf.data(), keys);
-    for (int64_t j = n; j < padded; ++j) keys[j] = s.zeros.data();
-    score_tile<V, KB>(s.qt.data(), keys, padded, p.dim, s.scores.data());
+    bool scored = false;
+    if constexpr (kHaveBf16Dot && std::is_same_v<Q, c10::BFloat16> && std::is_same_v<T, c10::BFloat16>) {
+#if defined(__AVX512BF16__)
+      for (int64_t j = n; j < padded; ++j) rows[j] = reinterpret_cast<const T*>(s.zeros.data());
+      score_tile_bf16<V, KB>(s.qpairs.data(), rows, padded, p.dim, p.scale, s.scores.data());
+      scored = true;
+#endif
+    }
+    if (!scored) {
+      as_float(rows, n, p.dim, s.kf.data(), keys);
+      for (int64_t j = n; j < padded; ++j) keys[j] = s.zeros.data();
+      score_tile<V, KB>(s.qt.data(), keys, padded, p.dim, s.scores.data());
+    }
     __m512 correction[V];
     softmax_tile<V>(s.scores.data(), n, padded, s.m.data(), s.l.data(), correction);
     for (int64_t j = 0; j < n; ++j) rows[j] = p.row(p.v_cache, seq, first + j, head);
     as_float(rows, n, p.dim, s.vf.data(), values);
     for (int64_t j = n; j < padded; ++j) values[j] = s.zeros.data();
     weigh_tile<V, DB>(s.scores.data(), values, padded, p.dim, correction, s.acc.data());
+  }
+}
+
+// Lane j of the result is the sum of the 16 lanes of v[j].
+inline __m512 horizontal_sums(const __m512* v) {
+  __m512 t[8], u[4], w[2];
+  for (int i = 0; i < 8; ++i)
+    t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)
+    u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)
+    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(u[2 * i], u[2 * i + 1]), _mm512_unpackhi_ps(u[2 * i], u[2 * i + 1]));
+  const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(w[0]), _mm512_castps_pd(w[1]));
+  const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(w[0]), _mm512_castps_pd(w[1]));
+  const __m512 x = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, x);
+}
+
+// A member's own positions [lo, hi) for its `rows` query rows of KV head `head`, dims in lanes
+// (few rows: the rows-in-lanes layout would leave most lanes idle): q, acc [rows][dim], m, l
+// [rows] carry on from the shared prefix. 16 keys at a time, each widened once for every row.
+template <typename Q, typename T>
+void attend_own(const Problem<Q, T>& p, int64_t seq, int64_t head, int64_t lo, int64_t hi, int64_t rows,
+                const Q* query, const float* q, float* m, float* l, float* acc, RowState& s) {
+  constexpr bool kBf16Dot = kHaveBf16Dot && std::is_same_v<Q, c10::BFloat16> && std::is_same_v<T, c10::BFloat16>;
+  const int64_t dim = p.dim;
+  const T* cache_rows[LANES];
+  const float* keys[LANES];
+  const float* values[LANES];
+  alignas(64) float probs[LANES];
+  for (int64_t first = lo; first < hi; first += LANES) {
+    const int64_t n = std::min<int64_t>(LANES, hi - first);
+    const __mmask16 valid = n == LANES ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1);
+    const T* key_rows[LANES];
+    for (int64_t j = 0; j < n; ++j) key_rows[j] = p.row(p.k_cache, seq, first + j, head);
+    for (int64_t j = n; j < LANES; ++j) key_rows[j] = reinterpret_cast<const T*>(s.zeros.data());
+    if constexpr (!kBf16Dot) {
+      as_float(key_rows, n, dim, s.kf.data(), keys);
+      for (int64_t j = n; j < LANES; ++j) keys[j] = s.zeros.data();
+    }
+    for (int64_t j = 0; j < n; ++j) cache_rows[j] = p.row(p.v_cache, seq, first + j, head);
+    as_float(cache_rows, n, dim, s.vf.data(), values);
+    for (int64_t j = n; j < LANES; ++j) values[j] = s.zeros.data();
+    for (int64_t r = 0; r < rows; ++r) {
+      __m512 a[LANES];
+#pragma GCC unroll 16
+      for (int j = 0; j < LANES; ++j) a[j] = _mm512_setzero_ps();
+      __m512 scores;
+      if constexpr (kBf16Dot) {  // as paged_attention scores bfloat16: pairs on vdpbf16ps, then scaled
+#if defined(__AVX512BF16__)
+        for (int64_t d = 0; d < dim; d += 2 * LANES) {
+          const __mmask32 mask = dim - d >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << (dim - d)) - 1);
+          const __m512bh qv = (__m512bh)_mm512_maskz_loadu_epi16(mask, query + r * dim + d);
+#pragma GCC unroll 16
+          for (int j = 0; j < LANES; ++j)
+            a[j] = _mm512_dpbf16_ps(a[j], qv, (__m512bh)_mm512_maskz_loadu_epi16(mask, key_rows[j] + d));
+        }
+        scores = _mm512_mul_ps(horizontal_sums(a), _mm512_set1_ps(p.scale));
+#endif
+      } else {
+        for (int64_t d = 0; d < dim; d += LANES) {
+          const __m512 qv = _mm512_loadu_ps(q + r * dim + d);
+#pragma GCC unroll 16
+          for (int j = 0; j < LANES; ++j) a[j] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(keys[j] + d), a[j]);
+        }
+        scores = horizontal_sums(a);
+      }
+      const float new_max = std::max(m[r], _mm512_mask_reduce_max_ps(valid, scores));
+      const float correction = std::exp(m[r] - new_max);  // 0 while m is -inf (an empty prefix)
+      const __m512 e = _mm512_maskz_mov_ps(valid, exp_ps(_mm512_sub_ps(scores, _mm512_set1_ps(new_max))));
+      _mm512_store_ps(probs, e);
+      l[r] = l[r] * correction + _mm512_reduce_add_ps(e);
+      m[r] = new_max;
+      float* out = acc + r * dim;
+      for (int64_t d = 0; d < dim; d += LANES) {
+        __m512 av = _mm512_mul_ps(_mm512_loadu_ps(out + d), _mm512_set1_ps(correction));
+        for (int64_t j = 0; j < n; ++j)
+          av = _mm512_fmadd_ps(_mm512_set1_ps(probs[j]), _mm512_loadu_ps(values[j] + d), av);
+        _mm512_storeu_ps(out + d, av);
+      }
+    }
   }
 }
 
@@ -204,31 +332,37 @@ void run_item(const Problem<Q, T>& p, const Item& item, const int32_t* members, 
     const int64_t seq = members[item.first + r / gq];
     const Q* q = p.query + (static_cast<int64_t>(p.query_start[seq]) * p.heads + item.head * gq + r % gq) * dim;
     for (int64_t d = 0; d < dim; ++d) shared.qt[d * w + r] = load_float(q + d) * p.scale;
+    if constexpr (std::is_same_v<Q, c10::BFloat16>) {
+      const uint32_t* pairs = reinterpret_cast<const uint32_t*>(q);
+      for (int64_t i = 0; i < dim / 2; ++i) shared.qpairs[i * w + r] = pairs[i];
+    }
   }
   with_vecs(vecs, [&](auto v) {
     attend_span<decltype(v)::value>(p, members[item.first], item.head, 0, prefix, shared);
   });
   // Each member's own positions, from the shared state of its rows.
-  const int64_t own_vecs = (gq + LANES - 1) / LANES, ow = own_vecs * LANES;
+  own.qt.resize(gq * dim);
+  own.acc.resize(gq * dim);
+  own.m.resize(gq);
+  own.l.resize(gq);
   for (int64_t i = 0; i < item.count; ++i) {
     const int64_t seq = members[item.first + i];
-    own.reset(static_cast<int>(own_vecs), dim);
     for (int64_t j = 0; j < gq; ++j) {
       const int64_t r = i * gq + j;
       own.m[j] = shared.m[r];
       own.l[j] = shared.l[r];
       for (int64_t d = 0; d < dim; ++d) {
-        own.qt[d * ow + j] = shared.qt[d * w + r];
-        own.acc[d * ow + j] = shared.acc[d * w + r];
+        own.qt[j * dim + d] = shared.qt[d * w + r];
+        own.acc[j * dim + d] = shared.acc[d * w + r];
       }
     }
-    with_vecs(own_vecs, [&](auto v) {
-      attend_span<decltype(v)::value>(p, seq, item.head, prefix, p.seq_lens[seq], own);
-    });
+    const Q* query = p.query + (static_cast<int64_t>(p.query_start[seq]) * p.heads + item.head * gq) * dim;
+    attend_own(p, seq, item.head, prefix, p.seq_lens[seq], gq, query, own.qt.data(), own.m.data(), own.l.data(),
+               own.acc.data(), shared);
     Q* out = p.out + (static_cast<int64_t>(p.query_start[seq]) * p.heads + item.head * gq) * dim;
     for (int64_t j = 0; j < gq; ++j) {
       const float inv = 1.0f / own.l[j];
-      for (int64_t d = 0; d < dim; ++d) out[j * dim + d] = static_cast<Q>(own.acc[d * ow + j] * inv);
+      for (int64_t d = 0; d < dim; ++d) out[j * dim + d] = static_cast<Q>(own.acc[j * dim + d] * inv);
     }
   }
 }
