@@ -2,6 +2,7 @@
 grouping of decodes by their leading blocks, and the backend routing a step through both kernels."""
 from __future__ import annotations
 
+import math
 import random
 
 import numpy as np
@@ -160,7 +161,7 @@ def test_find_groups_by_leading_blocks() -> None:
         [7, 8, 9, 4],   # 6: its current token is in 9: only 7, 8 count
     ], dtype=np.int32)
     seq_lens = np.array([13, 6, 16, 10, 5, 8, 9])
-    groups = {tuple(sorted(m)): blocks for m, blocks in find_groups(tables, seq_lens, block_size)}
+    groups = {tuple(sorted(m)): blocks for m, blocks in find_groups(tables, seq_lens, block_size, math.inf)}
     # Four members sharing two blocks save more (3 x 2) than 0 and 2 alone with three (1 x 3).
     assert groups == {(0, 2, 3, 6): 2, (4, 5): 1}
 
@@ -168,22 +169,25 @@ def test_find_groups_by_leading_blocks() -> None:
 def test_find_groups_extends_while_it_saves() -> None:
     # Eight members sharing 3 blocks, one sharing only the first: 8 x 1 < 7 x 3, left out.
     tables = np.array([[1, 2, 3, 50 + i] for i in range(8)] + [[1, 9, 9, 9]], dtype=np.int32)
-    groups = find_groups(tables, np.full(9, 16), 4)
+    groups = find_groups(tables, np.full(9, 16), 4, math.inf)
     assert [(sorted(m), b) for m, b in groups] == [(list(range(8)), 3)]
     tables = np.array([[1, 2, 3, 4], [1, 2, 3, 5], [1, 6, 7, 8], [1, 9, 9, 9], [1, 10, 10, 10]], dtype=np.int32)
-    groups = find_groups(tables, np.full(5, 16), 4)
-    # 2, 3 and 4 share one block, but hold three times as many positions of their own: left out.
+    groups = find_groups(tables, np.full(5, 16), 4, math.inf)
+    assert [(sorted(m), b) for m, b in groups] == [([0, 1], 3), ([2, 3, 4], 1)]
+    # 2, 3 and 4 hold three times as many positions of their own as they share: left out.
+    groups = find_groups(tables, np.full(5, 16), 4, 1.0)
     assert [(sorted(m), b) for m, b in groups] == [([0, 1], 3)]
-    assert find_groups(tables[:1], np.full(1, 16), 4) == []
-    assert find_groups(tables, np.full(5, 4), 4) == []  # the current token in the first block: nothing shared
+    assert find_groups(tables[:1], np.full(1, 16), 4, math.inf) == []
+    assert find_groups(tables, np.full(5, 4), 4, math.inf) == []  # the current token in the first block: nothing shared
 
 
 def test_find_groups_leaves_out_members_mostly_their_own() -> None:
     tables = np.array([[1, 2, 3 + i] + [10 * i + j for j in range(10)] for i in range(4)], dtype=np.int32)
     # Two blocks (8 positions) shared; member 3 holds 9 more of its own, the others at most 8.
-    groups = find_groups(tables, np.array([16, 9, 12, 17]), 4)
+    groups = find_groups(tables, np.array([16, 9, 12, 17]), 4, 1.0)
     assert [(sorted(m), b) for m, b in groups] == [([0, 1, 2], 2)]
-    assert find_groups(tables, np.array([9, 17, 17, 17]), 4) == []
+    assert find_groups(tables, np.array([9, 17, 17, 17]), 4, 1.0) == []
+    assert [sorted(m) for m, _ in find_groups(tables, np.array([10, 9, 11, 17]), 4, 0.25)] == [[0, 1]]
 
 
 @needs_kernel
@@ -192,7 +196,7 @@ def test_find_groups_leaves_out_members_mostly_their_own() -> None:
 def test_backend_routes_groups_through_the_kernel(layout, dtype, make_metadata, monkeypatch) -> None:
     _kernel()
     g = torch.Generator().manual_seed(3)
-    groups = [(4, [0, 8, 30, 2, 11]), (2, [1, 3, 14])]
+    groups = [(6, [0, 5, 11, 2, 8]), (4, [1, 3, 7])]  # own positions within MAX_OWN_SHARE
     lone, chunks = ([6, 40], [(16, 7), (0, 12)]) if layout != "only_groups" else ([], [])
     # Lone decodes first: the other sequences are not one run of tokens.
     meta, members, num_blocks = build_batch(groups, lone, chunks, 8, make_metadata, g,
@@ -215,11 +219,11 @@ def test_backend_routes_groups_through_the_kernel(layout, dtype, make_metadata, 
 
 # --- end to end on the default model ----------------------------------------------------
 def shared_prefix_requests():
-    """Twelve prompts sharing a 300-token prefix (two full blocks of 128), each with a short
+    """Twelve prompts sharing a 520-token prefix (four full blocks of 128), each with a short
     tail of its own, and short outputs: decodes that share their first blocks."""
     from pagedserve.bench.workloads import BenchRequest
     rng = random.Random(5)
-    prefix = [rng.randrange(100, 40000) for _ in range(300)]
+    prefix = [rng.randrange(100, 40000) for _ in range(520)]
     return [BenchRequest(prefix + [rng.randrange(100, 40000) for _ in range(rng.randint(1, 40))], 12)
             for _ in range(12)]
 
