@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from worker.kernels import cpu_ops
 from worker.attention.fp8_kv import as_indexable, from_cache, is_fp8, to_cache
 from worker.attention.metadata import AttentionMetadata
+from worker.attention.shared_prefix import SharedPrefixPlanner
 
 
 class TorchAttentionBackend:
@@ -36,6 +37,7 @@ class TorchAttentionBackend:
         self.use_cpu_kernel = use_cpu_kernel is not False and cpu_ops.load() is not None
         if use_cpu_kernel and not self.use_cpu_kernel:
             raise RuntimeError("the CPU paged attention kernel is unavailable (see the log for why)")
+        self._shared_prefix = SharedPrefixPlanner() if self.use_cpu_kernel else None
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
@@ -49,6 +51,9 @@ class TorchAttentionBackend:
         else:
             write_kv_cache(key, value, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         if use_kernel:
+            shared = self._shared_prefix.plan(meta, query, k_cache, sliding_window)
+            if shared is not None:  # decodes sharing prefix blocks attend them together
+                return shared.attend(query, k_cache, v_cache, meta, scale)
             output = torch.empty(query.shape, dtype=query.dtype)
             cpu_ops.paged_attention(output, query.contiguous(), k_cache, v_cache, meta.block_tables,
                                     meta.query_start_loc, meta.seq_lens, scale, sliding_window,

@@ -13,6 +13,14 @@
 void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
                      torch::Tensor block_tables, torch::Tensor query_start, torch::Tensor seq_lens, double scale,
                      int64_t window, double k_scale, double v_scale);
+// shared_prefix_attention.cpp: paged_attention's output rows of grouped decodes, each group's
+// members (sequence indices, members[group_start[g] .. group_start[g + 1]]) sharing their first
+// prefix_lens[g] positions' blocks; whether this build runs it (AVX-512).
+void shared_prefix_attention(torch::Tensor out, torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
+                             torch::Tensor block_tables, torch::Tensor query_start, torch::Tensor seq_lens,
+                             torch::Tensor group_start, torch::Tensor members, torch::Tensor prefix_lens,
+                             double scale);
+bool shared_prefix_attention_available();
 // kv_cache_write.cpp: the new tokens' K/V [T, KVH, D] into their slots of the caches (8-bit caches:
 // divided by k_scale/v_scale, saturated, rounded to nearest even).
 void write_kv_cache(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,

@@ -12,7 +12,8 @@ import torch
 from worker.kernels import cpu_extension
 from worker.kernels.cpu_extension import load
 
-__all__ = ["load", "packed_linear_available", "paged_attention", "write_kv_cache", "near_top_scan",
+__all__ = ["load", "packed_linear_available", "paged_attention", "shared_prefix_attention",
+           "shared_prefix_attention_available", "write_kv_cache", "near_top_scan",
            "sample_random_rows", "token_logprobs_rows", "rotary_qk"]
 
 
@@ -36,6 +37,23 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tenso
     8-bit cache's per-tensor scales."""
     cpu_extension._module.paged_attention(out, query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
                                           float(scale), int(sliding_window or 0), float(k_scale), float(v_scale))
+
+
+def shared_prefix_attention_available() -> bool:
+    """Whether the extension is built with the shared-prefix decode attention (AVX-512)."""
+    module = load()
+    return module is not None and bool(module.shared_prefix_attention_available())
+
+
+def shared_prefix_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                            group_start: torch.Tensor, members: torch.Tensor, prefix_lens: torch.Tensor,
+                            scale: float) -> None:
+    """Fill the rows of `out` of the grouped decodes, `members[group_start[g]:group_start[g + 1]]`
+    (sequence indices) sharing their first `prefix_lens[g]` positions' blocks; other rows are left
+    as they are. int32 metadata (see worker/csrc/shared_prefix_attention.cpp)."""
+    cpu_extension._module.shared_prefix_attention(out, query, k_cache, v_cache, block_tables, query_start_loc,
+                                                  seq_lens, group_start, members, prefix_lens, float(scale))
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
