@@ -33,6 +33,7 @@ BAD_VALUES: dict[str, tuple[str, ...]] = {
     "PAGEDSERVE_TOKENIZER_POOL_SIZE": ("two", "--tokenizer-pool-size"),
     "PAGEDSERVE_DTYPE": ("float8", "--dtype"),
     "PAGEDSERVE_KV_CACHE_DTYPE": ("fp4", "--kv-cache-dtype"),
+    "PAGEDSERVE_QUANTIZATION": ("awq", "--quantization"),
     "PAGEDSERVE_DEVICE": ("tpu", "--device"),
     "PAGEDSERVE_ATTENTION_BACKEND": ("flash", "--attention-backend"),
     "PAGEDSERVE_KV_CACHE_MEMORY": ("lots", "--kv-cache-memory"),
