@@ -154,22 +154,10 @@ void gguf_run(const typename M::Unit* xp, int64_t m, int64_t steps, const uint8_
       const auto o = sink.at(r0, col);
       const typename M::Unit* xr = xp + r0 * steps;
       if (in_registers) {
-#define PAGEDSERVE_GGUF_BLOCK(NV) \
-  gguf_register_block<M, BITS, NV, GATED>(xr, rows_here, steps, w, panel_bytes, chunks, g, chunk_bytes, bb, bu, o, cols)
-        if constexpr (GATED) {
-          if (nv == 4)
-            PAGEDSERVE_GGUF_BLOCK(4);
-          else
-            PAGEDSERVE_GGUF_BLOCK(2);
-        } else {
-          if (nv == 3)
-            PAGEDSERVE_GGUF_BLOCK(3);
-          else if (nv == 2)
-            PAGEDSERVE_GGUF_BLOCK(2);
-          else
-            PAGEDSERVE_GGUF_BLOCK(1);
-        }
-#undef PAGEDSERVE_GGUF_BLOCK
+        with_block_panels<GATED>(nv, [&](auto panels) {
+          gguf_register_block<M, BITS, decltype(panels)::value, GATED>(xr, rows_here, steps, w, panel_bytes, chunks,
+                                                                       g, chunk_bytes, bb, bu, o, cols);
+        });
         continue;
       }
       if (scratch_block != blk) {
@@ -182,22 +170,10 @@ void gguf_run(const typename M::Unit* xp, int64_t m, int64_t steps, const uint8_
         scratch_block = blk;
       }
       const typename M::Unit* s = scratch.data();
-#define PAGEDSERVE_GGUF_BLOCK(NV) \
-  linear_block<M, ROWS, NV, GATED>(xr, rows_here, s, panel_units, steps, bb, bu, o, cols, nullptr, 0)
-      if constexpr (GATED) {
-        if (nv == 4)
-          PAGEDSERVE_GGUF_BLOCK(4);
-        else
-          PAGEDSERVE_GGUF_BLOCK(2);
-      } else {
-        if (nv == 3)
-          PAGEDSERVE_GGUF_BLOCK(3);
-        else if (nv == 2)
-          PAGEDSERVE_GGUF_BLOCK(2);
-        else
-          PAGEDSERVE_GGUF_BLOCK(1);
-      }
-#undef PAGEDSERVE_GGUF_BLOCK
+      with_block_panels<GATED>(nv, [&](auto panels) {
+        linear_block<M, ROWS, decltype(panels)::value, GATED>(xr, rows_here, s, panel_units, steps, bb, bu, o, cols,
+                                                              nullptr, 0);
+      });
     }
   });
 }

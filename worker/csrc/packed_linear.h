@@ -9,6 +9,7 @@
 #pragma once
 
 #include <atomic>
+#include <type_traits>
 
 #include "bf16_rounding.h"
 #include "kernels.h"
@@ -174,6 +175,25 @@ void linear_block(const typename M::Unit* x, int64_t m, const typename M::Unit* 
   }
 }
 
+// Calls f(std::integral_constant<int, NV>) for a block of `nv` panels: the compile-time panel
+// counts a block can have (plain: 3, 2 or 1; gated: 4 or 2).
+template <bool GATED, typename F>
+inline void with_block_panels(int64_t nv, F&& f) {
+  if constexpr (GATED) {
+    if (nv == 4)
+      f(std::integral_constant<int, 4>{});
+    else
+      f(std::integral_constant<int, 2>{});
+  } else {
+    if (nv == 3)
+      f(std::integral_constant<int, 3>{});
+    else if (nv == 2)
+      f(std::integral_constant<int, 2>{});
+    else
+      f(std::integral_constant<int, 1>{});
+  }
+}
+
 // y [m, out_features] from x [m, steps] and `panels` packed panels. The work is cut into units of
 // M::ROW_BLOCK rows (whose x stays in L2) by one block of PANELS panels, row blocks first; each
 // thread claims the next unit from a shared counter one unit ahead, so that it can prefetch that
@@ -213,22 +233,10 @@ void linear_run(const typename M::Unit* xp, int64_t m, const typename M::Unit* w
       const float* bb = b ? b + col : nullptr;
       const float* bu = b && GATED ? b + out_features + col : nullptr;
       const auto o = sink.at(r0, col);
-#define PAGEDSERVE_BLOCK(NV) \
-  linear_block<M, ROWS, NV, GATED>(xr, rows_here, w, panel, steps, bb, bu, o, cols, prefetch, lines)
-      if constexpr (GATED) {
-        if (nv == 4)
-          PAGEDSERVE_BLOCK(4);
-        else
-          PAGEDSERVE_BLOCK(2);
-      } else {
-        if (nv == 3)
-          PAGEDSERVE_BLOCK(3);
-        else if (nv == 2)
-          PAGEDSERVE_BLOCK(2);
-        else
-          PAGEDSERVE_BLOCK(1);
-      }
-#undef PAGEDSERVE_BLOCK
+      with_block_panels<GATED>(nv, [&](auto panels) {
+        linear_block<M, ROWS, decltype(panels)::value, GATED>(xr, rows_here, w, panel, steps, bb, bu, o, cols,
+                                                              prefetch, lines);
+      });
       unit = ahead;
     }
   });
