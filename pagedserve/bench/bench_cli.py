@@ -107,7 +107,11 @@ def cmd_accuracy(args: argparse.Namespace) -> int:
         print(f"pagedserve bench accuracy: error: unknown checks {sorted(unknown)}; choose from "
               f"{', '.join(ACCURACY_CHECKS)}", file=sys.stderr)
         return 2
-    result = run_accuracy(config, requests, max_tokens=args.max_tokens, checks=checks)
+    try:
+        result = run_accuracy(config, requests, max_tokens=args.max_tokens, checks=checks)
+    except ValueError as exc:
+        print(f"pagedserve bench accuracy: error: {exc}", file=sys.stderr)
+        return 2
     result["workload"] = os.path.basename(args.workload)
     _emit(result, args.json, lambda r: "\n".join(f"{k:<45} {v}" for k, v in r.items()))
     return 0
@@ -270,7 +274,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=None, help="greedy tokens per request (default: the workload's)")
     p.add_argument("--checks", default="float32,bfloat16,first_token",
                    help="comma-separated: float32, bfloat16, first_token, and (not by default) "
-                        "kv_cache_bfloat16, what --kv-cache-dtype bfloat16 changes on a float32 model")
+                        "kv_cache_bfloat16, what --kv-cache-dtype bfloat16 changes on a float32 model, and "
+                        "quantized, the quantized kernels' greedy tokens against their dequantized reference")
     p.add_argument("--json", action="store_true")
     add_engine_args(p)
     p.set_defaults(handler=cmd_accuracy)

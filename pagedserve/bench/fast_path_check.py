@@ -8,6 +8,11 @@ Three checks on a workload, each between two engines that differ in one thing:
 3. bfloat16 (compiled) vs float32 (eager): share of prompts whose first greedy
    token agrees.
 
+Opt-in (`--checks quantized`): the quantized kernels against their dequantized reference, at the
+command's --dtype and --quantization, both compiled: greedy tokens that agree and requests identical
+throughout. `gguf`: against `--quantization none` (the same weights dequantized to --dtype);
+`int8`: against the same W8A8 function in plain PyTorch (PAGEDSERVE_INT8_KERNEL=0).
+
 Opt-in (`--checks kv_cache_bfloat16`): what `--kv-cache-dtype bfloat16` costs a
 float32 model, both compiled: greedy tokens that agree with the float32 cache's,
 requests identical throughout, and the first step's logits' relative L2 error.
@@ -15,13 +20,14 @@ requests identical throughout, and the first step's logits' relative L2 error.
 from __future__ import annotations
 
 import gc
+import os
 from typing import Any
 
 from pagedserve.bench.workloads import BenchRequest
 from common.config import EngineConfig
 
 
-ACCURACY_CHECKS = ("float32", "bfloat16", "first_token", "kv_cache_bfloat16")
+ACCURACY_CHECKS = ("float32", "bfloat16", "first_token", "kv_cache_bfloat16", "quantized")
 
 
 def _engine(config: EngineConfig, dtype: str, eager: bool, **changes: Any):
@@ -92,7 +98,41 @@ def run_accuracy(config: EngineConfig, requests: list[BenchRequest], *, max_toke
         fp32_eager = bf16_compiled = None
         gc.collect()  # each engine holds its own KV cache
         result.update(_kv_cache_check(config, requests, max_tokens))
+    if "quantized" in checks:
+        fp32_eager = bf16_compiled = None
+        gc.collect()
+        result.update(_quantized_check(config, requests, max_tokens))
     return result
+
+
+def _quantized_check(config: EngineConfig, requests: list[BenchRequest], max_tokens: int | None) -> dict[str, Any]:
+    from worker.quantization.int8_weights import KERNEL_SWITCH
+
+    llm = _engine(config, config.dtype, config.enforce_eager)
+    method = llm.worker.quantization
+    if method not in ("gguf", "int8"):
+        raise ValueError(f"--checks quantized needs --quantization gguf or int8 (this model runs {method!r})")
+    quantized = greedy_tokens(llm, requests, max_tokens)
+    del llm
+    gc.collect()
+    if method == "gguf":
+        reference = greedy_tokens(_engine(config, config.dtype, config.enforce_eager, quantization="none"), requests,
+                                  max_tokens)
+    else:
+        saved = os.environ.get(KERNEL_SWITCH)
+        os.environ[KERNEL_SWITCH] = "0"
+        try:
+            reference = greedy_tokens(_engine(config, config.dtype, config.enforce_eager, quantization="int8"),
+                                      requests, max_tokens)
+        finally:
+            if saved is None:
+                os.environ.pop(KERNEL_SWITCH)
+            else:
+                os.environ[KERNEL_SWITCH] = saved
+    pairs = [(a, b) for x, y in zip(quantized, reference) for a, b in zip(x, y)]
+    return {"quantization": method,
+            f"{method}_vs_reference_token_agreement": round(sum(a == b for a, b in pairs) / len(pairs), 5),
+            f"{method}_identical_requests": sum(x == y for x, y in zip(quantized, reference))}
 
 
 def _kv_cache_check(config: EngineConfig, requests: list[BenchRequest], max_tokens: int | None) -> dict[str, Any]:

@@ -167,6 +167,30 @@ def test_accuracy_reports_every_check(tiny):
     assert 0 <= result["bfloat16_vs_float32_first_token_agreement"] <= 1.0
 
 
+def test_accuracy_of_the_int8_kernel_against_its_reference(tiny):
+    """W8A8 through the VNNI kernel (or its PyTorch path where there is none) against the PyTorch path.
+    Their layers agree to float rounding (tests/worker/test_int8_linear.py), but requantizing the
+    activations turns a last-bit difference into a step of 1/255 now and then, so tokens may part."""
+    root, _ = tiny
+    out = bench("accuracy", "--workload", str(root / "tiny.jsonl"), "--model", str(root / "model"),
+                "--kv-cache-memory", "64MiB", "--num-requests", "3", "--max-tokens", "4", "--checks", "quantized",
+                "--quantization", "int8", "--json", timeout=600)
+    [result] = json_lines(out)
+    assert set(result) == {"requests", "workload", "quantization", "int8_vs_reference_token_agreement",
+                           "int8_identical_requests"}
+    assert result["quantization"] == "int8"
+    assert 0 <= result["int8_vs_reference_token_agreement"] <= 1 and 0 <= result["int8_identical_requests"] <= 3
+
+
+def test_accuracy_quantized_check_needs_a_quantized_model(tiny):
+    root, _ = tiny
+    proc = subprocess.run([sys.executable, "-m", "pagedserve.cli", "bench", "accuracy", "--workload",
+                           str(root / "tiny.jsonl"), "--model", str(root / "model"), "--kv-cache-memory", "64MiB",
+                           "--num-requests", "1", "--max-tokens", "2", "--checks", "quantized"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2 and "needs --quantization gguf or int8" in proc.stderr
+
+
 def test_accuracy_of_a_bfloat16_kv_cache(tiny):
     root, _ = tiny
     out = bench("accuracy", "--workload", str(root / "tiny.jsonl"), "--model", str(root / "model"),

@@ -43,18 +43,28 @@ def test_quantize_rows_is_the_reference_quantization(dtype, k):
     g = torch.Generator().manual_seed(k)
     for rows in ROWS:
         x = (torch.randn(rows, k, generator=g) * torch.rand(rows, 1, generator=g) * 10).to(dtype)
-        x[0] = 0  # a zero row: q 0, scale 0
-        q, scale = int8_ops.int8_quantize_rows(x)
-        q_ref, scale_ref = quantize_activations(x)
-        assert q.dtype == torch.int8 and torch.equal(q, q_ref)
-        assert torch.equal(scale, scale_ref)
-        assert rows == 1 or int(q.abs().amax()) == 127
+        x[0] = 0  # a zero row: u8 0, scale 0, zero point 0
+        if rows > 2:
+            x[1] = x[1].abs()  # all positive: the range starts at 0, zero point 0
+            x[2] = -x[2].abs()  # all negative: zero point 255
+        u8, scale, zero = int8_ops.int8_quantize_rows(x)
+        u8_ref, scale_ref, zero_ref = quantize_activations(x)
+        assert u8.dtype == torch.uint8 and torch.equal(u8, u8_ref)
+        assert torch.equal(scale, scale_ref) and torch.equal(zero, zero_ref)
+        assert int(u8[0].max()) == 0 and float(scale[0]) == 0 and int(zero[0]) == 0
+        if rows > 2:
+            assert int(zero[1]) == 0 and int(u8[1].max()) == 255
+            assert int(zero[2]) == 255 and int(u8[2].min()) == 0
+        # Rows of both signs span the 8 bits; every row comes back to within half a step.
+        assert torch.all(u8[3:].amax(dim=-1).int() - u8[3:].amin(dim=-1).int() >= 254)
+        back = (u8.float() - zero.unsqueeze(-1)) * scale.unsqueeze(-1)
+        assert torch.all((back - x.float()).abs() <= scale.unsqueeze(-1) * 0.5001)
 
 
 @pytest.mark.parametrize("gated", [False, True])
 @pytest.mark.parametrize("k,n", [(37, 40), (130, 100), (64, 16)])
 def test_int32_products_are_exact(gated, k, n):
-    """Integer x whose rows reach 127 quantize to themselves with scale 1; with unit weight
+    """Integer x whose rows span -128..127 quantize to u8 = x + 128 with scale 1; with unit weight
     scales and float32 output, y is the int32 product itself (below 2^24: exact in float32)."""
     needs_int8_kernel()
     g = torch.Generator().manual_seed(k * n)
@@ -62,8 +72,8 @@ def test_int32_products_are_exact(gated, k, n):
     ones = torch.ones(q.shape[0])
     layer = Int8Linear(q, ones, gated=gated, use_kernel=True)
     for rows in ROWS:
-        x = torch.randint(-127, 128, (rows, k), generator=g).float()
-        x[:, 0] = 127
+        x = torch.randint(-128, 128, (rows, k), generator=g).float()
+        x[:, 0], x[:, 1] = 127, -128
         acc = torch._int_mm(x.to(torch.int8), q.t()).double()
         if not gated:
             assert torch.equal(layer.linear(x, None).double(), acc)
@@ -129,4 +139,4 @@ def test_int8_linear_rejects_mismatched_arguments():
     with pytest.raises(RuntimeError, match="bias must be"):
         layer.linear(torch.randn(2, 36), torch.zeros(41))
     with pytest.raises(RuntimeError, match="out_features"):
-        int8_ops.int8_linear(torch.randn(2, 36), layer.packed, layer.scale, layer.comp, 60, None)
+        int8_ops.int8_linear(torch.randn(2, 36), layer.packed, layer.scale, layer.col_sum, 60, None)

@@ -9,32 +9,35 @@
 namespace {
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-// x's rows quantized: u8 [rows, K padded to 4] and the scales [rows]; q [rows, K] int8 if defined.
+// x's rows quantized: u8 [rows, K padded to 4], the scales and the zero points [rows].
 // In parallel only for large batches: a pass over a decode batch costs less than waking the
 // other threads (a parallel region of its own before the matmul's).
 template <typename In>
-void quantize_rows(const In* x, int64_t rows, int64_t k, uint8_t* u8, float* scales, int8_t* q) {
+void quantize_rows(const In* x, int64_t rows, int64_t k, uint8_t* u8, float* scales, int32_t* zeros) {
   const int64_t padded = (k + INT8_UNIT - 1) / INT8_UNIT * INT8_UNIT;
   constexpr int64_t VALUES_PER_TASK = 1 << 20;
   at::parallel_for(0, rows, std::max<int64_t>(1, VALUES_PER_TASK / std::max<int64_t>(k, 1)), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
-      scales[r] = quantize_row(x + r * k, k, u8 + r * padded, q ? q + r * k : nullptr);
+      scales[r] = quantize_row(x + r * k, k, u8 + r * padded, zeros + r);
   });
 }
 
 template <typename Out, bool GATED>
 void int8_matmul(const torch::Tensor& rows, const torch::Tensor& packed, const torch::Tensor& col_scale,
-                 const torch::Tensor& comp, const float* bias, int64_t out_features, torch::Tensor& out) {
+                 const torch::Tensor& col_sum, const float* bias, int64_t out_features, torch::Tensor& out) {
   const int64_t m = rows.size(0), k = rows.size(1), steps = packed.size(1);
   torch::Tensor u8 = torch::empty({m, steps * INT8_UNIT}, rows.options().dtype(at::kByte));
   torch::Tensor scales = torch::empty({m}, rows.options().dtype(at::kFloat));
+  torch::Tensor zeros = torch::empty({m}, rows.options().dtype(at::kInt));
   if (rows.scalar_type() == at::kFloat)
-    quantize_rows(rows.data_ptr<float>(), m, k, u8.data_ptr<uint8_t>(), scales.data_ptr<float>(), nullptr);
+    quantize_rows(rows.data_ptr<float>(), m, k, u8.data_ptr<uint8_t>(), scales.data_ptr<float>(),
+                  zeros.data_ptr<int32_t>());
   else
     quantize_rows(reinterpret_cast<const c10::BFloat16*>(rows.data_ptr()), m, k, u8.data_ptr<uint8_t>(),
-                  scales.data_ptr<float>(), nullptr);
+                  scales.data_ptr<float>(), zeros.data_ptr<int32_t>());
   const Int8Sink<Out> sink{reinterpret_cast<Out*>(out.data_ptr()), out_features, scales.data_ptr<float>(),
-                           col_scale.data_ptr<float>(), comp.data_ptr<int32_t>(), bias, out_features};
+                           zeros.data_ptr<int32_t>(), col_scale.data_ptr<float>(), col_sum.data_ptr<int32_t>(),
+                           bias, out_features};
   linear_run<Int8Math, GATED>(reinterpret_cast<const uint32_t*>(u8.data_ptr()), m,
                               reinterpret_cast<const uint32_t*>(packed.data_ptr()), packed.size(0), steps, nullptr,
                               out_features, [&](int64_t) { return sink; });
@@ -44,7 +47,7 @@ void int8_matmul(const torch::Tensor& rows, const torch::Tensor& packed, const t
 // x [..., K] (float32 or bfloat16) through the int8 panels -> [..., out_features] in x's dtype.
 template <bool GATED>
 torch::Tensor int8_linear_impl(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& col_scale,
-                               const torch::Tensor& comp, int64_t out_features,
+                               const torch::Tensor& col_sum, int64_t out_features,
                                const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(int8_linear_available(), "int8_linear needs a CPU with AVX512-VNNI");
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "int8_linear runs on CPU tensors");
@@ -60,8 +63,9 @@ torch::Tensor int8_linear_impl(const torch::Tensor& x, const torch::Tensor& pack
   TORCH_CHECK(col_scale.scalar_type() == at::kFloat && col_scale.dim() == 1 && col_scale.size(0) == columns &&
                   col_scale.is_contiguous(),
               "col_scale must be a contiguous float32 [", columns, "]");
-  TORCH_CHECK(comp.scalar_type() == at::kInt && comp.dim() == 1 && comp.size(0) == columns && comp.is_contiguous(),
-              "comp must be a contiguous int32 [", columns, "]");
+  TORCH_CHECK(col_sum.scalar_type() == at::kInt && col_sum.dim() == 1 && col_sum.size(0) == columns &&
+                  col_sum.is_contiguous(),
+              "col_sum must be a contiguous int32 [", columns, "]");
   TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == columns), "bias must be [", columns, "]");
   const int64_t k = x.size(-1);
   const torch::Tensor rows = x.reshape({-1, k}).contiguous();
@@ -73,9 +77,9 @@ torch::Tensor int8_linear_impl(const torch::Tensor& x, const torch::Tensor& pack
   const float* bias_ptr = bias ? bias_f.data_ptr<float>() : nullptr;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   if (x.scalar_type() == at::kFloat)
-    int8_matmul<float, GATED>(rows, packed, col_scale, comp, bias_ptr, out_features, out);
+    int8_matmul<float, GATED>(rows, packed, col_scale, col_sum, bias_ptr, out_features, out);
   else
-    int8_matmul<c10::BFloat16, GATED>(rows, packed, col_scale, comp, bias_ptr, out_features, out);
+    int8_matmul<c10::BFloat16, GATED>(rows, packed, col_scale, col_sum, bias_ptr, out_features, out);
 #endif
   return out;
 }
@@ -90,48 +94,49 @@ bool int8_linear_available() {
 #endif
 }
 
-// x [..., K], packed int8 [ceil(N / 16), ceil(K / 4), 16, 4], col_scale float32 [N], comp int32
-// [N] (128 * the column's weight sum), bias [N] or none -> [..., N] in x's dtype.
-torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor col_scale, torch::Tensor comp,
+// x [..., K], packed int8 [ceil(N / 16), ceil(K / 4), 16, 4], col_scale float32 [N], col_sum int32
+// [N] (each column's weight sum), bias [N] or none -> [..., N] in x's dtype.
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor col_scale, torch::Tensor col_sum,
                           int64_t out_features, c10::optional<torch::Tensor> bias) {
-  return int8_linear_impl<false>(x, packed, col_scale, comp, out_features, bias);
+  return int8_linear_impl<false>(x, packed, col_scale, col_sum, out_features, bias);
 }
 
 // silu(gate) * up of a fused gate/up weight packed gated (blocks of two gate panels, then the up
-// panels of the same columns); col_scale, comp and bias [2N]: the gates' then the ups'.
-torch::Tensor int8_linear_silu(torch::Tensor x, torch::Tensor packed, torch::Tensor col_scale, torch::Tensor comp,
+// panels of the same columns); col_scale, col_sum and bias [2N]: the gates' then the ups'.
+torch::Tensor int8_linear_silu(torch::Tensor x, torch::Tensor packed, torch::Tensor col_scale, torch::Tensor col_sum,
                                int64_t out_features, c10::optional<torch::Tensor> bias) {
-  return int8_linear_impl<true>(x, packed, col_scale, comp, out_features, bias);
+  return int8_linear_impl<true>(x, packed, col_scale, col_sum, out_features, bias);
 }
 
-// (q int8 [..., K], scales float32 [...]) of x [..., K]: the quantization int8_linear applies.
-std::tuple<torch::Tensor, torch::Tensor> int8_quantize_rows(torch::Tensor x) {
+// (u8 [..., K], scales float32 [...], zero points int32 [...]) of x [..., K]: the quantization
+// int8_linear applies (x ~ (u8 - zero) * scale).
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> int8_quantize_rows(torch::Tensor x) {
   TORCH_CHECK(int8_linear_available(), "int8_quantize_rows needs a CPU with AVX512-VNNI");
-  TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+  TORCH_CHECK(x.device().is_cpu() && x.dim() >= 1 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "int8_quantize_rows takes float32 or bfloat16 CPU tensors");
   const int64_t k = x.size(-1);
   const torch::Tensor rows = x.reshape({-1, k}).contiguous();
-  torch::Tensor q = torch::empty(x.sizes(), x.options().dtype(at::kChar));
-  std::vector<int64_t> scale_shape(x.sizes().begin(), x.sizes().end() - 1);
-  torch::Tensor scales = torch::empty(scale_shape, x.options().dtype(at::kFloat));
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  std::vector<int64_t> row_shape(x.sizes().begin(), x.sizes().end() - 1);
+  torch::Tensor scales = torch::empty(row_shape, x.options().dtype(at::kFloat));
+  torch::Tensor zeros = torch::empty(row_shape, x.options().dtype(at::kInt));
   torch::Tensor u8 = torch::empty({rows.size(0), (k + 3) / 4 * 4}, x.options().dtype(at::kByte));
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   if (x.scalar_type() == at::kFloat)
     quantize_rows(rows.data_ptr<float>(), rows.size(0), k, u8.data_ptr<uint8_t>(), scales.data_ptr<float>(),
-                  q.data_ptr<int8_t>());
+                  zeros.data_ptr<int32_t>());
   else
     quantize_rows(reinterpret_cast<const c10::BFloat16*>(rows.data_ptr()), rows.size(0), k, u8.data_ptr<uint8_t>(),
-                  scales.data_ptr<float>(), q.data_ptr<int8_t>());
+                  scales.data_ptr<float>(), zeros.data_ptr<int32_t>());
 #endif
-  return {q, scales};
+  return {u8.narrow(1, 0, k).reshape(x.sizes()), scales, zeros};
 }
 
 TORCH_LIBRARY_FRAGMENT(PAGEDSERVE_OPS, m) {
-  m.def("int8_linear(Tensor x, Tensor packed, Tensor col_scale, Tensor comp, int out_features, Tensor? bias) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor packed, Tensor col_scale, Tensor col_sum, int out_features, Tensor? bias) -> Tensor");
   m.def(
-      "int8_linear_silu(Tensor x, Tensor packed, Tensor col_scale, Tensor comp, int out_features, Tensor? bias) -> "
+      "int8_linear_silu(Tensor x, Tensor packed, Tensor col_scale, Tensor col_sum, int out_features, Tensor? bias) -> "
       "Tensor");
-  m.def("int8_quantize_rows(Tensor x) -> (Tensor, Tensor)");
+  m.def("int8_quantize_rows(Tensor x) -> (Tensor, Tensor, Tensor)");
 }
 TORCH_LIBRARY_IMPL(PAGEDSERVE_OPS, CPU, m) {
   m.impl("int8_linear", &int8_linear);

@@ -1,11 +1,14 @@
 // W8A8 matmuls on AVX512-VNNI through the packed matmul driver (`linear_run`, packed_linear.h):
 // `Int8Math` steps over 4 K values at a time with vpdpbusd (u8 x s8 -> int32), the activations
-// quantized per token to int8 and stored as u8 = q + 128, the weight's panels [N / 16, K / 4, 16, 4]
-// of int8 (one 64-byte load per step). The accumulators hold int32 (in __m512 registers, cast);
-// `Int8Sink` finishes them: acc - 128 * sum_k w[col][k] (the u8 offset, precomputed per column),
-// times the row's and the column's scales, plus the bias, silu(gate) * up for the gated MLP, all in
-// float32, rounded once to the output dtype (float32 or bfloat16).
+// quantized per token to u8 with a zero point (asymmetric: the row's [min, max], widened to hold 0,
+// in 255 steps), the weight's panels [N / 16, K / 4, 16, 4] of int8 (one 64-byte load per step).
+// The accumulators hold int32 (in __m512 registers, cast); `Int8Sink` finishes them:
+// acc - zero[row] * sum_k w[col][k] (the column sums precomputed), times the row's and the column's
+// scales, plus the bias, silu(gate) * up for the gated MLP, all in float32, rounded once to the
+// output dtype (float32 or bfloat16).
 #pragma once
+
+#include <cmath>
 
 #include "packed_linear.h"
 
@@ -30,22 +33,25 @@ inline void store_out(c10::BFloat16* out, __mmask16 valid, __m512 y) {
   _mm256_mask_storeu_epi16(out, valid, bf16_bits(round_bf16_ps(y)));
 }
 
-// The epilogue: rows of y [m, ldo]; per row its activation scale, per column the weight's scale,
-// its u8-offset compensation and the bias (gated: the up columns `up` entries after the gates').
+// The epilogue: rows of y [m, ldo]; per row its activation scale and zero point, per column the
+// weight's scale, its sum and the bias (gated: the up columns `up` entries after the gates').
 template <typename Out>
 struct Int8Sink {
   Out* out;
   int64_t ldo;
   const float* row_scale;
+  const int32_t* row_zero;
   const float* col_scale;
-  const int32_t* comp;
+  const int32_t* col_sum;
   const float* bias;
   int64_t up;
   Int8Sink at(int64_t row, int64_t col) const {
-    return {out + row * ldo + col, ldo, row_scale + row, col_scale + col, comp + col, bias ? bias + col : nullptr, up};
+    return {out + row * ldo + col, ldo, row_scale + row, row_zero + row, col_scale + col, col_sum + col,
+            bias ? bias + col : nullptr, up};
   }
   inline __m512 value(int r, int64_t c, __mmask16 valid, __m512 acc) const {
-    const __m512i exact = _mm512_sub_epi32(_mm512_castps_si512(acc), _mm512_maskz_loadu_epi32(valid, comp + c));
+    const __m512i offset = _mm512_mullo_epi32(_mm512_set1_epi32(row_zero[r]), _mm512_maskz_loadu_epi32(valid, col_sum + c));
+    const __m512i exact = _mm512_sub_epi32(_mm512_castps_si512(acc), offset);
     const __m512 y = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(exact), _mm512_set1_ps(row_scale[r])),
                                    _mm512_maskz_loadu_ps(valid, col_scale + c));
     return bias ? _mm512_add_ps(y, _mm512_maskz_loadu_ps(valid, bias + c)) : y;
@@ -60,11 +66,12 @@ struct Int8Sink {
   }
 };
 
-// One row of x (k values) quantized symmetrically: scale = max|x| / 127 (0 for a zero row),
-// q = x * (127 / max|x|) rounded to nearest even; stored as u8 q + 128 into `u8` (k rounded up to
-// a multiple of 4, the padding 128) and, when `q` is given, as int8 there.
+// One row of x (k values) quantized asymmetrically: lo = min(x, 0), hi = max(x, 0), inv = 255 / (hi - lo)
+// (0 for a zero row), zero = round(-lo * inv), u8 = clamp(round(x * inv) + zero, 0, 255), rounding to
+// nearest even; stored into `u8` (k rounded up to a multiple of 4, the padding `zero`, so that it
+// adds nothing). Returns the scale (hi - lo) / 255 and sets *zero.
 template <typename In>
-inline float quantize_row(const In* x, int64_t k, uint8_t* u8, int8_t* q) {
+inline float quantize_row(const In* x, int64_t k, uint8_t* u8, int32_t* zero) {
   auto load = [&](int64_t i, __mmask16 m) -> __m512 {
     if constexpr (std::is_same_v<In, float>) {
       return _mm512_maskz_loadu_ps(m, x + i);
@@ -72,28 +79,31 @@ inline float quantize_row(const In* x, int64_t k, uint8_t* u8, int8_t* q) {
       return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, x + i)), 16));
     }
   };
-  __m512 amax = _mm512_setzero_ps();
+  __m512 lo = _mm512_setzero_ps(), hi = _mm512_setzero_ps();  // masked-off lanes load 0: in range
   for (int64_t i = 0; i < k; i += 16) {
     const __mmask16 m = k - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (k - i)) - 1);
-    amax = _mm512_max_ps(amax, _mm512_abs_ps(load(i, m)));
+    const __m512 v = load(i, m);
+    lo = _mm512_min_ps(lo, v);
+    hi = _mm512_max_ps(hi, v);
   }
-  const float max_abs = _mm512_reduce_max_ps(amax);
-  const volatile float limit = 127.0f;  // volatile: keep these divisions exact under -ffast-math
-  const float inv = max_abs > 0.0f ? limit / max_abs : 0.0f;
+  const float low = _mm512_reduce_min_ps(lo), range = _mm512_reduce_max_ps(hi) - low;
+  const volatile float steps = 255.0f;  // volatile: keep these divisions exact under -ffast-math
+  const float inv = range > 0.0f ? steps / range : 0.0f;
+  const int32_t z = std::min(255, std::max(0, static_cast<int32_t>(std::nearbyint(-low * inv))));
+  *zero = z;
   const __m512 scale = _mm512_set1_ps(inv);
-  const __m512i offset = _mm512_set1_epi32(128), lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+  const __m512i offset = _mm512_set1_epi32(z), bottom = _mm512_setzero_si512(), top = _mm512_set1_epi32(255);
   const int64_t padded = (k + INT8_UNIT - 1) / INT8_UNIT * INT8_UNIT;
   for (int64_t i = 0; i < padded; i += 16) {
     const int64_t n = std::min<int64_t>(16, padded - i);
     const __mmask16 store = n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1);
     const __mmask16 m = k - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)(k > i ? (1u << (k - i)) - 1 : 0);
     const __m512 scaled = _mm512_mul_ps(load(i, m), scale);
-    __m512i v = _mm512_cvt_roundps_epi32(scaled, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    v = _mm512_min_epi32(_mm512_max_epi32(v, lo), hi);
-    if (q) _mm_mask_storeu_epi8(q + i, m, _mm512_cvtepi32_epi8(v));
-    _mm_mask_storeu_epi8(u8 + i, store, _mm512_cvtepi32_epi8(_mm512_add_epi32(v, offset)));
+    __m512i v = _mm512_add_epi32(_mm512_cvt_roundps_epi32(scaled, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), offset);
+    v = _mm512_min_epi32(_mm512_max_epi32(v, bottom), top);
+    _mm_mask_storeu_epi8(u8 + i, store, _mm512_cvtepi32_epi8(v));
   }
-  return max_abs > 0.0f ? max_abs / limit : 0.0f;
+  return range > 0.0f ? range / steps : 0.0f;
 }
 #endif
 

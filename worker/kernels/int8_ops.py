@@ -27,28 +27,30 @@ def int8_linear_available() -> bool:
     return True
 
 
-def _linear_shape(x: torch.Tensor, packed: torch.Tensor, col_scale: torch.Tensor, comp: torch.Tensor,
+def _linear_shape(x: torch.Tensor, packed: torch.Tensor, col_scale: torch.Tensor, col_sum: torch.Tensor,
                   out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], out_features))
 
 
-def _quantize_shapes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return x.new_empty(x.shape, dtype=torch.int8), x.new_empty(x.shape[:-1], dtype=torch.float32)
+def _quantize_shapes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return (x.new_empty(x.shape, dtype=torch.uint8), x.new_empty(x.shape[:-1], dtype=torch.float32),
+            x.new_empty(x.shape[:-1], dtype=torch.int32))
 
 
-def int8_linear(x: torch.Tensor, packed: torch.Tensor, col_scale: torch.Tensor, comp: torch.Tensor,
+def int8_linear(x: torch.Tensor, packed: torch.Tensor, col_scale: torch.Tensor, col_sum: torch.Tensor,
                 out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., K] (float32/bfloat16) W8A8 through int8 panels [ceil(N/16), ceil(K/4), 16, 4] with
-    the weight's scales [N] and compensation [N] (int32: 128 x each column's sum) -> [..., N]."""
-    return torch.ops.pagedserve.int8_linear(x, packed, col_scale, comp, out_features, bias)
+    the weight's scales [N] and column sums [N] (int32, for the activations' zero points) -> [..., N]."""
+    return torch.ops.pagedserve.int8_linear(x, packed, col_scale, col_sum, out_features, bias)
 
 
-def int8_linear_silu(x: torch.Tensor, packed: torch.Tensor, col_scale: torch.Tensor, comp: torch.Tensor,
+def int8_linear_silu(x: torch.Tensor, packed: torch.Tensor, col_scale: torch.Tensor, col_sum: torch.Tensor,
                      out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
-    """silu(gate) * up of a gated int8 packing (scales, compensation and bias [2N], gates first)."""
-    return torch.ops.pagedserve.int8_linear_silu(x, packed, col_scale, comp, out_features, bias)
+    """silu(gate) * up of a gated int8 packing (scales, column sums and bias [2N], gates first)."""
+    return torch.ops.pagedserve.int8_linear_silu(x, packed, col_scale, col_sum, out_features, bias)
 
 
-def int8_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q int8 [..., K], scales float32 [...]): the kernel's per-token activation quantization."""
+def int8_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(u8 [..., K], scales float32 [...], zero points int32 [...]): the kernel's per-token
+    activation quantization (x ~ (u8 - zero) * scale)."""
     return torch.ops.pagedserve.int8_quantize_rows(x)

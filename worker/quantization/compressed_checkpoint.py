@@ -3,7 +3,8 @@
 vLLM loads them): each quantized linear's `weight` is int8 [N, K] and `weight_scale` its
 float scales, [N, 1] (strategy "channel") or one value ("tensor"), with w = weight * scale;
 symmetric, so no zero point (a `weight_zero_point` present must be all zeros); the input
-activations quantized dynamically per token at run time.
+activations quantized dynamically per token at run time, asymmetrically whether the scheme says
+`symmetric` or not (the kernel's one scheme: each token's range in full, zero points folded in).
 
 `split_scales` takes the scales out of the checkpoint's stream (the model's float weights then
 receive the int8 values, which every float dtype holds exactly); `layer_scales` arranges them
@@ -58,8 +59,9 @@ def check_w8a8(qc: dict) -> None:
         if (weights.get("num_bits"), weights.get("type"), weights.get("symmetric", True)) != (8, "int", True) \
                 or weights.get("strategy") not in ("channel", "tensor"):
             refuse(f"group {name}'s weights {weights}")
-        if (inputs.get("num_bits"), inputs.get("type"), inputs.get("symmetric", True), inputs.get("dynamic")) != \
-                (8, "int", True, True) or inputs.get("strategy") != "token":
+        # Symmetric or not, dynamic per-token activations run as the kernel's asymmetric ones.
+        if (inputs.get("num_bits"), inputs.get("type"), inputs.get("dynamic")) != (8, "int", True) \
+                or inputs.get("strategy") != "token":
             refuse(f"group {name}'s input activations {inputs or None}")
         if group.get("output_activations"):
             refuse(f"group {name} quantizes output activations")
@@ -77,7 +79,7 @@ def split_scales(weights: Iterable[tuple[str, torch.Tensor]],
             scales[name[:-len(".weight_scale")]] = tensor
         elif name.endswith(DROPPED_SUFFIXES):
             if name.endswith("zero_point") and bool(tensor.ne(0).any()):
-                raise ConfigError(f"{name}: asymmetric quantization is not supported")
+                raise ConfigError(f"{name}: asymmetric weights are not supported")
         else:
             yield name, tensor
 

@@ -1,10 +1,13 @@
 """W8A8 linear layers (`--quantization int8`): int8 weights with symmetric per-output-channel
-scales (made at load from a float checkpoint, or read from a compressed-tensors one), int8
-activations with dynamic symmetric per-token scales, int32 products, and the scales and bias
-applied after (y = acc * x_scale * w_scale + bias, in float32, rounded once to x's dtype).
+scales (made at load from a float checkpoint, or read from a compressed-tensors one), 8-bit
+activations with dynamic asymmetric per-token scales and zero points, int32 products, and the
+zero points, scales and bias applied after (y = (acc - zero * sum(w)) * x_scale * w_scale + bias,
+in float32, rounded once to x's dtype). Asymmetric activations: each token's [min, max] in 255
+steps rather than [-max|x|, max|x|] in 254; on SmolLM2-135M the symmetric scheme cost 2.6 %
+perplexity against bf16, the asymmetric one about 1 % (docs/benchmarks.md).
 
 On CPUs with AVX512-VNNI the matmul is `pagedserve::int8_linear` (worker/csrc/int8_linear.cpp:
-weights in panels of 16 columns x 4 K, the u8 offset of the activations compensated per column);
+weights in panels of 16 columns x 4 K, activations as u8 with each column's weight sum precomputed);
 elsewhere the same function in plain PyTorch (`torch._int_mm`: exact int32 products). A
 layer's `Int8Linear` replaces its `<name>_packed` buffer: `worker.models.packed_linear.linear`
 hands any non-tensor packing its own `linear` / `linear_silu`.
@@ -19,6 +22,7 @@ channel's on every rank.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import torch
@@ -32,6 +36,8 @@ from worker.models.packed_linear import GATED_BLOCK, panels
 logger = logging.getLogger(__name__)
 
 UNIT = 4  # K values per step of the int8 kernel (one vpdpbusd)
+# "0": the PyTorch path even where the kernel runs (the reference `bench accuracy --checks quantized` uses).
+KERNEL_SWITCH = "PAGEDSERVE_INT8_KERNEL"
 LAYER_WEIGHTS = ("qkv", "o", "gate_up", "down")
 
 
@@ -45,22 +51,28 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q int8 [..., K], scale float32 [...]): symmetric per token, q = round(x * (127 / max|x|)),
-    scale = max|x| / 127 (0 for a zero row): what the kernel's `int8_quantize_rows` computes."""
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(u8 [..., K], scale float32 [...], zero int32 [...]) with x ~ (u8 - zero) * scale: asymmetric
+    per token over [min(x, 0), max(x, 0)], inv = 255 / (hi - lo) (0 for a zero row), zero =
+    round(-lo * inv), u8 = clamp(round(x * inv) + zero, 0, 255), rounding to nearest even: what the
+    kernel's `int8_quantize_rows` computes."""
     xf = x.to(torch.float32)
-    amax = xf.abs().amax(dim=-1)
-    limit = torch.full_like(amax, 127.0)  # elementwise true divisions (torch divides by a scalar as a product)
-    inv = torch.where(amax > 0, limit / amax, torch.zeros_like(amax))
-    q = torch.round(xf * inv.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
-    return q, amax / limit
+    lo = xf.amin(dim=-1).clamp(max=0)
+    span = xf.amax(dim=-1).clamp(min=0) - lo
+    steps = torch.full_like(span, 255.0)  # elementwise true divisions (torch divides by a scalar as a product)
+    inv = torch.where(span > 0, steps / span, torch.zeros_like(span))
+    zero = torch.round(-lo * inv).clamp_(0, 255)
+    u8 = (torch.round(xf * inv.unsqueeze(-1)) + zero.unsqueeze(-1)).clamp_(0, 255).to(torch.uint8)
+    return u8, span / steps, zero.to(torch.int32)
 
 
 def int8_matmul_reference(x: torch.Tensor, q_weight: torch.Tensor, scale: torch.Tensor,
                           bias: torch.Tensor | None) -> torch.Tensor:
-    """float32 [..., N] = dequantized int32 product of x's quantization with q_weight [N, K]."""
-    qx, x_scale = quantize_activations(x)
-    acc = torch._int_mm(qx.reshape(-1, qx.shape[-1]), q_weight.t())
+    """float32 [..., N] = dequantized int32 product of x's quantization with q_weight [N, K]
+    (`torch._int_mm` takes int8: u8 - 128, the difference to the zero point folded in after)."""
+    u8, x_scale, zero = quantize_activations(x)
+    shifted = (u8.to(torch.int16) - 128).to(torch.int8).reshape(-1, u8.shape[-1])
+    acc = torch._int_mm(shifted, q_weight.t()) - (zero.reshape(-1, 1) - 128) * q_weight.to(torch.int32).sum(dim=1)
     y = acc.to(torch.float32) * x_scale.reshape(-1, 1) * scale
     if bias is not None:
         y = y + bias.to(torch.float32)
@@ -93,19 +105,19 @@ class Int8Linear(nn.Module):
         self.register_buffer("scale", scale.to(torch.float32).contiguous(), persistent=False)
         if use_kernel:
             self.register_buffer("packed", pack_int8(q, gated), persistent=False)
-            self.register_buffer("comp", (128 * q.to(torch.int32).sum(dim=1)).to(torch.int32), persistent=False)
+            self.register_buffer("col_sum", q.to(torch.int32).sum(dim=1).to(torch.int32), persistent=False)
             self.q = None
         else:
             self.register_buffer("q", q.contiguous(), persistent=False)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.use_kernel:
-            return int8_ops.int8_linear(x, self.packed, self.scale, self.comp, self.out_features, bias)
+            return int8_ops.int8_linear(x, self.packed, self.scale, self.col_sum, self.out_features, bias)
         return int8_matmul_reference(x, self.q, self.scale, bias).to(x.dtype)
 
     def linear_silu(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.use_kernel:
-            return int8_ops.int8_linear_silu(x, self.packed, self.scale, self.comp, self.out_features, bias)
+            return int8_ops.int8_linear_silu(x, self.packed, self.scale, self.col_sum, self.out_features, bias)
         gate, up = int8_matmul_reference(x, self.q, self.scale, bias).chunk(2, dim=-1)
         return (F.silu(gate) * up).to(x.dtype)
 
@@ -124,8 +136,10 @@ def quantize_model(model: Any, scales: dict[tuple[int, str], torch.Tensor] | Non
     layers' float weights hold the checkpoint's int8 values exactly, and these are their scales.
     Returns whether the VNNI kernel runs them (else the PyTorch path)."""
     check_int8_dtype(model.dtype, model.device)
-    use_kernel = int8_ops.int8_linear_available()
-    if not use_kernel:
+    use_kernel = int8_ops.int8_linear_available() and os.environ.get(KERNEL_SWITCH, "1") != "0"
+    if not use_kernel and os.environ.get(KERNEL_SWITCH, "1") == "0":
+        logger.info("--quantization int8: %s=0, running the int8 matmuls in plain PyTorch", KERNEL_SWITCH)
+    elif not use_kernel:
         logger.warning("--quantization int8: no AVX512-VNNI kernel on this CPU (or the CPU kernels are off); "
                        "running the int8 matmuls in plain PyTorch, which is much slower")
     for position, layer in enumerate(model.layers):
