@@ -67,6 +67,7 @@ def test_mixed_parts_share_the_widest_layout(types):
                        torch.ops.pagedserve.packed_linear(x, pack_weight(weight), weight.shape[0], None))
 
 
+FOUR_BIT = (T.Q4_0, T.Q4_1, T.Q4_K)
 DTYPES = [torch.float32] + ([torch.bfloat16] if cpu_ops.packed_linear_available(torch.bfloat16) else [])
 
 
@@ -85,18 +86,28 @@ def test_matmul_is_the_packed_matmul_of_the_dequantized_weight(qtype, dtype, gat
         op, ref_op = torch.ops.pagedserve.gguf_linear, torch.ops.pagedserve.packed_linear
     generator = torch.Generator().manual_seed(3)
     bias = torch.randn(weight.shape[0], generator=generator).to(dtype)
-    for m in (1, 5, 8, 33, 300):
+    for m in (1, 2, 4, 5, 8, 33, 300):
         x = torch.randn(m, K, generator=generator).to(dtype)
         for b in (None, bias):
             got = op(x, packed, N, b)
             assert got.shape == (m, N) and got.dtype == dtype
-            # The same function as the dequantized path's kernel, summed in the same order.
-            assert torch.equal(got, ref_op(x, reference_packed, N, b)), f"m={m} bias={b is not None}"
-            full = x.double() @ weight.to(dtype).double().T + (0 if b is None else b.double())
-            if gated:
-                full = torch.nn.functional.silu(full[:, :N]) * full[:, N:]
+            expected = ref_op(x, reference_packed, N, b)
+            # Decode rows x 4-bit weights in bfloat16 multiply by the weights unrounded.
+            unrounded = dtype == torch.bfloat16 and qtype in FOUR_BIT and m <= 4
+
+            def product(w):
+                y = x.double() @ w.double().T + (0 if b is None else b.double())
+                return torch.nn.functional.silu(y[:, :N]) * y[:, N:] if gated else y
+
+            full = product(weight if unrounded else weight.to(dtype))
             tolerance = 1e-3 if dtype == torch.float32 else 3e-2  # the kernel's exp in silu
             torch.testing.assert_close(got.double(), full, rtol=tolerance, atol=tolerance)
+            if unrounded:  # at least as close to the exact product as the rounded weights' path
+                error = (got.double() - full).norm() / full.norm()
+                assert error <= 1.1 * (expected.double() - full).norm() / full.norm() + 1e-4, f"m={m}"
+            else:
+                # The same function as the dequantized path's kernel, summed in the same order.
+                assert torch.equal(got, expected), f"m={m} bias={b is not None}"
 
 
 def test_bad_shapes_are_refused_with_a_message():
