@@ -47,17 +47,8 @@ inline void gguf_tile(const typename M::Unit* x, int64_t ldx, const uint8_t* w, 
   constexpr int OUT = GATED ? NV / 2 : NV;
   constexpr bool F32 = std::is_same_v<M, F32Math>;
   __mmask16 valid[OUT];
-  for (int v = 0; v < OUT; ++v) {
-    const int64_t left = cols - v * LINEAR_LANES;
-    valid[v] = left >= LINEAR_LANES ? (__mmask16)0xFFFF : (__mmask16)(left > 0 ? (1u << left) - 1 : 0);
-  }
   __m512 acc[R][NV];
-  for (int v = 0; v < NV; ++v) {
-    const int o = v % OUT;
-    const float* bv = GATED && v >= OUT ? bias_up : bias;
-    const __m512 b = bv ? _mm512_maskz_loadu_ps(valid[o], bv + o * LINEAR_LANES) : _mm512_setzero_ps();
-    for (int r = 0; r < R; ++r) acc[r][v] = b;
-  }
+  tile_start<R, NV, GATED>(cols, bias, bias_up, valid, acc);
   const int64_t units_per_chunk = F32 ? g : g / 2;
   for (int64_t c = 0; c < chunks; ++c) {
     const uint8_t* chunk[NV];
@@ -94,13 +85,7 @@ inline void gguf_tile(const typename M::Unit* x, int64_t ldx, const uint8_t* w, 
       }
     }
   }
-  for (int v = 0; v < OUT; ++v)
-    for (int r = 0; r < R; ++r) {
-      if constexpr (GATED)
-        sink.put_gated(r, v, valid[v], acc[r][v], acc[r][v + OUT]);
-      else
-        sink.put(r, v, valid[v], acc[r][v]);
-    }
+  tile_finish<R, NV, GATED>(sink, valid, acc);
 }
 
 #if defined(__AVX512BF16__)
@@ -117,17 +102,8 @@ inline void gguf_tile_affine4(const uint32_t* x, int64_t ldx, const uint8_t* w, 
   constexpr int64_t PAIRS = 16;  // pairs of K values per 4-bit chunk of 32
   constexpr int OUT = GATED ? NV / 2 : NV;
   __mmask16 valid[OUT];
-  for (int v = 0; v < OUT; ++v) {
-    const int64_t left = cols - v * LINEAR_LANES;
-    valid[v] = left >= LINEAR_LANES ? (__mmask16)0xFFFF : (__mmask16)(left > 0 ? (1u << left) - 1 : 0);
-  }
   __m512 acc[R][NV];
-  for (int v = 0; v < NV; ++v) {
-    const int o = v % OUT;
-    const float* bv = GATED && v >= OUT ? bias_up : bias;
-    const __m512 b = bv ? _mm512_maskz_loadu_ps(valid[o], bv + o * LINEAR_LANES) : _mm512_setzero_ps();
-    for (int r = 0; r < R; ++r) acc[r][v] = b;
-  }
+  tile_start<R, NV, GATED>(cols, bias, bias_up, valid, acc);
   // bfloat16 of 0..15 (words 16..31 unused: the indices are 4-bit).
   const __m512i integers = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x4170, 0x4160, 0x4150,
                                             0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0, 0x4080,
@@ -169,13 +145,7 @@ inline void gguf_tile_affine4(const uint32_t* x, int64_t ldx, const uint8_t* w, 
       }
     }
   }
-  for (int v = 0; v < OUT; ++v)
-    for (int r = 0; r < R; ++r) {
-      if constexpr (GATED)
-        sink.put_gated(r, v, valid[v], acc[r][v], acc[r][v + OUT]);
-      else
-        sink.put(r, v, valid[v], acc[r][v]);
-    }
+  tile_finish<R, NV, GATED>(sink, valid, acc);
 }
 #endif
 

@@ -84,6 +84,38 @@ struct SinkHasTail : std::false_type {};
 template <typename S>
 struct SinkHasTail<S, std::void_t<decltype(S::kTail)>> : std::true_type {};
 
+// A tile's start, shared by the matmul tiles (here and gguf_linear.cpp): the valid lanes of each of
+// the OUT = (GATED ? NV / 2 : NV) output registers (`cols` valid columns; the last panel may be
+// partial) and the R x NV accumulators set to the bias (gated: the gates' then the ups').
+template <int R, int NV, bool GATED>
+inline void tile_start(int64_t cols, const float* bias, const float* bias_up, __mmask16* valid, __m512 (&acc)[R][NV]) {
+  constexpr int OUT = GATED ? NV / 2 : NV;
+  for (int v = 0; v < OUT; ++v) {
+    const int64_t left = cols - v * LINEAR_LANES;
+    valid[v] = left >= LINEAR_LANES ? (__mmask16)0xFFFF : (__mmask16)(left > 0 ? (1u << left) - 1 : 0);
+  }
+  for (int v = 0; v < NV; ++v) {
+    const int o = v % OUT;
+    const float* bv = GATED && v >= OUT ? bias_up : bias;
+    const __m512 b = bv ? _mm512_maskz_loadu_ps(valid[o], bv + o * LINEAR_LANES) : _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) acc[r][v] = b;
+  }
+}
+
+// A tile's end: the accumulators to the sink (a sink with `kTail` gets them first, `tail(acc)`).
+template <int R, int NV, bool GATED, typename Sink>
+inline void tile_finish(const Sink& sink, const __mmask16* valid, __m512 (&acc)[R][NV]) {
+  constexpr int OUT = GATED ? NV / 2 : NV;
+  if constexpr (SinkHasTail<Sink>::value) sink.tail(acc);  // a sink that finishes the accumulators itself
+  for (int v = 0; v < OUT; ++v)
+    for (int r = 0; r < R; ++r) {
+      if constexpr (GATED)
+        sink.put_gated(r, v, valid[v], acc[r][v], acc[r][v + OUT]);
+      else
+        sink.put(r, v, valid[v], acc[r][v]);
+    }
+}
+
 // Plain: out[r][0 .. 16 NV) = bias + sum over steps p of x[r][p] . w[v][p].
 // Gated (NV even, the first NV / 2 panels gates, the rest the ups of the same columns):
 // out[r][0 .. 8 NV) = silu(gate) * up (bf16: each of gate, up, silu(gate) and the product
@@ -97,17 +129,8 @@ inline void linear_tile(const typename M::Unit* x, int64_t ldx, const typename M
                         int64_t prefetch_lines) {
   constexpr int OUT = GATED ? NV / 2 : NV;  // output registers per row
   __mmask16 valid[OUT];
-  for (int v = 0; v < OUT; ++v) {
-    const int64_t left = cols - v * LINEAR_LANES;
-    valid[v] = left >= LINEAR_LANES ? (__mmask16)0xFFFF : (__mmask16)(left > 0 ? (1u << left) - 1 : 0);
-  }
   __m512 acc[R][NV];
-  for (int v = 0; v < NV; ++v) {
-    const int o = v % OUT;
-    const float* bv = GATED && v >= OUT ? bias_up : bias;
-    const __m512 b = bv ? _mm512_maskz_loadu_ps(valid[o], bv + o * LINEAR_LANES) : _mm512_setzero_ps();
-    for (int r = 0; r < R; ++r) acc[r][v] = b;
-  }
+  tile_start<R, NV, GATED>(cols, bias, bias_up, valid, acc);
   for (int64_t p = 0; p < steps; ++p) {
     typename M::Vec b[NV];
     for (int v = 0; v < NV; ++v) b[v] = M::load(w + v * panel + p * LINEAR_LANES);
@@ -117,14 +140,7 @@ inline void linear_tile(const typename M::Unit* x, int64_t ldx, const typename M
       for (int v = 0; v < NV; ++v) acc[r][v] = M::madd(acc[r][v], a, b[v]);
     }
   }
-  if constexpr (SinkHasTail<Sink>::value) sink.tail(acc);  // a sink that finishes the accumulators itself
-  for (int v = 0; v < OUT; ++v)
-    for (int r = 0; r < R; ++r) {
-      if constexpr (GATED)
-        sink.put_gated(r, v, valid[v], acc[r][v], acc[r][v + OUT]);
-      else
-        sink.put(r, v, valid[v], acc[r][v]);
-    }
+  tile_finish<R, NV, GATED>(sink, valid, acc);
 }
 
 // All m rows of one block of NV panels; the prefetch of the next block is spread over the row groups.
