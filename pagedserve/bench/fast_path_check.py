@@ -22,6 +22,7 @@ from __future__ import annotations
 import gc
 import os
 from typing import Any
+from unittest import mock
 
 from pagedserve.bench.workloads import BenchRequest
 from common.config import EngineConfig
@@ -119,16 +120,9 @@ def _quantized_check(config: EngineConfig, requests: list[BenchRequest], max_tok
         reference = greedy_tokens(_engine(config, config.dtype, config.enforce_eager, quantization="none"), requests,
                                   max_tokens)
     else:
-        saved = os.environ.get(KERNEL_SWITCH)
-        os.environ[KERNEL_SWITCH] = "0"
-        try:
+        with mock.patch.dict(os.environ, {KERNEL_SWITCH: "0"}):
             reference = greedy_tokens(_engine(config, config.dtype, config.enforce_eager, quantization="int8"),
                                       requests, max_tokens)
-        finally:
-            if saved is None:
-                os.environ.pop(KERNEL_SWITCH)
-            else:
-                os.environ[KERNEL_SWITCH] = saved
     pairs = [(a, b) for x, y in zip(quantized, reference) for a, b in zip(x, y)]
     return {"quantization": method,
             f"{method}_vs_reference_token_agreement": round(sum(a == b for a, b in pairs) / len(pairs), 5),

@@ -4,7 +4,7 @@ activations with dynamic asymmetric per-token scales and zero points, int32 prod
 zero points, scales and bias applied after (y = (acc - zero * sum(w)) * x_scale * w_scale + bias,
 in float32, rounded once to x's dtype). Asymmetric activations: each token's [min, max] in 255
 steps rather than [-max|x|, max|x|] in 254; on SmolLM2-135M the symmetric scheme cost 2.6 %
-perplexity against bf16, the asymmetric one about 1 % (docs/benchmarks.md).
+perplexity against bf16, the asymmetric one 1.3 % (docs/benchmarks.md).
 
 On CPUs with AVX512-VNNI the matmul is `pagedserve::int8_linear` (worker/csrc/int8_linear.cpp:
 weights in panels of 16 columns x 4 K, activations as u8 with each column's weight sum precomputed);
@@ -66,13 +66,20 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     return u8, span / steps, zero.to(torch.int32)
 
 
+def column_sums(q_weight: torch.Tensor) -> torch.Tensor:
+    """int32 [N]: each output channel's sum of int8 weights (what the activations' zero points multiply)."""
+    return q_weight.to(torch.int32).sum(dim=1).to(torch.int32)
+
+
 def int8_matmul_reference(x: torch.Tensor, q_weight: torch.Tensor, scale: torch.Tensor,
-                          bias: torch.Tensor | None) -> torch.Tensor:
+                          bias: torch.Tensor | None, col_sum: torch.Tensor | None = None) -> torch.Tensor:
     """float32 [..., N] = dequantized int32 product of x's quantization with q_weight [N, K]
-    (`torch._int_mm` takes int8: u8 - 128, the difference to the zero point folded in after)."""
+    (`torch._int_mm` takes int8: u8 - 128, the difference to the zero point folded in after;
+    `col_sum`: q_weight's column_sums, made here when not given)."""
     u8, x_scale, zero = quantize_activations(x)
     shifted = (u8.to(torch.int16) - 128).to(torch.int8).reshape(-1, u8.shape[-1])
-    acc = torch._int_mm(shifted, q_weight.t()) - (zero.reshape(-1, 1) - 128) * q_weight.to(torch.int32).sum(dim=1)
+    sums = column_sums(q_weight) if col_sum is None else col_sum
+    acc = torch._int_mm(shifted, q_weight.t()) - (zero.reshape(-1, 1) - 128) * sums
     y = acc.to(torch.float32) * x_scale.reshape(-1, 1) * scale
     if bias is not None:
         y = y + bias.to(torch.float32)
@@ -103,9 +110,9 @@ class Int8Linear(nn.Module):
         self.gated = gated
         self.use_kernel = use_kernel
         self.register_buffer("scale", scale.to(torch.float32).contiguous(), persistent=False)
+        self.register_buffer("col_sum", column_sums(q), persistent=False)
         if use_kernel:
             self.register_buffer("packed", pack_int8(q, gated), persistent=False)
-            self.register_buffer("col_sum", q.to(torch.int32).sum(dim=1).to(torch.int32), persistent=False)
             self.q = None
         else:
             self.register_buffer("q", q.contiguous(), persistent=False)
@@ -113,12 +120,12 @@ class Int8Linear(nn.Module):
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.use_kernel:
             return int8_ops.int8_linear(x, self.packed, self.scale, self.col_sum, self.out_features, bias)
-        return int8_matmul_reference(x, self.q, self.scale, bias).to(x.dtype)
+        return int8_matmul_reference(x, self.q, self.scale, bias, self.col_sum).to(x.dtype)
 
     def linear_silu(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.use_kernel:
             return int8_ops.int8_linear_silu(x, self.packed, self.scale, self.col_sum, self.out_features, bias)
-        gate, up = int8_matmul_reference(x, self.q, self.scale, bias).chunk(2, dim=-1)
+        gate, up = int8_matmul_reference(x, self.q, self.scale, bias, self.col_sum).chunk(2, dim=-1)
         return (F.silu(gate) * up).to(x.dtype)
 
 
@@ -136,8 +143,9 @@ def quantize_model(model: Any, scales: dict[tuple[int, str], torch.Tensor] | Non
     layers' float weights hold the checkpoint's int8 values exactly, and these are their scales.
     Returns whether the VNNI kernel runs them (else the PyTorch path)."""
     check_int8_dtype(model.dtype, model.device)
-    use_kernel = int8_ops.int8_linear_available() and os.environ.get(KERNEL_SWITCH, "1") != "0"
-    if not use_kernel and os.environ.get(KERNEL_SWITCH, "1") == "0":
+    switched_off = os.environ.get(KERNEL_SWITCH, "1") == "0"
+    use_kernel = not switched_off and int8_ops.int8_linear_available()
+    if switched_off:
         logger.info("--quantization int8: %s=0, running the int8 matmuls in plain PyTorch", KERNEL_SWITCH)
     elif not use_kernel:
         logger.warning("--quantization int8: no AVX512-VNNI kernel on this CPU (or the CPU kernels are off); "
