@@ -82,8 +82,12 @@ class GrammarCompiler:
         return self._compiler is not None
 
     def start_warm_up(self) -> None:
-        """Build the tokenizer info in a background thread (first use waits for it)."""
-        self._warm_up_thread = threading.Thread(target=self._warm_up, name="grammar-warm-up", daemon=True)
+        """Build the tokenizer info in a background thread (first use waits for it).
+
+        Not a daemon: the interpreter joins it before exiting. A process that exited while
+        it ran inside xgrammar's native code aborted ("terminate called without an active
+        exception"), e.g. a short `bench perplexity` run in a fresh checkout."""
+        self._warm_up_thread = threading.Thread(target=self._warm_up, name="grammar-warm-up", daemon=False)
         self._warm_up_thread.start()
 
     def wait_for_warm_up(self, timeout_s: float | None = None) -> bool:

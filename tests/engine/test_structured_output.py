@@ -172,3 +172,25 @@ def test_the_worker_prepares_grammars_in_the_background_when_it_starts(llm):
     assert compiler.wait_for_warm_up(timeout_s=60)
     matcher = compiler.matcher(SPECS["choice"], "r0")
     assert matcher.active
+
+
+def test_a_process_that_exits_during_the_warm_up_exits_cleanly():
+    """Exiting while the warm-up thread was inside xgrammar's native code aborted the
+    process (SIGABRT); the interpreter now waits for the warm-up, which has ended by
+    the time atexit handlers run."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    from common.model_files import resolve_model_dir
+
+    child = f"""
+import atexit
+from worker.structured_output import GrammarCompiler
+compiler = GrammarCompiler({str(resolve_model_dir('smollm2-135m-instruct'))!r}, 49152, [{EOS}])
+atexit.register(lambda: print("ready at exit:", compiler.ready, flush=True))
+compiler.start_warm_up()
+"""
+    repo = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-c", child], cwd=repo, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "ready at exit: True" in proc.stdout
