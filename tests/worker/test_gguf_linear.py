@@ -55,6 +55,29 @@ def test_unpacked_weights_are_gguf_dequantize_bit_for_bit(qtype):
     assert torch.equal(got[nonzero].view(torch.int32), expected[nonzero].view(torch.int32))
 
 
+# Chunk bytes: 4-bit values of 32 with float16 scales and offsets where gguf's are float16 (Q4_0,
+# Q4_1; Q8_0's offset -128 d too), float32 where they are products (the K-quants' sub-scales).
+CHUNK_BYTES = {T.Q8_0: 64 + 512, T.Q4_0: 64 + 256, T.Q4_1: 64 + 256, T.Q4_K: 128 + 256, T.Q6_K: 128 + 192 + 16}
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_scales_are_stored_in_float16_only_where_exact(qtype):
+    _, rows = packed_of(qtype, N, K, seed=5)
+    assert pack(rows).shape[2] == CHUNK_BYTES[qtype]
+
+
+def test_a_q8_0_scale_past_float16s_range_keeps_float32():
+    """d = 1000 is a float16, but the offset -128 d is not (past 65504): the chunks keep float32."""
+    raw, _ = packed_of(T.Q8_0, 16, K, seed=6)
+    raw = raw.reshape(-1, 34).copy()
+    raw[0, :2] = np.array([1000], dtype=np.float16).view(np.uint8)
+    raw = raw.reshape(16, -1)
+    packed = pack(unpack_tensor(raw, T.Q8_0, 16, K))
+    assert packed.shape[2] == 128 + 512
+    expected = torch.from_numpy(np.asarray(dequantize(raw, T.Q8_0), dtype=np.float32))
+    assert torch.equal(cpu_extension.load().gguf_dequantize(packed, K), expected)
+
+
 @pytest.mark.parametrize("types", [(T.Q4_1, T.Q6_K), (T.Q4_0, T.Q8_0), (T.Q4_K, T.Q6_K, T.Q8_0)],
                          ids=lambda types: "+".join(t.name for t in types))
 def test_mixed_parts_share_the_widest_layout(types):

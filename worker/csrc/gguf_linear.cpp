@@ -21,12 +21,12 @@ constexpr int64_t REGISTER_ROWS = 4;  // at most this many rows: weights unpacke
 // The packed kernel's step units of one chunk: M::Unit values, K order (float32: [G, 16];
 // bf16: [G / 2, 16] pairs).
 template <typename M, int BITS>
-inline void dequantize_chunk(const uint8_t* chunk, int64_t g, typename M::Unit* out) {
-  const __m512 scale = _mm512_loadu_ps(reinterpret_cast<const float*>(chunk));
-  const __m512 offset = _mm512_loadu_ps(reinterpret_cast<const float*>(chunk) + GGUF_ROWS);
+inline void dequantize_chunk(const uint8_t* chunk, int64_t g, int64_t header, typename M::Unit* out) {
+  __m512 scale, offset;
+  gguf_header(chunk, header, scale, offset);
   for (int64_t j = 0; j < g / 2; ++j) {
     __m512 w0, w1;
-    unpack_pair<BITS>(chunk, scale, offset, g, j, w0, w1);
+    unpack_pair<BITS>(chunk + header, scale, offset, g, j, w0, w1);
     if constexpr (std::is_same_v<M, F32Math>) {
       _mm512_storeu_ps(out + 2 * j * GGUF_ROWS, w0);
       _mm512_storeu_ps(out + (2 * j + 1) * GGUF_ROWS, w1);
@@ -42,8 +42,8 @@ inline void dequantize_chunk(const uint8_t* chunk, int64_t g, typename M::Unit* 
 // accumulators, bias and sink handling this follows.
 template <typename M, int BITS, int R, int NV, bool GATED, typename Sink>
 inline void gguf_tile(const typename M::Unit* x, int64_t ldx, const uint8_t* w, int64_t panel_bytes, int64_t chunks,
-                      int64_t g, int64_t chunk_bytes, const float* bias, const float* bias_up, const Sink& sink,
-                      int64_t cols) {
+                      int64_t g, int64_t chunk_bytes, int64_t header, const float* bias, const float* bias_up,
+                      const Sink& sink, int64_t cols) {
   constexpr int OUT = GATED ? NV / 2 : NV;
   constexpr bool F32 = std::is_same_v<M, F32Math>;
   __mmask16 valid[OUT];
@@ -57,13 +57,12 @@ inline void gguf_tile(const typename M::Unit* x, int64_t ldx, const uint8_t* w, 
       chunk[v] = w + v * panel_bytes + c * chunk_bytes;
       const char* ahead = reinterpret_cast<const char*>(chunk[v] + 4 * chunk_bytes);  // 4 chunks on
       for (int64_t line = 0; line < chunk_bytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
-      scale[v] = _mm512_loadu_ps(reinterpret_cast<const float*>(chunk[v]));
-      offset[v] = _mm512_loadu_ps(reinterpret_cast<const float*>(chunk[v]) + GGUF_ROWS);
+      gguf_header(chunk[v], header, scale[v], offset[v]);
     }
     const typename M::Unit* xc = x + c * units_per_chunk;
     for (int64_t j = 0; j < g / 2; ++j) {
       __m512 w0[NV], w1[NV];
-      for (int v = 0; v < NV; ++v) unpack_pair<BITS>(chunk[v], scale[v], offset[v], g, j, w0[v], w1[v]);
+      for (int v = 0; v < NV; ++v) unpack_pair<BITS>(chunk[v] + header, scale[v], offset[v], g, j, w0[v], w1[v]);
       if constexpr (F32) {
         for (int r = 0; r < R; ++r) {
           const __m512 a0 = _mm512_set1_ps(xc[r * ldx + 2 * j]);
@@ -97,8 +96,8 @@ inline void gguf_tile(const typename M::Unit* x, int64_t ldx, const uint8_t* w, 
 // bfloat16) by about one bfloat16 step of the weights.
 template <int R, int NV, bool GATED, typename Sink>
 inline void gguf_tile_affine4(const uint32_t* x, int64_t ldx, const uint8_t* w, int64_t panel_bytes, int64_t chunks,
-                              int64_t chunk_bytes, const float* bias, const float* bias_up, const Sink& sink,
-                              int64_t cols) {
+                              int64_t chunk_bytes, int64_t header, const float* bias, const float* bias_up,
+                              const Sink& sink, int64_t cols) {
   constexpr int64_t PAIRS = 16;  // pairs of K values per 4-bit chunk of 32
   constexpr int OUT = GATED ? NV / 2 : NV;
   __mmask16 valid[OUT];
@@ -125,7 +124,7 @@ inline void gguf_tile_affine4(const uint32_t* x, int64_t ldx, const uint8_t* w, 
       for (int v = 0; v < NV; ++v) {
         // Byte r = q(r, k0) | q(r, k1) << 4 -> word 2r = q(r, k0), word 2r + 1 = q(r, k1) -> bfloat16.
         const __m512i e = _mm512_cvtepu8_epi32(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk[v] + GGUF_CHUNK_HEADER + 16 * j)));
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk[v] + header + 16 * j)));
         const __m512i words = _mm512_ternarylogic_epi32(e, _mm512_slli_epi32(e, 12), nibbles, 0xA8);  // (e | e << 12) & mask
         q[v] = (__m512bh)_mm512_permutexvar_epi16(words, integers);
       }
@@ -139,9 +138,10 @@ inline void gguf_tile_affine4(const uint32_t* x, int64_t ldx, const uint8_t* w, 
       const __m512 sum = _mm512_set1_ps(_mm512_reduce_add_ps(_mm512_add_ps(
           _mm512_castsi512_ps(_mm512_slli_epi32(xv, 16)), _mm512_castsi512_ps(_mm512_and_si512(xv, high_half)))));
       for (int v = 0; v < NV; ++v) {
-        const float* header = reinterpret_cast<const float*>(chunk[v]);
-        acc[r][v] = _mm512_fmadd_ps(_mm512_loadu_ps(header), part[r][v], acc[r][v]);
-        acc[r][v] = _mm512_fmadd_ps(_mm512_loadu_ps(header + GGUF_ROWS), sum, acc[r][v]);
+        __m512 scale, offset;
+        gguf_header(chunk[v], header, scale, offset);
+        acc[r][v] = _mm512_fmadd_ps(scale, part[r][v], acc[r][v]);
+        acc[r][v] = _mm512_fmadd_ps(offset, sum, acc[r][v]);
       }
     }
   }
@@ -152,18 +152,21 @@ inline void gguf_tile_affine4(const uint32_t* x, int64_t ldx, const uint8_t* w, 
 // All m (<= REGISTER_ROWS) rows of one block of NV panels, unpacked in registers.
 template <typename M, int BITS, int NV, bool GATED, typename Sink>
 void gguf_register_block(const typename M::Unit* x, int64_t m, int64_t ldx, const uint8_t* w, int64_t panel_bytes,
-                         int64_t chunks, int64_t g, int64_t chunk_bytes, const float* bias, const float* bias_up,
-                         const Sink& sink, int64_t cols) {
+                         int64_t chunks, int64_t g, int64_t chunk_bytes, int64_t header, const float* bias,
+                         const float* bias_up, const Sink& sink, int64_t cols) {
+#define PAGEDSERVE_GGUF_GENERAL(R)                                                                      \
+  gguf_tile<M, BITS, R, NV, GATED>(x, ldx, w, panel_bytes, chunks, g, chunk_bytes, header, bias, bias_up, \
+                                   sink, cols)
 #if defined(__AVX512BF16__)
-#define PAGEDSERVE_GGUF_TILE(R)                                                                                      \
-  if constexpr (std::is_same_v<M, Bf16Math> && BITS == 4)                                                         \
-    gguf_tile_affine4<R, NV, GATED>(x, ldx, w, panel_bytes, chunks, chunk_bytes, bias, bias_up, sink, cols);      \
-  else                                                                                                             \
-    gguf_tile<M, BITS, R, NV, GATED>(x, ldx, w, panel_bytes, chunks, g, chunk_bytes, bias, bias_up, sink, cols); \
+#define PAGEDSERVE_GGUF_TILE(R)                                                                                    \
+  if constexpr (std::is_same_v<M, Bf16Math> && BITS == 4)                                                       \
+    gguf_tile_affine4<R, NV, GATED>(x, ldx, w, panel_bytes, chunks, chunk_bytes, header, bias, bias_up, sink, cols); \
+  else                                                                                                           \
+    PAGEDSERVE_GGUF_GENERAL(R);                                                                                  \
   break
 #else
-#define PAGEDSERVE_GGUF_TILE(R)                                                                                   \
-  gguf_tile<M, BITS, R, NV, GATED>(x, ldx, w, panel_bytes, chunks, g, chunk_bytes, bias, bias_up, sink, cols); \
+#define PAGEDSERVE_GGUF_TILE(R) \
+  PAGEDSERVE_GGUF_GENERAL(R);   \
   break
 #endif
   switch (m) {
@@ -177,6 +180,7 @@ void gguf_register_block(const typename M::Unit* x, int64_t m, int64_t ldx, cons
       PAGEDSERVE_GGUF_TILE(1);
   }
 #undef PAGEDSERVE_GGUF_TILE
+#undef PAGEDSERVE_GGUF_GENERAL
 }
 
 // y [m, out_features] from x [m, steps] (M::Unit steps) and `panels` quantized panels, threaded as
@@ -186,7 +190,8 @@ void gguf_register_block(const typename M::Unit* x, int64_t m, int64_t ldx, cons
 // into its scratch (the packed layout) for the next rows.
 template <typename M, int BITS, bool GATED, typename Sink>
 void gguf_run(const typename M::Unit* xp, int64_t m, int64_t steps, const uint8_t* wp, int64_t panels,
-              int64_t chunks, int64_t g, int64_t chunk_bytes, const float* b, int64_t out_features, const Sink& sink) {
+              int64_t chunks, int64_t g, int64_t chunk_bytes, int64_t header, const float* b, int64_t out_features,
+              const Sink& sink) {
   constexpr int ROWS = GATED ? GATED_ROWS : PLAIN_ROWS, PANELS = GATED ? GATED_PANELS : PLAIN_PANELS;
   constexpr int64_t OUT_PANELS = GATED ? PANELS / 2 : PANELS;
   constexpr int64_t ROW_BLOCK = M::ROW_BLOCK / ROWS * ROWS;
@@ -213,7 +218,7 @@ void gguf_run(const typename M::Unit* xp, int64_t m, int64_t steps, const uint8_
       if (in_registers) {
         with_block_panels<GATED>(nv, [&](auto panels) {
           gguf_register_block<M, BITS, decltype(panels)::value, GATED>(xr, rows_here, steps, w, panel_bytes, chunks,
-                                                                       g, chunk_bytes, bb, bu, o, cols);
+                                                                       g, chunk_bytes, header, bb, bu, o, cols);
         });
         continue;
       }
@@ -222,7 +227,7 @@ void gguf_run(const typename M::Unit* xp, int64_t m, int64_t steps, const uint8_
         const int64_t units_per_chunk = panel_units / chunks;
         for (int64_t v = 0; v < nv; ++v)
           for (int64_t c = 0; c < chunks; ++c)
-            dequantize_chunk<M, BITS>(w + v * panel_bytes + c * chunk_bytes, g,
+            dequantize_chunk<M, BITS>(w + v * panel_bytes + c * chunk_bytes, g, header,
                                       scratch.data() + v * panel_units + c * units_per_chunk);
         scratch_block = blk;
       }
@@ -236,33 +241,32 @@ void gguf_run(const typename M::Unit* xp, int64_t m, int64_t steps, const uint8_
 }
 
 template <typename M, bool GATED, typename Sink>
-void gguf_dispatch(int bits, const typename M::Unit* xp, int64_t m, int64_t steps, const uint8_t* wp, int64_t panels,
-                   int64_t chunks, int64_t g, int64_t chunk_bytes, const float* b, int64_t out_features,
+void gguf_dispatch(const GgufLayout& layout, const typename M::Unit* xp, int64_t m, int64_t steps, const uint8_t* wp,
+                   int64_t panels, int64_t chunks, int64_t chunk_bytes, const float* b, int64_t out_features,
                    const Sink& sink) {
-  if (bits == 4)
-    gguf_run<M, 4, GATED>(xp, m, steps, wp, panels, chunks, g, chunk_bytes, b, out_features, sink);
-  else if (bits == 6)
-    gguf_run<M, 6, GATED>(xp, m, steps, wp, panels, chunks, g, chunk_bytes, b, out_features, sink);
+  const int64_t g = layout.g, header = layout.header;
+  if (layout.bits == 4)
+    gguf_run<M, 4, GATED>(xp, m, steps, wp, panels, chunks, g, chunk_bytes, header, b, out_features, sink);
+  else if (layout.bits == 6)
+    gguf_run<M, 6, GATED>(xp, m, steps, wp, panels, chunks, g, chunk_bytes, header, b, out_features, sink);
   else
-    gguf_run<M, 8, GATED>(xp, m, steps, wp, panels, chunks, g, chunk_bytes, b, out_features, sink);
+    gguf_run<M, 8, GATED>(xp, m, steps, wp, panels, chunks, g, chunk_bytes, header, b, out_features, sink);
 }
 #endif
 
-// The chunk layout (G, bits) of a packed weight [panels, chunks, chunk_bytes] for K input columns.
-std::pair<int64_t, int> checked_layout(const torch::Tensor& packed, int64_t k) {
+// The chunk layout of a packed weight [panels, chunks, chunk_bytes] for K input columns.
+GgufLayout checked_layout(const torch::Tensor& packed, int64_t k) {
   TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte && packed.dim() == 3 &&
                   packed.is_contiguous(),
               "gguf_linear: the packed weight must be a contiguous uint8 CPU tensor [panels, chunks, chunk_bytes]");
+  GgufLayout layout;
 #if defined(__AVX512F__)
-  const auto [g, bits] = gguf_layout_of(packed.size(2));
-#else
-  const int64_t g = 0;
-  const int bits = 0;
+  layout = gguf_layout_of(packed.size(2));
 #endif
-  TORCH_CHECK(bits, "gguf_linear: chunks of ", packed.size(2), " bytes match no layout");
-  TORCH_CHECK(packed.size(1) * g == k, "gguf_linear: x's ", k, " columns are not the weight's ", packed.size(1),
-              " chunks of ", g);
-  return {g, bits};
+  TORCH_CHECK(layout.bits, "gguf_linear: chunks of ", packed.size(2), " bytes match no layout");
+  TORCH_CHECK(packed.size(1) * layout.g == k, "gguf_linear: x's ", k, " columns are not the weight's ",
+              packed.size(1), " chunks of ", layout.g);
+  return layout;
 }
 
 template <bool GATED>
@@ -274,7 +278,7 @@ torch::Tensor gguf_matmul(const torch::Tensor& x, const torch::Tensor& packed, i
   TORCH_CHECK(bf16 ? bf16_linear_available() : f32_linear_available(),
               bf16 ? "gguf_linear in bfloat16 needs a CPU with AVX512-BF16" : "gguf_linear needs a CPU with AVX-512");
   const int64_t k = x.size(-1);
-  const auto [g, bits] = checked_layout(packed, k);
+  const GgufLayout layout = checked_layout(packed, k);
   const int64_t copies = GATED ? 2 : 1;
   TORCH_CHECK(out_features > 0 && copies * ((out_features + 15) / 16) == packed.size(0),
               "gguf_linear: out_features does not match the weight");
@@ -291,15 +295,15 @@ torch::Tensor gguf_matmul(const torch::Tensor& x, const torch::Tensor& packed, i
 #if defined(__AVX512F__)
   if (!bf16) {
     const StoreSink<F32Math> sink{out.data_ptr<float>(), out_features};
-    gguf_dispatch<F32Math, GATED>(bits, rows.data_ptr<float>(), rows.size(0), k, w, packed.size(0), packed.size(1), g,
+    gguf_dispatch<F32Math, GATED>(layout, rows.data_ptr<float>(), rows.size(0), k, w, packed.size(0), packed.size(1),
                                   packed.size(2), b, out_features, sink);
   }
 #endif
 #if defined(__AVX512BF16__)
   if (bf16) {
     const StoreSink<Bf16Math> sink{reinterpret_cast<c10::BFloat16*>(out.data_ptr()), out_features};
-    gguf_dispatch<Bf16Math, GATED>(bits, reinterpret_cast<const uint32_t*>(rows.data_ptr()), rows.size(0), k / 2, w,
-                                   packed.size(0), packed.size(1), g, packed.size(2), b, out_features, sink);
+    gguf_dispatch<Bf16Math, GATED>(layout, reinterpret_cast<const uint32_t*>(rows.data_ptr()), rows.size(0), k / 2, w,
+                                   packed.size(0), packed.size(1), packed.size(2), b, out_features, sink);
   }
 #endif
   return out;
@@ -322,7 +326,8 @@ torch::Tensor gguf_linear_silu(torch::Tensor x, torch::Tensor packed, int64_t ou
 
 // The float32 weights [16 panels, K] a packed weight holds (what the matmuls multiply by), for tests.
 torch::Tensor gguf_dequantize(torch::Tensor packed, int64_t k) {
-  const auto [g, bits] = checked_layout(packed, k);
+  const GgufLayout layout = checked_layout(packed, k);
+  const int64_t g = layout.g;
   torch::Tensor out = torch::empty({packed.size(0), k, 16}, torch::kFloat);
 #if defined(__AVX512F__)
   const int64_t chunks = packed.size(1), chunk_bytes = packed.size(2);
@@ -330,12 +335,12 @@ torch::Tensor gguf_dequantize(torch::Tensor packed, int64_t k) {
     for (int64_t c = 0; c < chunks; ++c) {
       const uint8_t* chunk = packed.data_ptr<uint8_t>() + (p * chunks + c) * chunk_bytes;
       float* dst = out.data_ptr<float>() + (p * k + c * g) * 16;
-      if (bits == 4)
-        dequantize_chunk<F32Math, 4>(chunk, g, dst);
-      else if (bits == 6)
-        dequantize_chunk<F32Math, 6>(chunk, g, dst);
+      if (layout.bits == 4)
+        dequantize_chunk<F32Math, 4>(chunk, g, layout.header, dst);
+      else if (layout.bits == 6)
+        dequantize_chunk<F32Math, 6>(chunk, g, layout.header, dst);
       else
-        dequantize_chunk<F32Math, 8>(chunk, g, dst);
+        dequantize_chunk<F32Math, 8>(chunk, g, layout.header, dst);
     }
 #endif
   return out.permute({0, 2, 1}).reshape({packed.size(0) * 16, k});

@@ -4,8 +4,9 @@ A tensor's blocks are read as (q, scale, offset): the unsigned quantized values 
 row and chunk of G K values, the float32 scale and offset with weight = scale * q + offset, the
 value `gguf.quants.dequantize` computes (scale * q is exact in float32 for every type here). They
 are then packed into panels of 16 rows, [ceil(N / 16), K / G, chunk bytes]: the chunk's 16 scales
-and 16 offsets, then the values by pairs of K (4 bits: two to a byte; Q6_K: those 4 bits and a
-plane of the 2 high bits; Q8_0: a byte each, 8-bit chunks of 16 padded). Parts of a fused weight of different types share
+and 16 offsets (float16 when all of the tensor's are float16 values, as Q4_0's, Q4_1's and Q8_0's
+are: fewer bytes to read; else float32), then the values by pairs of K (4 bits: two to a byte; Q6_K: those 4 bits and a
+plane of the 2 high bits; Q8_0: a byte each; 8-bit chunks of 16 and 6-bit chunks padded). Parts of a fused weight of different types share
 the widest layout (4-bit values fit the 6- and 8-bit ones unchanged).
 """
 from __future__ import annotations
@@ -99,13 +100,24 @@ def concat_rows(parts: list[QuantRows]) -> QuantRows:
                      np.concatenate([p.offset for p in parts]), bits, group)
 
 
+def half_header(rows: QuantRows) -> bool:
+    """Whether the chunks' scales and offsets are stored as float16: every one is a float16 value
+    (the weights stay bit for bit gguf's), in chunks of 32 (the layouts gguf_blocks.h has)."""
+    if rows.group != 32 or rows.bits == 6:
+        return False
+    header = np.concatenate([rows.scale.ravel(), rows.offset.ravel()]).astype(np.float32)
+    with np.errstate(over="ignore"):
+        return bool(np.array_equal(header.astype(np.float16).astype(np.float32), header))
+
+
 def pack(rows: QuantRows) -> torch.Tensor:
     """The panels [ceil(N / 16), K / G, chunk bytes] uint8 of gguf_blocks.h."""
     n, k = rows.q.shape
     g, pad = rows.group, -n % PANEL
     q = np.pad(rows.q, ((0, pad), (0, 0)))
-    scale = np.pad(rows.scale, ((0, pad), (0, 0))).astype(np.float32)
-    offset = np.pad(rows.offset, ((0, pad), (0, 0))).astype(np.float32)
+    float_type = np.float16 if half_header(rows) else np.float32
+    scale = np.pad(rows.scale, ((0, pad), (0, 0))).astype(float_type)
+    offset = np.pad(rows.offset, ((0, pad), (0, 0))).astype(float_type)
     panels, chunks = (n + pad) // PANEL, k // g
     header = [x.reshape(panels, PANEL, chunks).transpose(0, 2, 1).copy().view(np.uint8) for x in (scale, offset)]
     # [panel, chunk, pair, k in pair, row]
@@ -120,8 +132,8 @@ def pack(rows: QuantRows) -> torch.Tensor:
             shifts = np.array([[0, 2], [4, 6]], dtype=np.uint8).reshape(1, 1, 1, 2, 2, 1)
             values.append(np.bitwise_or.reduce((high << shifts).reshape(panels, chunks, g // 4, 4, PANEL), axis=3)
                           .reshape(panels, chunks, -1))
-    if rows.bits == 8 and g == 16:  # padded: the size of a chunk names its layout (gguf_blocks.h)
-        values.append(np.zeros((panels, chunks, 64), dtype=np.uint8))
+    if rows.bits == 8 and g == 16 or rows.bits == 6:  # padded: a chunk's size names its layout (gguf_blocks.h)
+        values.append(np.zeros((panels, chunks, 64 if rows.bits == 8 else 16), dtype=np.uint8))
     packed = np.concatenate([h.reshape(panels, chunks, -1) for h in header] + values, axis=-1)
     return torch.from_numpy(np.ascontiguousarray(packed))
 
