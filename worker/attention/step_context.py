@@ -64,16 +64,28 @@ def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: 
     return output
 
 
-@torch.library.custom_op("pagedserve::paged_attention", mutates_args=())
-def paged_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scale: float,
-                       sliding_window: int) -> torch.Tensor:
+# Defined through torch.library.Library rather than the `custom_op` decorator: a call then costs
+# about 2 µs instead of 12 (no autograd wrapper, no aliasing check), once per layer and step.
+_library = torch.library.Library("pagedserve", "FRAGMENT")
+_library.define("paged_attention(Tensor query, Tensor key, Tensor value, SymInt layer, float scale, "
+                "SymInt sliding_window) -> Tensor")
+
+
+def _attend_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scale: float,
+               sliding_window: int) -> torch.Tensor:
     return _attend(query, key, value, layer, scale, sliding_window).contiguous()
 
 
-@paged_attention_op.register_fake
+_library.impl("paged_attention", _attend_op, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("pagedserve::paged_attention")
 def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scale: float,
       sliding_window: int) -> torch.Tensor:
     return query.new_empty(query.shape)
+
+
+paged_attention_op = torch.ops.pagedserve.paged_attention.default
 
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scale: float,
