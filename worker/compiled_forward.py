@@ -12,10 +12,12 @@ of a compiled graph pays a fixed Python cost in dynamo's and inductor's
 wrappers, so a few layers a call beat one (bit for bit the same output),
 while all layers in one graph would make every start compile for much
 longer (docs/performance-notes.md). The token dimension is dynamic,
-so the same graph serves every batch size: nothing recompiles while serving.
-Batches of one token are padded to two because the compiler specializes
-size-1 dimensions (one more graph otherwise). The graph is built
-at start-up (`warm_up`) and its compile time reported; on CPU it needs a C++
+so the same graph serves every batch size of two tokens or more; the compiler
+specializes size-1 dimensions, so one-token steps (one sequence decoding) have
+a second graph of their own rather than a padding row, which every matmul
+would multiply (a sixth of a single-stream decode step). Both graphs are built
+at start-up (`warm_up`) and their compile time reported, so nothing compiles
+while serving; on CPU it needs a C++
 compiler (inductor generates C++), and any failure falls back to eager with a
 warning.
 """
@@ -33,7 +35,6 @@ from worker.attention.step_context import step_context
 
 logger = logging.getLogger(__name__)
 
-MIN_TOKENS = 2  # smallest compiled batch (see the module docstring)
 MAX_LAYERS_PER_GRAPH = 6
 # Each engine built in one process (offline `LLM` objects one after another: other models,
 # dtypes, quantizations) adds its own graph of `decoder_layers`; dynamo's default limit of 8
@@ -105,16 +106,12 @@ class ModelForward:
         with step_context(self.backend, meta, self.kv_caches, num_tokens, self.kv_scales):
             if self._compiled is None:
                 return self.model.forward_tokens(input_ids, positions)
-            if num_tokens < MIN_TOKENS:
-                pad = MIN_TOKENS - num_tokens
-                input_ids = torch.cat([input_ids, input_ids.new_zeros(pad)])
-                positions = torch.cat([positions, positions.new_zeros(pad)])
             try:
-                return self.model.forward_tokens(input_ids, positions, self._compiled, self.group_size)[:num_tokens]
+                return self.model.forward_tokens(input_ids, positions, self._compiled, self.group_size)
             except Exception as exc:  # a compiler/toolchain failure must not take serving down
                 # The same step eager: if it fails too, the step is at fault, not the compiled
                 # graph, which stays (the error goes up as it would have without compiling).
-                hidden = self.model.forward_tokens(input_ids[:num_tokens], positions[:num_tokens])
+                hidden = self.model.forward_tokens(input_ids, positions)
                 logger.warning("compiled model step failed (%s: %s); running eager from now on",
                                type(exc).__name__, str(exc).strip().splitlines()[-1] if str(exc).strip() else "")
                 self._compiled = None
@@ -126,10 +123,20 @@ class ModelForward:
         The warm-up batch is large on purpose: inductor tunes the generated
         loops (which ones run in parallel, how they are tiled) for the sizes it
         sees first, and real steps are large. It is `num_tokens` one-token
-        sequences that all live in the null block, which is zeroed again after."""
+        sequences that all live in the null block, which is zeroed again after;
+        then one such sequence alone, for the one-token graph."""
         if self._compiled is None:
             return
         started = time.perf_counter()
+        with torch.inference_mode():
+            for tokens in (num_tokens, 1):
+                self._null_block_step(tokens)
+        self.compile_seconds = time.perf_counter() - started
+        if self._compiled is not None:
+            logger.info("Compiled the model step in %.1f s", self.compile_seconds)
+
+    def _null_block_step(self, num_tokens: int) -> None:
+        """A step of `num_tokens` one-token sequences in the null block, zeroed again after."""
         ones = torch.ones(num_tokens, dtype=torch.int32, device=self.device)
         meta = AttentionMetadata(
             num_decodes=num_tokens,
@@ -140,11 +147,7 @@ class ModelForward:
             seq_lens_cpu=[1] * num_tokens)
         input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         positions = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
-        with torch.inference_mode():
-            self(input_ids, positions, meta)
-            for k_cache, v_cache in self.kv_caches:
-                k_cache[0].zero_()  # block 0 is the null block: padding must read zeros
-                v_cache[0].zero_()
-        self.compile_seconds = time.perf_counter() - started
-        if self._compiled is not None:
-            logger.info("Compiled the model step in %.1f s", self.compile_seconds)
+        self(input_ids, positions, meta)
+        for k_cache, v_cache in self.kv_caches:
+            k_cache[0].zero_()  # block 0 is the null block: padding must read zeros
+            v_cache[0].zero_()

@@ -328,16 +328,19 @@ def test_layers_per_graph_is_the_largest_divisor_up_to_the_limit():
 
 
 def test_one_graph_serves_every_group_of_layers(tmp_path):
-    """Twelve layers run as two compiled groups of six: one graph, reused by both groups and by
-    every batch after start-up, computing what eager computes (the tokens transformers picks)."""
+    """Twelve layers run as two compiled groups of six: one graph for batches of two tokens or
+    more and one for a single token, both made at start-up and reused by both groups and by every
+    batch after, computing what eager computes (the tokens transformers picks)."""
     hf_model = build_tiny_hf_model("LlamaForCausalLM", tmp_path, num_hidden_layers=12)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     llm = engine(tmp_path, "float32", eager=False, max_num_batched_tokens=33)
     assert llm.worker.forward.group_size == 6
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs + 1
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs + 2
     requests = tiny_requests(6, seed=5)
     assert greedy_tokens(llm, requests) == [hf_greedy(hf_model, r.prompt_token_ids, 24) for r in requests]
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs + 1
+    [alone] = tiny_requests(1, seed=6)  # one sequence: one-token steps
+    assert greedy_tokens(llm, [alone]) == [hf_greedy(hf_model, alone.prompt_token_ids, 24)]
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs + 2
 
 
 def test_compile_failure_falls_back_to_eager(tiny_llama, caplog):

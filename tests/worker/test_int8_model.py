@@ -83,15 +83,16 @@ def test_int8_engine_is_the_plain_w8a8_model(tiny_llama, dtype, monkeypatch):
 
 
 def test_one_int8_graph_serves_every_group_and_batch(tmp_path):
-    """Twelve layers in two compiled groups of six: one graph for both, reused by every batch."""
+    """Twelve layers in two compiled groups of six: the graphs for one token and for more serve
+    both groups and every batch."""
     build_tiny_hf_model("LlamaForCausalLM", tmp_path, num_hidden_layers=12)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     llm = engine(tmp_path, "bfloat16", quantization="int8", max_num_batched_tokens=33)
     assert llm.worker.forward.compiled and llm.worker.forward.group_size == 6
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs + 1
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs + 2
     greedy_tokens(llm, tiny_requests(1, seed=2))  # single-token decode steps
     greedy_tokens(llm, tiny_requests(12, seed=3))  # chunked prefills among decodes
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs + 1
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs + 2
 
 
 def write_compressed_checkpoint(float_dir, out_dir, dtype: torch.dtype = torch.float32) -> None:
