@@ -25,7 +25,6 @@
 
 namespace {
 
-#if defined(__AVX512F__)
 constexpr int64_t GGUF_ROWS = 16;            // rows per panel
 constexpr int64_t GGUF_CHUNK_HEADER = 128;   // the scales and offsets of a chunk in float32, in bytes
 constexpr int64_t GGUF_HALF_HEADER = 64;     // ... in float16
@@ -57,6 +56,7 @@ inline GgufLayout gguf_layout_of(int64_t chunk) {
   }
 }
 
+#if defined(__AVX512F__)
 // The 16 rows' scale and offset of a chunk whose header has `header` bytes.
 inline void gguf_header(const uint8_t* chunk, int64_t header, __m512& scale, __m512& offset) {
   if (header == GGUF_HALF_HEADER) {
