@@ -101,9 +101,8 @@ class ModelForward:
         return self._compiled is not None
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        num_tokens = int(input_ids.shape[0])
         self.model.rotary.reserve(meta.max_seq_len, self.dtype, self.device)  # a no-op once reserved
-        with step_context(self.backend, meta, self.kv_caches, num_tokens, self.kv_scales):
+        with step_context(self.backend, meta, self.kv_caches, self.kv_scales):
             if self._compiled is None:
                 return self.model.forward_tokens(input_ids, positions)
             try:

@@ -26,7 +26,6 @@ class StepContext:
     backend: Any
     meta: AttentionMetadata
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
-    num_tokens: int  # real tokens; the batch may be padded beyond them
     kv_scales: list[tuple[float, float]] | None = None  # per layer (k_scale, v_scale) of an 8-bit cache
 
 
@@ -35,9 +34,9 @@ _current: StepContext | None = None
 
 @contextlib.contextmanager
 def step_context(backend: Any, meta: AttentionMetadata, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 num_tokens: int, kv_scales: list[tuple[float, float]] | None = None) -> Iterator[StepContext]:
+                 kv_scales: list[tuple[float, float]] | None = None) -> Iterator[StepContext]:
     global _current
-    previous, _current = _current, StepContext(backend, meta, kv_caches, num_tokens, kv_scales)
+    previous, _current = _current, StepContext(backend, meta, kv_caches, kv_scales)
     try:
         yield _current
     finally:
@@ -50,18 +49,11 @@ def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: 
     if ctx is None:
         raise RuntimeError("attention called outside a step context (use the model's forward)")
     k_cache, v_cache = ctx.kv_caches[layer]
-    n = ctx.num_tokens
     window = sliding_window if sliding_window > 0 else None
     # Only 8-bit caches have scales: other backends' calls stay as they were.
     scales = {} if ctx.kv_scales is None else dict(zip(("k_scale", "v_scale"), ctx.kv_scales[layer]))
-    if n == query.shape[0]:
-        return ctx.backend.forward(query, key, value, k_cache, v_cache, ctx.meta, scale=scale, sliding_window=window,
-                                   **scales)
-    # Padded batch: only the real tokens are written to the cache and attended.
-    output = query.new_zeros(query.shape)
-    output[:n] = ctx.backend.forward(query[:n], key[:n], value[:n], k_cache, v_cache, ctx.meta,
-                                     scale=scale, sliding_window=window, **scales)
-    return output
+    return ctx.backend.forward(query, key, value, k_cache, v_cache, ctx.meta, scale=scale, sliding_window=window,
+                               **scales)
 
 
 # Defined through torch.library.Library rather than the `custom_op` decorator: a call then costs

@@ -192,7 +192,7 @@ class LlamaForCausalLM(nn.Module):
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"{len(kv_caches)} KV caches for {len(self.layers)} layers")
         self.rotary.reserve(meta.max_seq_len, self.embed_tokens.dtype, input_ids.device)
-        with step_context(backend, meta, kv_caches, int(input_ids.shape[0])):
+        with step_context(backend, meta, kv_caches):
             return self.forward_tokens(input_ids, positions)
 
     def forward_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor,
