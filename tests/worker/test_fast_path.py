@@ -21,6 +21,13 @@ from worker.models import packed_linear
 needs_kernel = pytest.mark.skipif(not cpu_extension.expected(), reason="no C++ compiler, or PAGEDSERVE_CPU_KERNELS=0")
 
 
+@pytest.fixture(autouse=True)
+def packed_kernels_only(monkeypatch):
+    """These tests check the packed kernels at every row count, so AMX CPUs do not hand many
+    rows to PyTorch's matmul here (test_dense_weight_takes_many_rows checks that route)."""
+    monkeypatch.setattr(packed_linear, "_DENSE_BF16", False)
+
+
 # --- attention: kernel and PyTorch fallback against the reference -----------------------
 @needs_kernel
 @pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
@@ -217,6 +224,33 @@ def test_gated_linear_matches_linear_then_eager_silu(dtype, intermediate, in_fea
     with pytest.raises(RuntimeError, match="out_features"):  # the packing holds another width
         torch.ops.pagedserve.packed_linear_silu(x, gated, intermediate + 16, None)
     assert packed_linear.pack_gated(weight[:-1]) is None  # no gate/up halves
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_dense_weight_takes_many_rows(gated):
+    """Given the plain weight (on AMX CPUs), the packed ops multiply 16 rows or more through
+    ATen's matmul, exactly as F.linear (then eager silu(gate) * up) does, and fewer rows
+    through the packed kernel, exactly as without it."""
+    needs_packed(torch.bfloat16)
+    g = torch.Generator().manual_seed(3)
+    out_features, in_features = 40, 72
+    weight = torch.randn((2 if gated else 1) * out_features, in_features, generator=g).bfloat16()
+    bias = torch.randn(weight.shape[0], generator=g).bfloat16()
+    op = torch.ops.pagedserve.packed_linear_silu if gated else torch.ops.pagedserve.packed_linear
+    packed = packed_linear.pack_gated(weight) if gated else packed_linear.pack_weight(weight)
+    for rows in (1, 15, 16, 100):
+        x = torch.randn(rows, in_features, generator=g).bfloat16()
+        got = op(x, packed, out_features, bias, weight)
+        if rows >= 16:
+            expected = F.linear(x, weight, bias)
+            if gated:
+                gate, up = expected.chunk(2, dim=-1)
+                expected = F.silu(gate).mul_(up)
+        else:
+            expected = op(x, packed, out_features, bias)
+        assert torch.equal(got, expected)
+    with pytest.raises(RuntimeError, match="plain weight"):
+        op(torch.randn(16, in_features).bfloat16(), packed, out_features, bias, weight[:, 1:])
 
 
 @pytest.mark.parametrize("dtype", PACKED_DTYPES)

@@ -26,7 +26,8 @@ class Case:
     cache_dtype: torch.dtype | None = None  # the KV cache's, when not `dtype` (--kv-cache-dtype)
 
 
-def run_case(case: Case, make_metadata, make_block_tables, seed: int = 0):
+def run_case(case: Case, make_metadata, make_block_tables, seed: int = 0,
+             backend: TorchAttentionBackend | None = None):
     """(backend output, reference output, backend caches, reference caches)."""
     g = torch.Generator().manual_seed(seed)
     contexts = list(case.decode_contexts) + [c for c, _ in case.chunks]
@@ -50,7 +51,7 @@ def run_case(case: Case, make_metadata, make_block_tables, seed: int = 0):
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
     expected = reference_attention(query, key, value, ref_k, ref_v, meta,
                                    scale=scale, sliding_window=case.sliding_window)
-    actual = TorchAttentionBackend().forward(query, key, value, k_cache, v_cache, meta,
+    actual = (backend or TorchAttentionBackend()).forward(query, key, value, k_cache, v_cache, meta,
                                              scale=scale, sliding_window=case.sliding_window)
     return actual, expected, (k_cache, v_cache), (ref_k, ref_v)
 
@@ -110,6 +111,40 @@ def test_bfloat16_cache_under_float32_queries(name: str, make_metadata, make_blo
     torch.testing.assert_close(actual, expected, atol=2e-5, rtol=1e-5)
     for cache, ref_cache in zip(caches, ref_caches):
         assert torch.equal(cache, ref_cache)
+
+
+# Long chunks (>= SDPA_MIN_QUERY_ROWS query rows) between short ones, so that the kernel's share
+# falls into several runs: decodes, a short extend, a fresh prefill, a long extend, a short one.
+SPLIT_CASE = Case(decode_contexts=(40, 3, 70), chunks=((9, 5), (0, 40), (33, 24), (12, 3), (50, 16)),
+                  num_heads=6, num_kv_heads=2, head_dim=32, block_size=16, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("window", [None, 20])
+@pytest.mark.parametrize("sdpa_prefill", [False, True])
+def test_prefill_chunks_through_sdpa_match_the_reference(sdpa_prefill: bool, window: int | None, make_metadata,
+                                                         make_block_tables) -> None:
+    """The AMX split (bfloat16 prefill chunks to SDPA, the rest to the kernel) forced on and off."""
+    case = Case(**{**SPLIT_CASE.__dict__, "sliding_window": window})
+    backend = TorchAttentionBackend(sdpa_prefill=sdpa_prefill)
+    if sdpa_prefill and not backend.use_cpu_kernel:
+        pytest.skip("the CPU kernel is unavailable: there is nothing to split")
+    actual, expected, caches, ref_caches = run_case(case, make_metadata, make_block_tables, backend=backend)
+    torch.testing.assert_close(actual.float(), expected.float(), atol=2e-2, rtol=2e-2)
+    for cache, ref_cache in zip(caches, ref_caches):
+        assert torch.equal(cache, ref_cache)
+
+
+def test_split_sends_long_chunks_to_sdpa(make_metadata, make_block_tables) -> None:
+    from worker.attention.prefill_split import KernelSplit, sdpa_sequences
+    case = SPLIT_CASE
+    contexts = list(case.decode_contexts) + [c for c, _ in case.chunks]
+    query_lens = [1] * len(case.decode_contexts) + [q for _, q in case.chunks]
+    seq_lens = [c + q for c, q in zip(contexts, query_lens)]
+    tables = make_block_tables(seq_lens, case.block_size, 64, torch.Generator().manual_seed(0))
+    meta = make_metadata(contexts, query_lens, tables, case.block_size, len(case.decode_contexts))
+    assert sdpa_sequences(meta) == [4, 5, 7]
+    runs = [(first, end, a, b, rel.tolist()) for first, end, a, b, rel in KernelSplit(meta, [4, 5, 7]).kernel_runs]
+    assert runs == [(0, 4, 0, 8, [0, 1, 2, 3, 8]), (6, 7, 72, 75, [0, 3])]
 
 
 def test_window_changes_the_result(make_metadata, make_block_tables) -> None:

@@ -79,13 +79,14 @@ def find_groups(block_tables: np.ndarray, seq_lens: np.ndarray, block_size: int,
 class SharedPrefixPlan:
     """One step's groups (kernel tensors) and the other sequences' own metadata."""
 
-    def __init__(self, meta: AttentionMetadata, groups: list[tuple[list[int], int]], block_size: int):
+    def __init__(self, meta: AttentionMetadata, groups: list[tuple[list[int], int]], block_size: int,
+                 skip: frozenset[int] = frozenset()):
         members = [m for group, _ in groups for m in group]
         self.members = torch.tensor(members, dtype=torch.int32)
         self.group_start = torch.tensor(np.cumsum([0] + [len(g) for g, _ in groups]), dtype=torch.int32)
         self.prefix_lens = torch.tensor([blocks * block_size for _, blocks in groups], dtype=torch.int32)
         grouped = set(members)
-        rest = [s for s in range(meta.num_seqs) if s not in grouped]
+        rest = [s for s in range(meta.num_seqs) if s not in grouped and s not in skip]
         starts = meta.query_start_loc_cpu
         self.rest_slice: tuple[int, int] | None = None
         self.rest_tokens: torch.Tensor | None = None
@@ -131,8 +132,9 @@ class SharedPrefixPlanner:
         self._plans: dict[int, SharedPrefixPlan | None] = {}
 
     def plan(self, meta: AttentionMetadata, query: torch.Tensor, k_cache: torch.Tensor,
-             sliding_window: int | None) -> SharedPrefixPlan | None:
-        """The step's plan, or None: use paged_attention for the whole batch."""
+             sliding_window: int | None, skip: frozenset[int] = frozenset()) -> SharedPrefixPlan | None:
+        """The step's plan, or None: use paged_attention for the whole batch. `skip`: sequences
+        the plan leaves alone (their rows of the output are left unset); the same for a step."""
         if not self.active or sliding_window is not None or meta.num_decodes < 2:
             return None
         heads, dim = query.shape[1], query.shape[2]
@@ -148,5 +150,5 @@ class SharedPrefixPlanner:
             decodes = meta.num_decodes
             groups = find_groups(meta.block_tables[:decodes].numpy(), np.asarray(meta.seq_lens_cpu[:decodes]),
                                  block_size)
-            self._plans[block_size] = SharedPrefixPlan(meta, groups, block_size) if groups else None
+            self._plans[block_size] = SharedPrefixPlan(meta, groups, block_size, skip) if groups else None
         return self._plans[block_size]

@@ -1,5 +1,6 @@
 """Paged attention on CPU: the compiled C++ kernel when it is available (see
 `worker.kernels.cpu_extension`), else plain PyTorch, which also serves other devices.
+On CPUs with AMX the kernel leaves bfloat16 prefill chunks to SDPA (see prefill_split).
 
 PyTorch path: decodes (one query token each) are grouped into a few length buckets; each
 bucket gathers its K/V from the cache through the block tables and runs two
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from worker.kernels import cpu_ops
 from worker.attention.fp8_kv import as_indexable, from_cache, is_fp8, to_cache
 from worker.attention.metadata import AttentionMetadata
+from worker.attention.prefill_split import KernelSplitter
 from worker.attention.shared_prefix import SharedPrefixPlanner
 
 
@@ -27,17 +29,22 @@ class TorchAttentionBackend:
     them; a metadata object must therefore not be mutated once a step has begun.
 
     `use_cpu_kernel`: None (default) uses the C++ kernel for CPU tensors when it
-    builds, True insists on it (raises if it cannot be built), False never uses it."""
+    builds, True insists on it (raises if it cannot be built), False never uses it.
+    `sdpa_prefill`: whether the kernel leaves bfloat16 prefill chunks to SDPA; None (default):
+    on CPUs with AMX."""
 
     name = "torch"
 
-    def __init__(self, use_cpu_kernel: bool | None = None) -> None:
+    def __init__(self, use_cpu_kernel: bool | None = None, sdpa_prefill: bool | None = None) -> None:
         self._plans_meta: AttentionMetadata | None = None
         self._decode_plans: dict[tuple, DecodePlan] = {}
         self.use_cpu_kernel = use_cpu_kernel is not False and cpu_ops.load() is not None
         if use_cpu_kernel and not self.use_cpu_kernel:
             raise RuntimeError("the CPU paged attention kernel is unavailable (see the log for why)")
         self._shared_prefix = SharedPrefixPlanner() if self.use_cpu_kernel else None
+        if sdpa_prefill is None:
+            sdpa_prefill = cpu_ops.amx_bf16_available()
+        self._splitter = KernelSplitter() if self.use_cpu_kernel and sdpa_prefill else None
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
@@ -51,13 +58,28 @@ class TorchAttentionBackend:
         else:
             write_kv_cache(key, value, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         if use_kernel:
-            shared = self._shared_prefix.plan(meta, query, k_cache, sliding_window)
+            split = (self._splitter.split(meta) if self._splitter is not None and query.dtype == torch.bfloat16
+                     else None)
+            shared = self._shared_prefix.plan(meta, query, k_cache, sliding_window,
+                                              split.sdpa_set if split else frozenset())
             if shared is not None:  # decodes sharing prefix blocks attend them together
-                return shared.attend(query, k_cache, v_cache, meta, scale)
-            output = torch.empty(query.shape, dtype=query.dtype)
-            cpu_ops.paged_attention(output, query.contiguous(), k_cache, v_cache, meta.block_tables,
-                                    meta.query_start_loc, meta.seq_lens, scale, sliding_window,
-                                    k_scale=k_scale, v_scale=v_scale)
+                output = shared.attend(query, k_cache, v_cache, meta, scale)
+            elif split is None:
+                output = torch.empty(query.shape, dtype=query.dtype)
+                cpu_ops.paged_attention(output, query.contiguous(), k_cache, v_cache, meta.block_tables,
+                                        meta.query_start_loc, meta.seq_lens, scale, sliding_window,
+                                        k_scale=k_scale, v_scale=v_scale)
+                return output
+            else:
+                query = query.contiguous()
+                output = torch.empty(query.shape, dtype=query.dtype)
+                for first, end, a, b, query_start in split.kernel_runs:
+                    cpu_ops.paged_attention(output[a:b], query[a:b], k_cache, v_cache, meta.block_tables[first:end],
+                                            query_start, meta.seq_lens[first:end], scale, sliding_window,
+                                            k_scale=k_scale, v_scale=v_scale)
+            if split is not None:
+                self._sdpa_chunks(split.sdpa_seqs, output, query, key, value, k_cache, v_cache, meta, scale,
+                                  sliding_window, (k_scale, v_scale))
             return output
         output = torch.empty_like(query)
         num_decodes = meta.num_decodes
@@ -65,13 +87,21 @@ class TorchAttentionBackend:
         if num_decodes:
             plan = self._decode_plan(meta, k_cache, sliding_window)
             output[:num_decodes] = plan.attend(query[:num_decodes], k_cache, v_cache, scale, scales)
+        self._sdpa_chunks(range(num_decodes, meta.num_seqs), output, query, key, value, k_cache, v_cache, meta,
+                          scale, sliding_window, scales)
+        return output
+
+    @staticmethod
+    def _sdpa_chunks(seqs, output: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                     sliding_window: int | None, scales: tuple[float, float]) -> None:
+        """Fill the output rows of prefill/extend chunks `seqs`, one SDPA call each."""
         starts = meta.query_start_loc_cpu
-        for seq in range(num_decodes, meta.num_seqs):
+        for seq in seqs:
             start, end = starts[seq], starts[seq + 1]
             output[start:end] = _prefill_attention(
                 query[start:end], key[start:end], value[start:end], k_cache, v_cache,
                 meta.block_tables[seq], meta.seq_lens_cpu[seq], scale, sliding_window, scales)
-        return output
 
     def _decode_plan(self, meta: AttentionMetadata, k_cache: torch.Tensor,
                      sliding_window: int | None) -> "DecodePlan":

@@ -40,6 +40,27 @@ torch::Tensor packed_matmul(const torch::Tensor& x, const torch::Tensor& packed,
   return out;
 }
 
+// Rows from which a matmul given its plain weight runs it through ATen (oneDNN) instead: on a
+// CPU with AMX, oneDNN's tile multiplies outrun the packed kernel from about this many rows
+// (the caller passes the plain weight only there; see worker.models.packed_linear).
+constexpr int64_t kDenseMinRows = 16;
+
+// x through `dense` (the plain [N or 2N, K] weight) with ATen, as the packed kernel would
+// return it: GATED applies silu(gate) * up as eager PyTorch does.
+torch::Tensor dense_matmul(const torch::Tensor& x, const torch::Tensor& dense, int64_t out_features,
+                           const c10::optional<torch::Tensor>& bias, bool gated) {
+  TORCH_CHECK(dense.dim() == 2 && dense.size(0) == (gated ? 2 : 1) * out_features && dense.size(1) == x.size(-1)
+                  && dense.scalar_type() == x.scalar_type(),
+              "the plain weight must be [", (gated ? 2 : 1) * out_features, ", ", x.size(-1), "] in x's dtype");
+  torch::Tensor y = at::linear(x, dense, bias);
+  if (!gated) return y;
+  return at::silu(y.narrow(-1, 0, out_features)).mul_(y.narrow(-1, out_features, out_features));
+}
+
+bool use_dense(const torch::Tensor& x, const c10::optional<torch::Tensor>& dense) {
+  return dense && dense->defined() && x.dim() >= 1 && x.numel() / std::max<int64_t>(x.size(-1), 1) >= kDenseMinRows;
+}
+
 }  // namespace
 
 bool bf16_linear_available() {
@@ -59,24 +80,27 @@ bool f32_linear_available() {
 }
 
 // x [..., K], packed [ceil(N / 16), K / unit, 16, unit] of x's dtype (unit 2 for bfloat16, 1 for
-// float32; see packed_linear), bias [N] or none -> [..., N].
+// float32; see packed_linear), bias [N] or none -> [..., N]. dense: the plain weight [N, K],
+// used instead from kDenseMinRows rows on (given only where ATen's matmul is the faster).
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features,
-                            c10::optional<torch::Tensor> bias) {
+                            c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> dense) {
+  if (use_dense(x, dense)) return dense_matmul(x, *dense, out_features, bias, false);
   return packed_matmul<false>(x, packed, out_features, bias);
 }
 
 // silu(x @ gate.T + gate_bias) * (x @ up.T + up_bias) of a fused gate/up projection packed gated
 // (see packed_linear.pack_gated): x [..., K], packed [2 ceil(N / 16), K / unit, 16, unit], bias
 // [2N] or none -> [..., N]. packed_linear followed by eager F.silu(gate) * up (bf16: bit for
-// bit), without the [..., 2N] pass.
+// bit), without the [..., 2N] pass. dense: the plain fused weight [2N, K], as for packed_linear.
 torch::Tensor packed_linear_silu(torch::Tensor x, torch::Tensor packed, int64_t out_features,
-                                 c10::optional<torch::Tensor> bias) {
+                                 c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> dense) {
+  if (use_dense(x, dense)) return dense_matmul(x, *dense, out_features, bias, true);
   return packed_matmul<true>(x, packed, out_features, bias);
 }
 
 TORCH_LIBRARY_FRAGMENT(PAGEDSERVE_OPS, m) {
-  m.def("packed_linear(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
-  m.def("packed_linear_silu(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
+  m.def("packed_linear(Tensor x, Tensor packed, int out_features, Tensor? bias, Tensor? dense=None) -> Tensor");
+  m.def("packed_linear_silu(Tensor x, Tensor packed, int out_features, Tensor? bias, Tensor? dense=None) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(PAGEDSERVE_OPS, CPU, m) {
   m.impl("packed_linear", &packed_linear);

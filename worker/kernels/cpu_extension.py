@@ -49,6 +49,11 @@ _failed = False
 _failure: str | None = None
 
 
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags (/proc/cpuinfo's names; empty where there is none)."""
+    return set(_cpu_flags().split())
+
+
 def _cpu_flags() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -197,5 +202,5 @@ def _rotary_qk_shapes(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, h
 
 
 def _packed_linear_shape(x: torch.Tensor, packed: torch.Tensor, out_features: int,
-                         bias: torch.Tensor | None) -> torch.Tensor:
+                         bias: torch.Tensor | None, dense: torch.Tensor | None = None) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], out_features))

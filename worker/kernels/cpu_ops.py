@@ -12,7 +12,7 @@ import torch
 from worker.kernels import cpu_extension
 from worker.kernels.cpu_extension import load
 
-__all__ = ["load", "packed_linear_available", "paged_attention", "shared_prefix_attention",
+__all__ = ["load", "packed_linear_available", "amx_bf16_available", "paged_attention", "shared_prefix_attention",
            "shared_prefix_attention_available", "write_kv_cache", "near_top_scan",
            "sample_random_rows", "token_logprobs_rows", "rotary_qk"]
 
@@ -26,6 +26,13 @@ def packed_linear_available(dtype: torch.dtype) -> bool:
     if dtype == torch.bfloat16:
         return bool(module.bf16_linear_available())
     return dtype == torch.float32 and bool(module.f32_linear_available())
+
+
+def amx_bf16_available() -> bool:
+    """Whether this CPU has AMX-BF16 tiles, which PyTorch's own bfloat16 matmuls (oneDNN) use:
+    there they beat the packed kernels and the paged attention kernel on many rows (prefill
+    chunks, large batches), while one or a few rows still go faster through the kernels."""
+    return {"amx_bf16", "amx_tile"} <= cpu_extension.cpu_flags()
 
 
 def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

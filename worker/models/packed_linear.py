@@ -1,6 +1,7 @@
 """Linear layers on CPU with their weights pre-packed for the kernel extension's
 matmul, `pagedserve::packed_linear` (see worker/csrc/packed_linear.cpp): bfloat16 on
-CPUs with AVX512-BF16, float32 on any AVX-512 CPU.
+CPUs with AVX512-BF16, float32 on any AVX-512 CPU. On CPUs with AMX, bfloat16 matmuls of
+many rows (prefill chunks, large decode batches) go to PyTorch's oneDNN matmul instead.
 
 A weight [N, K] is packed once at load time into panels of 16 output columns,
 [ceil(N / 16), ceil(K / unit), 16, unit] (zero-padded), where a unit is the K
@@ -18,6 +19,10 @@ import torch
 import torch.nn.functional as F
 
 from worker.kernels import cpu_ops
+
+# On AMX CPUs the packed bfloat16 ops also get the plain weight, which they multiply through
+# PyTorch (oneDNN's AMX tiles) from 16 rows on (see worker/csrc/packed_linear.cpp).
+_DENSE_BF16 = cpu_ops.amx_bf16_available()
 
 PANEL = 16  # output columns per panel (one AVX-512 register of float32)
 GATED_BLOCK = 2  # gate panels per block of a gated packing (GATED_PANELS / 2 in the C++ source)
@@ -72,7 +77,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         return packed.linear(x, bias)
     if packed.dtype == torch.uint8:  # GGUF quantized blocks (worker.quantization.gguf_packing)
         return torch.ops.pagedserve.gguf_linear(x, packed, weight.shape[0], bias)
-    return torch.ops.pagedserve.packed_linear(x, packed, weight.shape[0], bias)
+    dense = weight if _DENSE_BF16 and packed.dtype == torch.bfloat16 else None
+    return torch.ops.pagedserve.packed_linear(x, packed, weight.shape[0], bias, dense)
 
 
 def linear_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -86,4 +92,5 @@ def linear_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         return packed.linear_silu(x, bias)
     if packed.dtype == torch.uint8:
         return torch.ops.pagedserve.gguf_linear_silu(x, packed, weight.shape[0] // 2, bias)
-    return torch.ops.pagedserve.packed_linear_silu(x, packed, weight.shape[0] // 2, bias)
+    dense = weight if _DENSE_BF16 and packed.dtype == torch.bfloat16 else None
+    return torch.ops.pagedserve.packed_linear_silu(x, packed, weight.shape[0] // 2, bias, dense)
