@@ -22,8 +22,12 @@ from worker.quantization import resolved_quantization
 
 needs_kernels = pytest.mark.skipif(not cpu_ops.packed_linear_available(torch.float32),
                                    reason="the GGUF kernels need AVX-512 and a compiler")
+# Over 64 prompt tokens in all: on AMX CPUs the prefill's matmuls then take the dense route in both
+# the gguf and the dequantized run (worker/csrc/gguf_linear.cpp), as they take the kernels elsewhere.
 PROMPTS = ["The capital of France is", "def quicksort(arr):\n", "1, 2, 3, 4,",
-           "Once upon a time, in a small village at the edge of a great forest, there lived"]
+           "Once upon a time, in a small village at the edge of a great forest, there lived",
+           "The committee met on a grey Tuesday morning to discuss the budget for the new library, the"
+           " repairs to the old bridge and the plans for the summer festival, which"]
 
 
 def greedy_runs(llm: LLM, prompts, new_tokens: int):

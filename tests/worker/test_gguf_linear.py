@@ -133,6 +133,39 @@ def test_matmul_is_the_packed_matmul_of_the_dequantized_weight(qtype, dtype, gat
                 assert torch.equal(got, expected), f"m={m} bias={b is not None}"
 
 
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
+def test_dense_route_multiplies_the_dequantized_weight(qtype, gated):
+    """With `dense` (AMX CPUs), bfloat16 batches of 64 rows or more go through the weight
+    dequantized to bfloat16 (the gated packing's panels put back in gate/up order) and F.linear,
+    bit for bit; fewer rows take the kernel, exactly as without it."""
+    if torch.bfloat16 not in DTYPES:
+        pytest.skip("the bfloat16 GGUF kernels need AVX512-BF16")
+    n = 3 * 16 + 5  # gate/up panels: whole blocks of four and a last block with one of each
+    raw, rows = packed_of(qtype, 2 * n if gated else n, K, seed=4)
+    weight = torch.from_numpy(np.asarray(dequantize(raw, qtype), dtype=np.float32)).bfloat16()
+    if gated:
+        packed = pack_gated_rows(*(unpack_tensor(part, qtype, n, K) for part in np.split(raw, 2)))
+        op = torch.ops.pagedserve.gguf_linear_silu
+    else:
+        packed, op = pack(rows), torch.ops.pagedserve.gguf_linear
+    generator = torch.Generator().manual_seed(5)
+    bias = torch.randn(weight.shape[0], generator=generator).bfloat16()
+    for m in (63, 64, 200):
+        x = torch.randn(m, K, generator=generator).bfloat16()
+        for b in (None, bias):
+            got = op(x, packed, n, b, True)
+            assert got.shape == (m, n) and got.dtype == torch.bfloat16
+            if m < 64:
+                assert torch.equal(got, op(x, packed, n, b, False))
+                continue
+            # F.linear of the dequantized weights, as `--quantization none` runs it on AMX CPUs
+            expected = torch.nn.functional.linear(x, weight, b)
+            if gated:
+                expected = torch.nn.functional.silu(expected[:, :n]).mul_(expected[:, n:])
+            assert torch.equal(got, expected), f"m={m} bias={b is not None}"
+
+
 def test_bad_shapes_are_refused_with_a_message():
     _, rows = packed_of(T.Q4_1, N, K, seed=4)
     packed = pack(rows)

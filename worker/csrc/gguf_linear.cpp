@@ -269,9 +269,82 @@ GgufLayout checked_layout(const torch::Tensor& packed, int64_t k) {
   return layout;
 }
 
+// Rows from which a bfloat16 matmul allowed the dense route (on AMX CPUs; see
+// worker.models.packed_linear) dequantizes the weight and multiplies it through ATen (oneDNN's
+// AMX tiles): from about here the tiles outrun the 4-bit kernel by more than the dequantizing costs.
+constexpr int64_t kGgufDenseMinRows = 64;
+
+// The plain row of packed panel p's first row: in order, or for a gated packing (blocks of two gate
+// panels, then the two up panels of the same columns; the last block may hold one of each) gate
+// rows first, then the up rows from `out_features` on. *index: the panel's first row within its half.
+inline int64_t dense_row(int64_t p, int64_t panels, bool gated, int64_t out_features, int64_t* index) {
+  if (!gated) return *index = p * GGUF_ROWS;
+  const int64_t base = p / 4 * 4, half = std::min<int64_t>(4, panels - base) / 2, within = p - base;
+  *index = (base / 2 + (within < half ? within : within - half)) * GGUF_ROWS;
+  return (within < half ? 0 : out_features) + *index;
+}
+
+// The packed weight as the plain bfloat16 [copies x out_features, K] it stands for (each value
+// gguf's, rounded once to bfloat16), the layout F.linear takes: a chunk's [G, 16] values are
+// turned into 16 rows of G through a small scratch.
+torch::Tensor dense_weight(const torch::Tensor& packed, const GgufLayout& layout, int64_t k, int64_t out_features,
+                           bool gated) {
+  const int64_t panels = packed.size(0), chunks = packed.size(1), chunk_bytes = packed.size(2), g = layout.g;
+  torch::Tensor out = torch::empty({(gated ? 2 : 1) * out_features, k}, torch::dtype(at::kBFloat16));
+#if defined(__AVX512BF16__)
+  TORCH_CHECK(g % 2 == 0 && g <= 64, "gguf_linear: groups of ", g, " are not dequantized densely");
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  auto* dst = reinterpret_cast<uint32_t*>(out.data_ptr());  // bf16 pairs along K
+  const int64_t pairs_per_row = k / 2, pairs = g / 2;
+  at::parallel_for(0, panels, 1, [&](int64_t first, int64_t end) {
+    alignas(64) uint32_t scratch[32 * GGUF_ROWS];  // [pair j][row r]
+    const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    for (int64_t p = first; p < end; ++p) {
+      int64_t index;
+      const int64_t row0 = dense_row(p, panels, gated, out_features, &index);
+      const int64_t valid = std::min<int64_t>(GGUF_ROWS, out_features - index);
+      for (int64_t c = 0; c < chunks; ++c) {
+        const uint8_t* chunk = w + (p * chunks + c) * chunk_bytes;
+        __m512 scale, offset;
+        gguf_header(chunk, layout.header, scale, offset);
+        for (int64_t j = 0; j < pairs; ++j) {
+          __m512 w0, w1;
+          if (layout.bits == 4) unpack_pair<4>(chunk + layout.header, scale, offset, g, j, w0, w1);
+          else if (layout.bits == 6) unpack_pair<6>(chunk + layout.header, scale, offset, g, j, w0, w1);
+          else unpack_pair<8>(chunk + layout.header, scale, offset, g, j, w0, w1);
+          _mm512_store_si512(scratch + j * GGUF_ROWS, (__m512i)gguf_bf16_pair(w0, w1));
+        }
+        for (int64_t r = 0; r < valid; ++r) {
+          uint32_t* row = dst + (row0 + r) * pairs_per_row + c * pairs;
+          for (int64_t j0 = 0; j0 < pairs; j0 += 16) {
+            const __mmask16 mask = (__mmask16)((1u << std::min<int64_t>(16, pairs - j0)) - 1);
+            const __m512i at = _mm512_add_epi32(_mm512_mullo_epi32(_mm512_add_epi32(iota, _mm512_set1_epi32(j0)),
+                                                                   _mm512_set1_epi32(GGUF_ROWS)),
+                                                _mm512_set1_epi32(r));
+            _mm512_mask_storeu_epi32(row + j0, mask,
+                                     _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, at, scratch, 4));
+          }
+        }
+      }
+    }
+  });
+#endif
+  return out;
+}
+
+// x's rows [M, K] (bfloat16) through the dequantized weight with ATen's F.linear, as the
+// dequantized model's dense route (packed_linear.cpp) computes them: the same call on the same
+// bfloat16 weights, so the same bits.
+torch::Tensor dense_gguf_matmul(const torch::Tensor& rows, const torch::Tensor& packed, const GgufLayout& layout,
+                                int64_t out_features, const c10::optional<torch::Tensor>& bias, bool gated) {
+  const torch::Tensor y = at::linear(rows, dense_weight(packed, layout, rows.size(1), out_features, gated), bias);
+  if (!gated) return y;
+  return at::silu(y.narrow(-1, 0, out_features)).mul_(y.narrow(-1, out_features, out_features));
+}
+
 template <bool GATED>
 torch::Tensor gguf_matmul(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
-                          const c10::optional<torch::Tensor>& bias) {
+                          const c10::optional<torch::Tensor>& bias, bool dense) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() >= 1, "gguf_linear runs on CPU tensors");
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   TORCH_CHECK(bf16 || x.scalar_type() == at::kFloat, "gguf_linear takes bfloat16 or float32");
@@ -287,6 +360,8 @@ torch::Tensor gguf_matmul(const torch::Tensor& x, const torch::Tensor& packed, i
   const torch::Tensor rows = x.reshape({-1, k}).contiguous();
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = out_features;
+  if (dense && bf16 && rows.size(0) >= kGgufDenseMinRows)
+    return dense_gguf_matmul(rows, packed, layout, out_features, bias, GATED).view(shape);
   torch::Tensor out = torch::empty(shape, x.options());
   if (rows.size(0) == 0) return out;
   const torch::Tensor bias_f = bias ? bias->to(at::kFloat).contiguous() : torch::Tensor();
@@ -312,16 +387,17 @@ torch::Tensor gguf_matmul(const torch::Tensor& x, const torch::Tensor& packed, i
 }  // namespace
 
 // x [..., K], packed [ceil(N / 16), K / G, chunk bytes] (gguf_blocks.h), bias [N] or none -> [..., N].
+// dense: bfloat16 batches of kGgufDenseMinRows rows or more may go through the dequantized weight.
 torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features,
-                          c10::optional<torch::Tensor> bias) {
-  return gguf_matmul<false>(x, packed, out_features, bias);
+                          c10::optional<torch::Tensor> bias, bool dense) {
+  return gguf_matmul<false>(x, packed, out_features, bias, dense);
 }
 
 // silu(gate) * up of a fused gate/up weight packed gated (panels in blocks of two gate panels then
 // the two up panels of the same columns, as packed_linear.pack_gated): [..., K] -> [..., N].
 torch::Tensor gguf_linear_silu(torch::Tensor x, torch::Tensor packed, int64_t out_features,
-                               c10::optional<torch::Tensor> bias) {
-  return gguf_matmul<true>(x, packed, out_features, bias);
+                               c10::optional<torch::Tensor> bias, bool dense) {
+  return gguf_matmul<true>(x, packed, out_features, bias, dense);
 }
 
 // The float32 weights [16 panels, K] a packed weight holds (what the matmuls multiply by), for tests.
@@ -347,8 +423,8 @@ torch::Tensor gguf_dequantize(torch::Tensor packed, int64_t k) {
 }
 
 TORCH_LIBRARY_FRAGMENT(PAGEDSERVE_OPS, m) {
-  m.def("gguf_linear(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
-  m.def("gguf_linear_silu(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
+  m.def("gguf_linear(Tensor x, Tensor packed, int out_features, Tensor? bias, bool dense=False) -> Tensor");
+  m.def("gguf_linear_silu(Tensor x, Tensor packed, int out_features, Tensor? bias, bool dense=False) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(PAGEDSERVE_OPS, CPU, m) {
   m.impl("gguf_linear", &gguf_linear);

@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from worker.kernels import cpu_ops
 
 # On AMX CPUs the packed bfloat16 ops also get the plain weight, which they multiply through
-# PyTorch (oneDNN's AMX tiles) from 16 rows on (see worker/csrc/packed_linear.cpp).
+# PyTorch (oneDNN's AMX tiles) from 16 rows on, and the GGUF ops dequantize theirs for that from
+# 64 rows on (see worker/csrc/packed_linear.cpp, gguf_linear.cpp).
 _DENSE_BF16 = cpu_ops.amx_bf16_available()
 
 PANEL = 16  # output columns per panel (one AVX-512 register of float32)
@@ -76,7 +77,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     if not isinstance(packed, torch.Tensor):  # a quantized weight multiplies itself
         return packed.linear(x, bias)
     if packed.dtype == torch.uint8:  # GGUF quantized blocks (worker.quantization.gguf_packing)
-        return torch.ops.pagedserve.gguf_linear(x, packed, weight.shape[0], bias)
+        return torch.ops.pagedserve.gguf_linear(x, packed, weight.shape[0], bias, _DENSE_BF16)
     dense = weight if _DENSE_BF16 and packed.dtype == torch.bfloat16 else None
     return torch.ops.pagedserve.packed_linear(x, packed, weight.shape[0], bias, dense)
 
@@ -91,6 +92,6 @@ def linear_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if not isinstance(packed, torch.Tensor):
         return packed.linear_silu(x, bias)
     if packed.dtype == torch.uint8:
-        return torch.ops.pagedserve.gguf_linear_silu(x, packed, weight.shape[0] // 2, bias)
+        return torch.ops.pagedserve.gguf_linear_silu(x, packed, weight.shape[0] // 2, bias, _DENSE_BF16)
     dense = weight if _DENSE_BF16 and packed.dtype == torch.bfloat16 else None
     return torch.ops.pagedserve.packed_linear_silu(x, packed, weight.shape[0] // 2, bias, dense)
