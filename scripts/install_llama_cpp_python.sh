@@ -16,7 +16,16 @@ if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c 'import llama_cpp' 2>/
   "$VENV/bin/pip" install -q --upgrade pip >/dev/null
   # GGML_NATIVE builds for this CPU's instruction set (AVX-512, VNNI, BF16 where present),
   # as pagedserve's kernels are; OpenMP threads as pagedserve's do.
-  CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=ON -DGGML_OPENMP=ON}" \
+  DEFAULT_ARGS="-DGGML_NATIVE=ON -DGGML_OPENMP=ON"
+  if grep -qw amx_int8 /proc/cpuinfo 2>/dev/null; then
+    # ggml's AMX matmuls crash with a general protection fault on the AMX VMs here (any
+    # prompt of 2+ tokens; llama.cpp issue 20824); GGML_NATIVE turns them on, so name the
+    # AVX-512 sets instead and leave AMX out.
+    DEFAULT_ARGS="-DGGML_NATIVE=OFF -DGGML_OPENMP=ON -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"
+    DEFAULT_ARGS="$DEFAULT_ARGS -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON"
+    DEFAULT_ARGS="$DEFAULT_ARGS -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+  fi
+  CMAKE_ARGS="${CMAKE_ARGS:-$DEFAULT_ARGS}" \
     "$VENV/bin/pip" install -q --no-cache-dir --no-binary llama-cpp-python "$SPEC"
 fi
 "$VENV/bin/python" -c 'import llama_cpp; print("llama-cpp-python", llama_cpp.__version__)' 2>/dev/null | tail -1
