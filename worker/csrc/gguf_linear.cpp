@@ -332,16 +332,6 @@ torch::Tensor dense_weight(const torch::Tensor& packed, const GgufLayout& layout
   return out;
 }
 
-// x's rows [M, K] (bfloat16) through the dequantized weight with ATen's F.linear, as the
-// dequantized model's dense route (packed_linear.cpp) computes them: the same call on the same
-// bfloat16 weights, so the same bits.
-torch::Tensor dense_gguf_matmul(const torch::Tensor& rows, const torch::Tensor& packed, const GgufLayout& layout,
-                                int64_t out_features, const c10::optional<torch::Tensor>& bias, bool gated) {
-  const torch::Tensor y = at::linear(rows, dense_weight(packed, layout, rows.size(1), out_features, gated), bias);
-  if (!gated) return y;
-  return at::silu(y.narrow(-1, 0, out_features)).mul_(y.narrow(-1, out_features, out_features));
-}
-
 template <bool GATED>
 torch::Tensor gguf_matmul(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
                           const c10::optional<torch::Tensor>& bias, bool dense) {
@@ -361,7 +351,8 @@ torch::Tensor gguf_matmul(const torch::Tensor& x, const torch::Tensor& packed, i
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = out_features;
   if (dense && bf16 && rows.size(0) >= kGgufDenseMinRows)
-    return dense_gguf_matmul(rows, packed, layout, out_features, bias, GATED).view(shape);
+    return aten_linear(rows, dense_weight(packed, layout, k, out_features, GATED), out_features, bias, GATED)
+        .view(shape);
   torch::Tensor out = torch::empty(shape, x.options());
   if (rows.size(0) == 0) return out;
   const torch::Tensor bias_f = bias ? bias->to(at::kFloat).contiguous() : torch::Tensor();

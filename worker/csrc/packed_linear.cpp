@@ -52,9 +52,7 @@ torch::Tensor dense_matmul(const torch::Tensor& x, const torch::Tensor& dense, i
   TORCH_CHECK(dense.dim() == 2 && dense.size(0) == (gated ? 2 : 1) * out_features && dense.size(1) == x.size(-1)
                   && dense.scalar_type() == x.scalar_type(),
               "the plain weight must be [", (gated ? 2 : 1) * out_features, ", ", x.size(-1), "] in x's dtype");
-  torch::Tensor y = at::linear(x, dense, bias);
-  if (!gated) return y;
-  return at::silu(y.narrow(-1, 0, out_features)).mul_(y.narrow(-1, out_features, out_features));
+  return aten_linear(x, dense, out_features, bias, gated);
 }
 
 bool use_dense(const torch::Tensor& x, const c10::optional<torch::Tensor>& dense) {

@@ -285,4 +285,14 @@ torch::Tensor checked_rows(const torch::Tensor& x, const torch::Tensor& packed, 
   return rows.contiguous();
 }
 
+// x @ weight.T + bias through ATen's F.linear (oneDNN), the route on AMX CPUs; `gated`: weight is
+// a fused gate/up [2N, K] and the result silu(gate) * up as eager PyTorch computes it. The plain and
+// the GGUF matmuls both end here, so the dequantized and the GGUF model give the same bits.
+inline torch::Tensor aten_linear(const torch::Tensor& x, const torch::Tensor& weight, int64_t out_features,
+                                 const c10::optional<torch::Tensor>& bias, bool gated) {
+  torch::Tensor y = at::linear(x, weight, bias);
+  if (!gated) return y;
+  return at::silu(y.narrow(-1, 0, out_features)).mul_(y.narrow(-1, out_features, out_features));
+}
+
 }  // namespace
