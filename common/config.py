@@ -24,14 +24,21 @@ QUANTIZATIONS = ("none", "int8", "gguf")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
-def cpu_supports_bf16() -> bool:
-    """True on CPUs with native bf16 matmuls (AVX-512-BF16 or AMX-BF16)."""
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags (/proc/cpuinfo's names; empty where there is none)."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = f.read()
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
     except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+        pass
+    return set()
+
+
+def cpu_supports_bf16() -> bool:
+    """True on CPUs with native bf16 matmuls (AVX-512-BF16 or AMX-BF16)."""
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
 @dataclass(slots=True)
@@ -46,7 +53,7 @@ class EngineConfig:
     quantization: str | None = None  # one of QUANTIZATIONS; None: chosen by the model's format
     device: str = "auto"
     attention_backend: str = "auto"
-    block_size: int | None = None  # CPU: 32 tokens of 16-bit K/V (same bytes in every dtype); CUDA: 16
+    block_size: int | None = None  # CPU: 128 tokens of 16-bit K/V (32 with AMX), same bytes in every dtype; CUDA: 16
     kv_cache_memory: int = 4 * GiB  # bytes, CPU (like VLLM_CPU_KVCACHE_SPACE)
     gpu_memory_utilization: float = 0.9  # CUDA
     num_gpu_blocks_override: int | None = None  # fixes the block count (tests, ops)
@@ -120,16 +127,19 @@ class EngineConfig:
         return "cuda" if os.path.exists("/proc/driver/nvidia/version") else "cpu"
 
     def default_block_size(self) -> int:
-        # On CPU, 32 tokens of a 16-bit cache (the same bytes per block in every dtype: 16
-        # float32 tokens, 64 of an 8-bit cache). Prefix caching shares whole blocks only, so a
-        # shared prompt is recomputed from its last whole block: ~16 tokens per request on
-        # average here, ~64 with vLLM's 128. Measured on an AMX Xeon, blocks of 16, 32 and 128
-        # decode W1 and L1 at the same speed within noise, and P1 gains ~20 % from 128 to 32
+        # CPU: the same bytes per block in every dtype (float32 half the tokens, 8-bit caches
+        # twice). Without AMX, 128 tokens of a 16-bit cache: the decode kernel streams each
+        # sequence's K/V block by block and 48 KiB runs read ~25 % faster than 16-token ones
+        # (measured on an AMD EPYC). With AMX, 32: there 16, 32 and 128 decode at the same speed,
+        # the AMX attention tiles take 16 keys at a time, and prefix caching (whole blocks only)
+        # recomputes less of a shared prompt: P1 ~20 % faster than with 128
         # (docs/performance-notes.md).
         if self.resolved_device() == "cuda":
             return 16
+        tokens = 32 if "amx_bf16" in cpu_flags() else 128
         kv_cache_dtype = self.resolved_kv_cache_dtype()
-        return 16 if kv_cache_dtype == "float32" else 64 if kv_cache_dtype in FP8_KV_CACHE_DTYPES else 32
+        return tokens // 2 if kv_cache_dtype == "float32" else tokens * 2 if kv_cache_dtype in FP8_KV_CACHE_DTYPES \
+            else tokens
 
     def resolved_dtype(self) -> str:
         if self.dtype != "auto":

@@ -10,12 +10,26 @@ from common.config import EngineConfig
 from common.errors import ConfigError
 
 
+@pytest.fixture(autouse=True)
+def _no_amx(monkeypatch):
+    """CPU block sizes depend on AMX: these tests see a CPU without it unless they say so."""
+    monkeypatch.setattr("common.config.cpu_flags", lambda: {"avx512f", "avx512_bf16"})
+
+
 def test_block_size_defaults_to_the_same_bytes_per_block_on_cpu_and_16_on_cuda():
-    assert EngineConfig(device="cpu", dtype="bfloat16").block_size == 32
-    assert EngineConfig(device="cpu", dtype="float16").block_size == 32
-    assert EngineConfig(device="cpu", dtype="float32").block_size == 16
+    assert EngineConfig(device="cpu", dtype="bfloat16").block_size == 128
+    assert EngineConfig(device="cpu", dtype="float16").block_size == 128
+    assert EngineConfig(device="cpu", dtype="float32").block_size == 64
     assert EngineConfig(device="cuda").block_size == 16
     assert EngineConfig(device="cuda", dtype="float32").block_size == 16
+
+
+def test_amx_cpus_default_to_32_token_blocks(monkeypatch):
+    monkeypatch.setattr("common.config.cpu_flags", lambda: {"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})
+    assert EngineConfig(device="cpu", dtype="bfloat16").block_size == 32
+    assert EngineConfig(device="cpu", dtype="float32").block_size == 16
+    assert EngineConfig(device="cpu", dtype="bfloat16", kv_cache_dtype="fp8").block_size == 64
+    assert EngineConfig(device="cuda").block_size == 16
 
 
 def test_an_explicit_block_size_is_kept():
@@ -32,9 +46,9 @@ def test_the_cli_default_follows_the_device_and_the_environment(monkeypatch):
     def parse(*argv: str) -> EngineConfig:
         return engine_config_from_args(add_engine_args(argparse.ArgumentParser()).parse_args(list(argv)))
 
-    assert parse("--device", "cpu", "--dtype", "bfloat16").block_size == 32
-    assert parse("--device", "cpu", "--dtype", "float32").block_size == 16
-    assert parse("--device", "cpu", "--block-size", "128").block_size == 128
+    assert parse("--device", "cpu", "--dtype", "bfloat16").block_size == 128
+    assert parse("--device", "cpu", "--dtype", "float32").block_size == 64
+    assert parse("--device", "cpu", "--block-size", "32").block_size == 32
     monkeypatch.setenv("PAGEDSERVE_BLOCK_SIZE", "16")
     assert parse("--device", "cpu").block_size == 16
 
@@ -62,7 +76,7 @@ def test_kv_cache_dtype_from_the_flag_or_the_environment_and_handed_on(monkeypat
     assert parse("--device", "cpu", "--dtype", "float32").resolved_kv_cache_dtype() == "float32"  # auto: the model's
     halved = parse("--device", "cpu", "--dtype", "float32", "--kv-cache-dtype", "bfloat16")
     assert halved.resolved_kv_cache_dtype() == "bfloat16"
-    assert halved.block_size == 32  # blocks of the same bytes as a float32 cache's 16 tokens
+    assert halved.block_size == 128  # blocks of the same bytes as a float32 cache's 64 tokens
     monkeypatch.setenv("PAGEDSERVE_KV_CACHE_DTYPE", "bfloat16")
     config = parse("--device", "cpu", "--dtype", "float32")
     assert config.kv_cache_dtype == "bfloat16" and parse(*engine_argv(config)).kv_cache_dtype == "bfloat16"
@@ -78,10 +92,10 @@ def test_the_8bit_kv_cache_dtypes_are_accepted_with_blocks_of_the_same_bytes(nam
     for dtype in ("float32", "bfloat16", "float16"):
         config = parse("--device", "cpu", "--dtype", dtype, "--kv-cache-dtype", name)
         assert config.resolved_kv_cache_dtype() == name
-        assert config.block_size == 64  # a 16-bit cache's 32 tokens, in bytes
+        assert config.block_size == 256  # a 16-bit cache's 128 tokens, in bytes
         assert parse(*engine_argv(config)).kv_cache_dtype == name
     assert EngineConfig(device="cuda", kv_cache_dtype=name).block_size == 16
-    assert EngineConfig(device="cpu", kv_cache_dtype=name, block_size=128).block_size == 128
+    assert EngineConfig(device="cpu", kv_cache_dtype=name, block_size=64).block_size == 64
     monkeypatch.setenv("PAGEDSERVE_KV_CACHE_DTYPE", name)
     assert parse("--device", "cpu").kv_cache_dtype == name
 

@@ -75,6 +75,7 @@ SHAPES = {  # heads, kv heads, head_dim
     "mha": (4, 4, 32),
     "mqa_8": (8, 1, 16),  # 16 members x 8 rows: more rows than one work item holds
     "group_20": (20, 1, 16),  # a member's rows fill more than one vector
+    "dim_128": (8, 2, 128),  # on AMX CPUs (bfloat16): the tiles' product with V in two passes
 }
 
 

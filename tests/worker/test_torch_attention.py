@@ -120,13 +120,17 @@ SPLIT_CASE = Case(decode_contexts=(40, 3, 70), chunks=((9, 5), (0, 40), (33, 24)
 
 
 @pytest.mark.parametrize("window", [None, 20])
-@pytest.mark.parametrize("sdpa_prefill", [False, True])
-def test_prefill_chunks_through_sdpa_match_the_reference(sdpa_prefill: bool, window: int | None, make_metadata,
-                                                         make_block_tables) -> None:
-    """The AMX split (bfloat16 prefill chunks to SDPA, the rest to the kernel) forced on and off."""
+@pytest.mark.parametrize("route", ["kernel", "sdpa", "amx"])
+def test_prefill_chunks_split_off_match_the_reference(route: str, window: int | None, make_metadata,
+                                                      make_block_tables) -> None:
+    """The AMX split (bfloat16 prefill chunks to SDPA or the AMX tile kernel, the rest to the
+    paged kernel) forced on and off; a window keeps long chunks on SDPA."""
+    from worker.kernels import cpu_ops
     case = Case(**{**SPLIT_CASE.__dict__, "sliding_window": window})
-    backend = TorchAttentionBackend(sdpa_prefill=sdpa_prefill)
-    if sdpa_prefill and not backend.use_cpu_kernel:
+    if route == "amx" and not cpu_ops.amx_attention_available():
+        pytest.skip("no AMX-BF16 tiles here")
+    backend = TorchAttentionBackend(sdpa_prefill=route != "kernel", amx_attention=route == "amx")
+    if route != "kernel" and not backend.use_cpu_kernel:
         pytest.skip("the CPU kernel is unavailable: there is nothing to split")
     actual, expected, caches, ref_caches = run_case(case, make_metadata, make_block_tables, backend=backend)
     torch.testing.assert_close(actual.float(), expected.float(), atol=2e-2, rtol=2e-2)

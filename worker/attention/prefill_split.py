@@ -21,6 +21,7 @@ class KernelSplit:
     def __init__(self, meta: AttentionMetadata, sdpa_seqs: list[int]):
         self.sdpa_seqs = sdpa_seqs
         self.sdpa_set = frozenset(sdpa_seqs)
+        self.sdpa_index = torch.tensor(sdpa_seqs, dtype=torch.int32)
         starts = meta.query_start_loc_cpu
         self.kernel_runs: list[tuple[int, int, int, int, torch.Tensor]] = []
         first = 0

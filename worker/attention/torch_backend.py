@@ -30,12 +30,14 @@ class TorchAttentionBackend:
 
     `use_cpu_kernel`: None (default) uses the C++ kernel for CPU tensors when it
     builds, True insists on it (raises if it cannot be built), False never uses it.
-    `sdpa_prefill`: whether the kernel leaves bfloat16 prefill chunks to SDPA; None (default):
-    on CPUs with AMX."""
+    `sdpa_prefill`: whether the kernel leaves bfloat16 prefill chunks of many rows to another
+    route; None (default): on CPUs with AMX. `amx_attention`: whether that route is the AMX
+    tile kernel (bfloat16 caches) rather than SDPA; None (default): where it runs."""
 
     name = "torch"
 
-    def __init__(self, use_cpu_kernel: bool | None = None, sdpa_prefill: bool | None = None) -> None:
+    def __init__(self, use_cpu_kernel: bool | None = None, sdpa_prefill: bool | None = None,
+                 amx_attention: bool | None = None) -> None:
         self._plans_meta: AttentionMetadata | None = None
         self._decode_plans: dict[tuple, DecodePlan] = {}
         self.use_cpu_kernel = use_cpu_kernel is not False and cpu_ops.load() is not None
@@ -45,6 +47,11 @@ class TorchAttentionBackend:
         if sdpa_prefill is None:
             sdpa_prefill = cpu_ops.amx_bf16_available()
         self._splitter = KernelSplitter() if self.use_cpu_kernel and sdpa_prefill else None
+        # The split's long chunks on AMX tiles (bfloat16 caches) rather than through SDPA.
+        self._amx_attention = self._splitter is not None and amx_attention is not False and \
+            cpu_ops.amx_attention_available()
+        if amx_attention and not self._amx_attention:
+            raise RuntimeError("AMX attention needs the CPU kernel, the prefill split and AMX-BF16 tiles")
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
@@ -77,7 +84,12 @@ class TorchAttentionBackend:
                     cpu_ops.paged_attention(output[a:b], query[a:b], k_cache, v_cache, meta.block_tables[first:end],
                                             query_start, meta.seq_lens[first:end], scale, sliding_window,
                                             k_scale=k_scale, v_scale=v_scale)
-            if split is not None:
+            if split is None:
+                return output
+            if self._amx_attention and sliding_window is None and amx_shapes(query, k_cache):
+                cpu_ops.amx_prefill_attention(output, query, k_cache, v_cache, meta.block_tables,
+                                              meta.query_start_loc, meta.seq_lens, split.sdpa_index, scale)
+            else:
                 self._sdpa_chunks(split.sdpa_seqs, output, query, key, value, k_cache, v_cache, meta, scale,
                                   sliding_window, (k_scale, v_scale))
             return output
@@ -114,6 +126,13 @@ class TorchAttentionBackend:
             plan = self._decode_plans[key] = DecodePlan(meta, block_size, num_kv_heads, sliding_window,
                                                         k_cache.device)
         return plan
+
+
+def amx_shapes(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether the AMX attention kernel takes these tensors: bfloat16 queries and cache, head_dim
+    a multiple of 32, blocks a multiple of 16 tokens."""
+    return (query.dtype == torch.bfloat16 and k_cache.dtype == torch.bfloat16 and query.shape[2] % 32 == 0
+            and k_cache.shape[1] % 16 == 0)
 
 
 def kernel_dtypes(query_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:

@@ -11,6 +11,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("shared_prefix_attention", torch::wrap_pybind_function(shared_prefix_attention), "shared_prefix_attention");
   m.def("shared_prefix_attention_available", torch::wrap_pybind_function(shared_prefix_attention_available),
         "shared_prefix_attention_available");
+  m.def("amx_prefill_attention", torch::wrap_pybind_function(amx_prefill_attention), "amx_prefill_attention");
+  m.def("amx_attention_available", torch::wrap_pybind_function(amx_attention_available), "amx_attention_available");
   m.def("write_kv_cache", torch::wrap_pybind_function(write_kv_cache), "write_kv_cache");
   m.def("near_top_scan", torch::wrap_pybind_function(near_top_scan), "near_top_scan");
   m.def("sample_random_rows", torch::wrap_pybind_function(sample_random_rows), "sample_random_rows");

@@ -14,6 +14,7 @@
 // the weighted sum (broadcast value element x probability lanes) need no horizontal reductions.
 // A member's own positions have only its few rows: dims in lanes there, as in paged_attention.
 // AVX-512 only: without it the caller keeps paged_attention.
+#include "amx_attention.h"
 #include "kernels.h"
 #include "shared_prefix_tiles.h"
 
@@ -143,9 +144,87 @@ struct Item {
   int64_t group, first, count, head, cost;
 };
 
+#if defined(PAGEDSERVE_AMX_ATTENTION)
+// Whether items run on AMX tiles: bfloat16 queries and cache, 16-token-aligned blocks.
+template <typename Q, typename T>
+bool use_amx(const Problem<Q, T>& p) {
+  if constexpr (std::is_same_v<Q, c10::BFloat16> && std::is_same_v<T, c10::BFloat16>)
+    return p.block_size % 16 == 0 && p.dim % 32 == 0 && amx::permitted();
+  return false;
+}
+
+// A whole item on AMX tiles (amx_attention.h): the shared prefix for all rows together, then
+// each member's own positions for its rows (padded to a tile of 16), written to the output.
+template <typename Q, typename T>
+void item_on_tiles(const Problem<Q, T>& p, const Item& item, const int32_t* members, int64_t prefix,
+                   amx::Scratch& scratch) {
+  const int64_t dim = p.dim, gq = p.heads / p.kv_heads, rows = item.count * gq, head = item.head;
+  const int64_t blocks = (rows + amx::ROWS - 1) / amx::ROWS;
+  static_assert(MAX_VECS <= amx::MAX_BLOCKS, "an item's rows must fit the tiles' blocks");
+  const auto* query = reinterpret_cast<const c10::BFloat16*>(p.query);
+  auto* output = reinterpret_cast<c10::BFloat16*>(p.out);
+  auto row_of = [&](int64_t r) {  // row r: member r / gq, query head head * gq + r % gq
+    return (static_cast<int64_t>(p.query_start[members[item.first + r / gq]]) * p.heads + head * gq + r % gq) * dim;
+  };
+  scratch.reserve(dim);
+  std::vector<uint32_t> qt(amx::MAX_BLOCKS * dim * 8), own_qt(amx::MAX_BLOCKS * dim * 8);
+  std::vector<float> acc(amx::MAX_BLOCKS * amx::ROWS * dim, 0.0f), own_acc(amx::MAX_BLOCKS * amx::ROWS * dim);
+  alignas(64) float m[amx::MAX_BLOCKS * 16], l[amx::MAX_BLOCKS * 16], own_m[amx::MAX_BLOCKS * 16],
+      own_l[amx::MAX_BLOCKS * 16];
+  alignas(64) int32_t limit[amx::MAX_BLOCKS * 16];
+  const c10::BFloat16* row_ptrs[16];
+  auto pack = [&](int64_t first_row, int64_t count, int32_t visible, uint32_t* packed) {
+    for (int64_t b = 0; b * amx::ROWS < count; ++b) {
+      const int64_t n = std::min<int64_t>(amx::ROWS, count - b * amx::ROWS);
+      for (int64_t i = 0; i < 16; ++i) {
+        row_ptrs[i] = i < n ? query + row_of(first_row + b * amx::ROWS + i) : nullptr;
+        limit[b * 16 + i] = i < n ? visible : 0;
+      }
+      amx::pack_queries(row_ptrs, n, dim, packed + b * dim * 8);
+    }
+  };
+  auto cache_rows = [&](const T* cache, int64_t seq) {
+    return [&p, cache, seq, head](int64_t pos) {
+      return reinterpret_cast<const c10::BFloat16*>(p.row(cache, seq, pos, head));
+    };
+  };
+  std::fill(m, m + blocks * 16, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + blocks * 16, 0.0f);
+  pack(0, rows, static_cast<int32_t>(prefix), qt.data());
+  const int64_t first_seq = members[item.first];
+  amx::attend_rows(qt.data(), blocks, dim, cache_rows(p.k_cache, first_seq), cache_rows(p.v_cache, first_seq),
+                   p.kv_heads * dim, 0, prefix, limit, p.scale, m, l, acc.data(), scratch);
+  const int64_t own_blocks = (gq + amx::ROWS - 1) / amx::ROWS;
+  for (int64_t i = 0; i < item.count; ++i) {
+    const int64_t seq = members[item.first + i], len = p.seq_lens[seq];
+    pack(i * gq, gq, static_cast<int32_t>(len), own_qt.data());
+    std::fill(own_m, own_m + own_blocks * 16, -std::numeric_limits<float>::infinity());
+    std::fill(own_l, own_l + own_blocks * 16, 0.0f);
+    for (int64_t j = 0; j < gq; ++j) {
+      own_m[j] = m[i * gq + j];
+      own_l[j] = l[i * gq + j];
+      std::memcpy(own_acc.data() + j * dim, acc.data() + (i * gq + j) * dim, dim * sizeof(float));
+    }
+    amx::attend_rows(own_qt.data(), own_blocks, dim, cache_rows(p.k_cache, seq), cache_rows(p.v_cache, seq),
+                     p.kv_heads * dim, prefix, len, limit, p.scale, own_m, own_l, own_acc.data(), scratch);
+    for (int64_t j = 0; j < gq; ++j) {
+      c10::BFloat16* o = output + row_of(i * gq + j);
+      const __m512 inv = _mm512_set1_ps(1.0f / own_l[j]);
+      for (int64_t d = 0; d < dim; d += 16)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + d),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(own_acc.data() + j * dim + d), inv)));
+    }
+  }
+}
+#endif
+
 template <typename Q, typename T>
 void run_item(const Problem<Q, T>& p, const Item& item, const int32_t* members, int64_t prefix, RowState& shared,
-              RowState& own) {
+              RowState& own, void* tiles) {
+#if defined(PAGEDSERVE_AMX_ATTENTION)
+  if constexpr (std::is_same_v<Q, c10::BFloat16> && std::is_same_v<T, c10::BFloat16>)
+    if (tiles != nullptr) return item_on_tiles(p, item, members, prefix, *static_cast<amx::Scratch*>(tiles));
+#endif
   const int64_t dim = p.dim, gq = p.heads / p.kv_heads;
   const int64_t rows = item.count * gq;
   const int64_t vecs = (rows + LANES - 1) / LANES, w = vecs * LANES;
@@ -209,9 +288,19 @@ void run(const Problem<Q, T>& p, const int32_t* group_start, const int32_t* memb
   std::atomic<int64_t> next{0};
   auto work = [&](int64_t, int64_t) {
     RowState shared, own;
+    void* tiles = nullptr;
+#if defined(PAGEDSERVE_AMX_ATTENTION)
+    std::optional<amx::TileScope> scope;
+    std::unique_ptr<amx::Scratch> scratch;
+    if (use_amx(p)) {
+      scope.emplace();
+      scratch = std::make_unique<amx::Scratch>();
+      tiles = scratch.get();
+    }
+#endif
     for (int64_t index = next++; index < count; index = next++) {
       const Item& item = items[index];
-      run_item(p, item, members, prefix_lens[item.group], shared, own);
+      run_item(p, item, members, prefix_lens[item.group], shared, own, tiles);
     }
   };
   if (threads == 1)

@@ -13,6 +13,7 @@ from worker.kernels import cpu_extension
 from worker.kernels.cpu_extension import load
 
 __all__ = ["load", "packed_linear_available", "amx_bf16_available", "paged_attention", "shared_prefix_attention",
+           "amx_attention_available", "amx_prefill_attention",
            "shared_prefix_attention_available", "write_kv_cache", "near_top_scan",
            "sample_random_rows", "token_logprobs_rows", "rotary_qk"]
 
@@ -61,6 +62,23 @@ def shared_prefix_attention(out: torch.Tensor, query: torch.Tensor, k_cache: tor
     as they are. int32 metadata (see worker/csrc/shared_prefix_attention.cpp)."""
     cpu_extension._module.shared_prefix_attention(out, query, k_cache, v_cache, block_tables, query_start_loc,
                                                   seq_lens, group_start, members, prefix_lens, float(scale))
+
+
+def amx_attention_available() -> bool:
+    """Whether the extension runs attention on AMX tiles here (built for a CPU with AMX-BF16 and
+    permitted by the kernel)."""
+    module = load()
+    return module is not None and bool(module.amx_attention_available())
+
+
+def amx_prefill_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                          seqs: torch.Tensor, scale: float) -> None:
+    """Fill the rows of `out` of the sequences `seqs` (int32 indices into the batch) with causal
+    attention over the paged cache, on AMX tiles: bfloat16 queries and caches, head_dim a multiple
+    of 32, blocks a multiple of 16 tokens (see worker/csrc/amx_prefill_attention.cpp)."""
+    cpu_extension._module.amx_prefill_attention(out, query, k_cache, v_cache, block_tables, query_start_loc,
+                                                seq_lens, seqs, float(scale))
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

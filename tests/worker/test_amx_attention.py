@@ -1,0 +1,91 @@
+"""The AMX tile attention kernel (worker/csrc/amx_attention.h) against the loop-by-loop reference:
+prefill and extend chunks of several sequences at once, over shuffled paged blocks. Runs only
+where the CPU has AMX-BF16 (elsewhere the kernel is not built and the tests skip); the
+shared-prefix decode kernel's bfloat16 tests cover its AMX path on such CPUs too."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from worker.attention.reference import reference_attention
+from worker.kernels import cpu_ops
+
+
+@pytest.fixture(autouse=True)
+def _amx():
+    if not cpu_ops.amx_attention_available():
+        pytest.skip("no AMX-BF16 tiles here (or the kernels are not built)")
+
+
+def _batch(decodes, chunks, block_size, heads, kv_heads, dim, make_metadata, make_block_tables, seed=0,
+           query_scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    contexts = list(decodes) + [c for c, _ in chunks]
+    query_lens = [1] * len(decodes) + [q for _, q in chunks]
+    seq_lens = [c + q for c, q in zip(contexts, query_lens)]
+    num_blocks = sum(-(-n // block_size) for n in seq_lens) + 4
+    tables = make_block_tables(seq_lens, block_size, num_blocks, g)
+    meta = make_metadata(contexts, query_lens, tables, block_size, len(decodes))
+    tokens = sum(query_lens)
+    shape = (num_blocks, block_size, kv_heads, dim)
+    k_cache = torch.randn(shape, generator=g).bfloat16()
+    v_cache = torch.randn(shape, generator=g).bfloat16()
+    query = (torch.randn(tokens, heads, dim, generator=g) * query_scale).bfloat16()
+    key = torch.randn(tokens, kv_heads, dim, generator=g).bfloat16()
+    value = torch.randn(tokens, kv_heads, dim, generator=g).bfloat16()
+    expected = reference_attention(query, key, value, k_cache, v_cache, meta, scale=dim ** -0.5,
+                                   sliding_window=None)  # also writes the new K/V into the caches
+    return meta, query, k_cache, v_cache, expected
+
+
+SHAPES = {"smollm2": (9, 3, 64), "mha_32": (4, 4, 32), "gqa_8": (8, 1, 64), "dim_128": (8, 2, 128)}
+# Fresh prompts, extends whose context ends mid-block, chunks shorter than a row tile, one query.
+CHUNKS = ((0, 40), (37, 19), (100, 5), (16, 33), (0, 1), (250, 70))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("block_size", [16, 32, 64])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_chunks_match_the_reference(shape, block_size, threads, make_metadata, make_block_tables) -> None:
+    heads, kv_heads, dim = SHAPES[shape]
+    meta, query, k_cache, v_cache, expected = _batch((12, 3), CHUNKS, block_size, heads, kv_heads, dim,
+                                                     make_metadata, make_block_tables)
+    chosen = [2, 3, 5, 7]  # the decodes and two chunks are left to other kernels
+    out = torch.full_like(query, float("nan"))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        cpu_ops.amx_prefill_attention(out, query, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
+                                      meta.seq_lens, torch.tensor(chosen, dtype=torch.int32), dim ** -0.5)
+    finally:
+        torch.set_num_threads(previous)
+    starts = meta.query_start_loc_cpu
+    rows = [t for s in chosen for t in range(starts[s], starts[s + 1])]
+    others = [t for t in range(query.shape[0]) if t not in rows]
+    assert torch.isnan(out[others]).all()
+    torch.testing.assert_close(out[rows].float(), expected[rows].float(), atol=2e-2, rtol=2e-2)
+
+
+def test_scores_far_apart_stay_finite(make_metadata, make_block_tables) -> None:
+    """Large scores (probabilities near 0 and 1 side by side) must not overflow the softmax."""
+    meta, query, k_cache, v_cache, expected = _batch((), ((30, 50),), 16, 2, 1, 32, make_metadata,
+                                                     make_block_tables, query_scale=40.0)
+    out = torch.empty_like(query)
+    cpu_ops.amx_prefill_attention(out, query, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
+                                  meta.seq_lens, torch.tensor([0], dtype=torch.int32), 32 ** -0.5)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.float(), expected.float(), atol=3e-2, rtol=3e-2)
+
+
+def test_bad_arguments_are_refused(make_metadata, make_block_tables) -> None:
+    meta, query, k_cache, v_cache, _ = _batch((), ((0, 20),), 16, 2, 1, 32, make_metadata, make_block_tables)
+    args = (meta.block_tables, meta.query_start_loc, meta.seq_lens)
+    seqs = torch.tensor([0], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="contiguous bfloat16"):
+        cpu_ops.amx_prefill_attention(query.float(), query.float(), k_cache, v_cache, *args, seqs, 1.0)
+    with pytest.raises(RuntimeError, match="block_size % 16"):
+        cpu_ops.amx_prefill_attention(torch.empty_like(query), query, k_cache.view(-1, 8, 1, 32),
+                                      v_cache.view(-1, 8, 1, 32), *args, seqs, 1.0)
+    with pytest.raises(RuntimeError, match="out of range"):
+        cpu_ops.amx_prefill_attention(torch.empty_like(query), query, k_cache, v_cache, *args,
+                                      torch.tensor([1], dtype=torch.int32), 1.0)
