@@ -42,6 +42,7 @@ def test_the_portable_build_has_no_avx512_paths(portable):
     assert portable.OP_NAMESPACE == "pagedserve_portable"
     assert not portable.f32_linear_available() and not portable.bf16_linear_available()
     assert not portable.screened_argmax_available() and not portable.bf16_screen_available()
+    assert not portable.amx_attention_available() and not portable.shared_prefix_attention_available()
 
 
 @pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),

@@ -69,30 +69,6 @@ struct Scratch {
   }
 };
 
-// The 16 x 16 dwords of rows r[0..15], transposed in place.
-inline void transpose16(__m512i* r) {
-  __m512i t[16], u[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {  // u[4i + k]: in each 128-bit lane L, column 4L + k of rows 4i..4i+3
-    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-  }
-  for (int k = 0; k < 4; ++k) {
-    const __m512i x0 = _mm512_shuffle_i32x4(u[k], u[4 + k], 0x44), x1 = _mm512_shuffle_i32x4(u[k], u[4 + k], 0xEE);
-    const __m512i x2 = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0x44);
-    const __m512i x3 = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0xEE);
-    r[k] = _mm512_shuffle_i32x4(x0, x2, 0x88);
-    r[4 + k] = _mm512_shuffle_i32x4(x0, x2, 0xDD);
-    r[8 + k] = _mm512_shuffle_i32x4(x1, x3, 0x88);
-    r[12 + k] = _mm512_shuffle_i32x4(x1, x3, 0xDD);
-  }
-}
-
 // The B tiles of 16 rows' queries: qt[c][pair][row] (dim / 32 tiles), from rows of bfloat16
 // (row pointers; missing rows are zero).
 inline void pack_queries(const c10::BFloat16* const* rows, int64_t n, int64_t dim, uint32_t* qt) {

@@ -33,6 +33,7 @@ void amx_prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tensor
   const int32_t* qs = query_start.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int32_t* chosen = seqs.data_ptr<int32_t>();
+#if defined(PAGEDSERVE_AMX_ATTENTION)
   const int64_t gq = heads / kv_heads;
   struct Item {
     int64_t seq, head, first, rows, cost;
@@ -50,7 +51,6 @@ void amx_prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tensor
         items.push_back({s, h, first, rows, rows * (lens[s] - qlen + (first + rows) / gq)});
       }
   }
-#if defined(PAGEDSERVE_AMX_ATTENTION)
   std::sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
   const auto* q_data = reinterpret_cast<const c10::BFloat16*>(query.data_ptr());
   const auto* k_data = reinterpret_cast<const c10::BFloat16*>(k_cache.data_ptr());

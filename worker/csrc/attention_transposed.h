@@ -52,31 +52,6 @@ inline void with_rows(int64_t count, F&& f) {
   }
 }
 
-// r[e] <- dword e of each of the 16 registers (a 16 x 16 dword transpose).
-inline void transpose16(__m512i* r) {
-  __m512i t[16], u[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  // u[4g + e], 128-bit lane k: element 4k + e of rows 4g .. 4g + 3.
-  for (int g = 0; g < 4; ++g) {
-    u[4 * g] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
-    u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
-    u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
-    u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
-  }
-  for (int e = 0; e < 4; ++e) {
-    const __m512i a = _mm512_shuffle_i32x4(u[e], u[4 + e], 0x88), b = _mm512_shuffle_i32x4(u[e], u[4 + e], 0xDD);
-    const __m512i c = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0x88),
-                  d = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0xDD);
-    r[e] = _mm512_shuffle_i32x4(a, c, 0x88);
-    r[8 + e] = _mm512_shuffle_i32x4(a, c, 0xDD);
-    r[4 + e] = _mm512_shuffle_i32x4(b, d, 0x88);
-    r[12 + e] = _mm512_shuffle_i32x4(b, d, 0xDD);
-  }
-}
-
 // kt row e (of `ld` floats) of each block of 16 dwords of 16 rows: dword e of each row, the rows'
 // blocks coming from load(j, b) (row j, dwords b .. b + 16).
 template <typename Load>

@@ -1,6 +1,7 @@
 // The headers every kernel uses and the vector helpers they share: widening loads of float32,
-// bfloat16 and the 8-bit float KV cache types (`load_float`, `load16`) and a vectorized exp for x <= 0 that overflows to inf like
-// exp (`exp_ps`). Everything here has internal linkage (an unnamed namespace), as when all the
+// bfloat16 and the 8-bit float KV cache types (`load_float`, `load16`), a 16 x 16 dword
+// transpose (`transpose16`) and a vectorized exp for x <= 0 that overflows to inf like exp
+// (`exp_ps`). Everything here has internal linkage (an unnamed namespace), as when all the
 // kernels were one translation unit: each .cpp gets its own copy and the same inlining.
 #pragma once
 
@@ -58,6 +59,31 @@ inline __m512 load16(const c10::Float8_e5m2* p) {
 inline __m512 load16(const c10::Float8_e4m3fn* p) {
   const __m256i bytes = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(bytes, 7), _mm256_set1_epi16(static_cast<short>(0xBFFF))));
+}
+
+// r[e] <- dword e of each of the 16 registers (a 16 x 16 dword transpose).
+inline void transpose16(__m512i* r) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  // u[4g + e], 128-bit lane k: element 4k + e of rows 4g .. 4g + 3.
+  for (int g = 0; g < 4; ++g) {
+    u[4 * g] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
+    u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
+    u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
+    u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
+  }
+  for (int e = 0; e < 4; ++e) {
+    const __m512i a = _mm512_shuffle_i32x4(u[e], u[4 + e], 0x88), b = _mm512_shuffle_i32x4(u[e], u[4 + e], 0xDD);
+    const __m512i c = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0x88),
+                  d = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0xDD);
+    r[e] = _mm512_shuffle_i32x4(a, c, 0x88);
+    r[8 + e] = _mm512_shuffle_i32x4(a, c, 0xDD);
+    r[4 + e] = _mm512_shuffle_i32x4(b, d, 0x88);
+    r[12 + e] = _mm512_shuffle_i32x4(b, d, 0xDD);
+  }
 }
 
 // exp(x) for x <= 0 (max-subtracted scores): 2^n * p(r) with a degree-6 polynomial.
