@@ -24,16 +24,21 @@ QUANTIZATIONS = ("none", "int8", "gguf")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
-def cpu_flags() -> set[str]:
-    """This CPU's feature flags (/proc/cpuinfo's names; empty where there is none)."""
+def cpu_flags_line() -> str:
+    """This CPU's feature flags as /proc/cpuinfo lists them (empty where there is none)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return set()
+    return ""
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags (/proc/cpuinfo's names; empty where there is none)."""
+    return set(cpu_flags_line().split())
 
 
 def cpu_supports_bf16() -> bool:

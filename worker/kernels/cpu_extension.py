@@ -27,6 +27,9 @@ from typing import Any
 
 import torch
 
+from common.config import cpu_flags  # noqa: F401  (cpu_ops reads it here)
+from common.config import cpu_flags_line as _cpu_flags  # part of the build's digest
+
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
@@ -47,22 +50,6 @@ _lock = threading.Lock()
 _module: Any = None
 _failed = False
 _failure: str | None = None
-
-
-def cpu_flags() -> set[str]:
-    """This CPU's feature flags (/proc/cpuinfo's names; empty where there is none)."""
-    return set(_cpu_flags().split())
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
 
 
 def source_files(csrc: Path | None = None) -> list[Path]:
