@@ -18,7 +18,7 @@ def _amx():
 
 
 def _batch(decodes, chunks, block_size, heads, kv_heads, dim, make_metadata, make_block_tables, seed=0,
-           query_scale=1.0):
+           query_scale=1.0, rising=False):
     g = torch.Generator().manual_seed(seed)
     contexts = list(decodes) + [c for c, _ in chunks]
     query_lens = [1] * len(decodes) + [q for _, q in chunks]
@@ -33,6 +33,10 @@ def _batch(decodes, chunks, block_size, heads, kv_heads, dim, make_metadata, mak
     query = (torch.randn(tokens, heads, dim, generator=g) * query_scale).bfloat16()
     key = torch.randn(tokens, kv_heads, dim, generator=g).bfloat16()
     value = torch.randn(tokens, kv_heads, dim, generator=g).bfloat16()
+    if rising:  # every query one direction, keys along it growing with position: the max climbs
+        direction = torch.randn(dim, generator=g)
+        query = direction.expand(tokens, heads, dim).bfloat16()
+        key = (direction * torch.arange(tokens).view(-1, 1, 1) / 8).expand(tokens, kv_heads, dim).bfloat16()
     expected = reference_attention(query, key, value, k_cache, v_cache, meta, scale=dim ** -0.5,
                                    sliding_window=None)  # also writes the new K/V into the caches
     return meta, query, k_cache, v_cache, expected
@@ -73,6 +77,19 @@ def test_scores_far_apart_stay_finite(make_metadata, make_block_tables) -> None:
     out = torch.empty_like(query)
     cpu_ops.amx_prefill_attention(out, query, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
                                   meta.seq_lens, torch.tensor([0], dtype=torch.int32), 32 ** -0.5)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.float(), expected.float(), atol=3e-2, rtol=3e-2)
+
+
+def test_a_running_max_that_keeps_rising_is_rescaled(make_metadata, make_block_tables) -> None:
+    """Scores that climb with the position move each row's max past the kernel's slack again and
+    again (the sum and the accumulator on the tiles are rescaled each time); the rows still see
+    the reference's weights, which put nearly everything on their last positions."""
+    meta, query, k_cache, v_cache, expected = _batch((), ((0, 300),), 32, 9, 3, 64, make_metadata,
+                                                     make_block_tables, rising=True)
+    out = torch.empty_like(query)
+    cpu_ops.amx_prefill_attention(out, query, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
+                                  meta.seq_lens, torch.tensor([0], dtype=torch.int32), 64 ** -0.5)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out.float(), expected.float(), atol=3e-2, rtol=3e-2)
 

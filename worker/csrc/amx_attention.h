@@ -6,10 +6,12 @@
 //
 // Per 32 keys: scores^T [key][row] = K (16 keys x 32 dims, loaded from the cache as they lie) x
 // Q^T (the rows' queries as pairs of dims, made once); the softmax runs with rows in lanes (no
-// horizontal reductions); the probabilities, transposed to [row][key pairs], multiply V as
-// pairs of keys (interleaved once per 32 keys) into [row][dim]. Tiles: 0-1 scores, 2 A, 3 B,
-// 4-7 the product with V. Needs block_size % 16 == 0 (16 keys never straddle blocks) and
-// head_dim % 32 == 0.
+// horizontal reductions) and a max that moves only by more than kSlack; the probabilities,
+// transposed to [row][key pairs], multiply V as pairs of keys (interleaved once per 32 keys)
+// and add to acc [row][dim] on the tiles. Tiles: 0-1 scores, 2 K, 3 Q; then 2 the
+// probabilities, 0, 1 and 3 V; 4-7 acc. V is packed once for the whole span (it stays in L2),
+// so each row block runs alone through it with its acc on tiles. Needs block_size % 16 == 0
+// (16 keys never straddle blocks) and head_dim % 32 == 0.
 #pragma once
 
 #include "vector_helpers.h"
@@ -26,7 +28,7 @@ namespace amx {
 
 constexpr int64_t ROWS = 16;   // query rows of a tile
 constexpr int64_t CHUNK = 32;  // keys per step
-constexpr int64_t MAX_BLOCKS = 4;  // blocks of 16 rows attended together
+constexpr int64_t MAX_BLOCKS = 16;  // blocks of 16 rows attended together
 
 // Linux hands out the AMX tile state only on request (once per process).
 inline bool permitted() {
@@ -57,15 +59,22 @@ struct TileScope {
   ~TileScope() { _tile_release(); }
 };
 
+// Flushes denormal results to zero (and reads denormals as zero) while alive. Masked scores
+// make 2^-200 and the like; without FTZ every such vector takes a microcode assist that costs
+// more than the whole softmax of a chunk.
+struct FlushDenormals {
+  unsigned saved = _mm_getcsr();
+  FlushDenormals() { _mm_setcsr(saved | 0x8040u); }  // FTZ | DAZ
+  ~FlushDenormals() { _mm_setcsr(saved); }
+};
+
 // Per-thread scratch of one row block.
 struct Scratch {
   alignas(64) float scores[CHUNK * ROWS];  // [key][row]
   alignas(64) uint32_t probs[ROWS * 16];   // [row][key pair], bfloat16 pairs
-  std::vector<uint32_t> values;            // [dim / 16][16 key pairs][16 dims] of bfloat16 pairs
-  std::vector<float> product;              // [row][dim]
+  std::vector<uint32_t> values;  // per 32 keys [dim / 16][16 key pairs][16 dims] of bfloat16 pairs
   void reserve(int64_t dim) {
-    values.resize(dim / 16 * 256);
-    product.resize(ROWS * dim);
+    if (values.size() < static_cast<size_t>(dim * 16)) values.resize(dim * 16);
   }
 };
 
@@ -82,13 +91,13 @@ inline void pack_queries(const c10::BFloat16* const* rows, int64_t n, int64_t di
 }
 
 // GCC's tile intrinsics take literal tile numbers, hence a macro: tile C = probabilities (tile 2)
-// x V's pairs of group `group` (loaded into tile 3), stored into the product's 16 dims.
-#define PAGEDSERVE_PRODUCT_TILE(C, values, product, dim, group) \
-  do {                                                          \
-    _tile_zero(C);                                              \
-    _tile_loadd(3, (values) + (group) * 256, 64);               \
-    _tile_dpbf16ps(C, 2, 3);                                    \
-    _tile_stored(C, (product) + (group) * 16, (dim) * 4);       \
+// x V's pairs of group `group` (loaded into tile B), added to acc's 16 dims of that group.
+#define PAGEDSERVE_PRODUCT_TILE(C, B, values, acc, dim, group) \
+  do {                                                         \
+    _tile_loadd(C, (acc) + (group) * 16, (dim) * 4);           \
+    _tile_loadd(B, (values) + (group) * 256, 64);              \
+    _tile_dpbf16ps(C, 2, B);                                   \
+    _tile_stored(C, (acc) + (group) * 16, (dim) * 4);          \
   } while (0)
 
 // V's 32 positions from `first` as pairs of keys: values[g][pair][dim 16g + j] =
@@ -111,41 +120,66 @@ inline void pack_values(ValueAt&& value_rows, int64_t stride, int64_t first, int
   }
 }
 
+// Tiles 4.. hold acc's 16 dims a tile (OP: _tile_loadd or _tile_stored; dim <= 64).
+#define PAGEDSERVE_ACC_TILES(OP, acc, dim)                 \
+  do {                                                     \
+    OP(4, (acc), (dim) * 4);                               \
+    if ((dim) > 16) OP(5, (acc) + 16, (dim) * 4);          \
+    if ((dim) > 32) OP(6, (acc) + 32, (dim) * 4);          \
+    if ((dim) > 48) OP(7, (acc) + 48, (dim) * 4);          \
+  } while (0)
+
 // Continues `blocks` blocks of 16 rows (queries packed by pack_queries: qt + b * dim * 8 for
 // block b) over positions [lo, hi) of one sequence's K/V: `key_rows(pos)` points at the K row
 // of position pos (rows of 16 aligned positions lie `stride` elements apart), `value_rows`
 // likewise. Row r sees positions below limit[r]. m, l [blocks * 16] and acc [blocks * 16][dim]
-// carry the state; scores are scaled by `scale` in float32. Each 32 positions' V is packed once
-// for all the blocks.
+// carry the state (acc holds all 16 rows of every block, padding rows included; m may trail a
+// row's true max, acc and l are relative to it); scores are scaled by `scale` in float32.
+// V is packed once for all the blocks; a block's acc stays on tiles 4-7 while it runs
+// (head_dim <= 64; wider heads load and store it every 32 positions).
 template <typename KeyAt, typename ValueAt>
 void attend_rows(const uint32_t* qt, int64_t blocks, int64_t dim, KeyAt&& key_rows, ValueAt&& value_rows,
                  int64_t stride, int64_t lo, int64_t hi, const int32_t* limit, float scale, float* m, float* l,
                  float* acc, Scratch& s) {
   // Per block: the end of what any row sees, and of what every used row sees (rows with
   // limit 0 are padding).
-  int64_t block_hi[MAX_BLOCKS], block_min[MAX_BLOCKS], used[MAX_BLOCKS];
+  int64_t block_hi[MAX_BLOCKS], block_min[MAX_BLOCKS];
   int64_t all_hi = lo;
   for (int64_t b = 0; b < blocks; ++b) {
     const __m512i limits = _mm512_loadu_si512(limit + b * 16);
     const __mmask16 rows = _mm512_cmpgt_epi32_mask(limits, _mm512_setzero_si512());
     block_hi[b] = std::min<int64_t>(hi, _mm512_reduce_max_epi32(limits));
     block_min[b] = std::min<int64_t>(hi, _mm512_mask_reduce_min_epi32(rows, limits));
-    used[b] = 32 - __builtin_clz(static_cast<uint32_t>(rows) | 1u);  // rows up to the last used one
     all_hi = std::max(all_hi, block_hi[b]);
   }
-  const int64_t row_bytes = stride * 2;
+  const int64_t start = lo / 16 * 16;
+  if (all_hi <= start) return;
+  const FlushDenormals flush;
+  const int64_t row_bytes = stride * 2, chunk_words = dim * 16;  // one chunk's packed V
   const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  constexpr float kSlack = 8.0f;  // how far a row's max may run ahead of m before m moves
+  const __m512 scales = _mm512_set1_ps(scale), slack = _mm512_set1_ps(kSlack);
+  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f), to_log2 = _mm512_set1_ps(scale * 1.44269504088896341f);
   const __m512i pair_index = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
                                               22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  for (int64_t first = lo / 16 * 16; first < all_hi; first += CHUNK) {
-    pack_values(value_rows, stride, first, all_hi, dim, s.values.data(), pair_index);
-    const c10::BFloat16* k0 = key_rows(first);
-    const c10::BFloat16* k1 = first + 16 < all_hi ? key_rows(first + 16) : nullptr;
-    for (int64_t b = 0; b < blocks; ++b) {
-      const int64_t bhi = block_hi[b];
-      if (first >= bhi) continue;  // nothing of these positions is visible to this block's rows
-      const bool second = first + 16 < bhi;
-      const uint32_t* q = qt + b * dim * 8;
+  const int64_t chunks = (all_hi - start + CHUNK - 1) / CHUNK;
+  if (static_cast<int64_t>(s.values.size()) < chunks * chunk_words) s.values.resize(chunks * chunk_words);
+  for (int64_t c = 0; c < chunks; ++c)
+    pack_values(value_rows, stride, start + c * CHUNK, all_hi, dim, s.values.data() + c * chunk_words, pair_index);
+  const bool resident = dim <= 64;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t bhi = block_hi[b];
+    if (bhi <= start) continue;  // this block's rows see none of the span
+    const uint32_t* q = qt + b * dim * 8;
+    float* block_acc = acc + b * 16 * dim;
+    const __m512i limits = _mm512_loadu_si512(limit + b * 16);
+    if (resident) PAGEDSERVE_ACC_TILES(_tile_loadd, block_acc, dim);
+    for (int64_t first = start; first < bhi; first += CHUNK) {
+      const uint32_t* values = s.values.data() + (first - start) / CHUNK * chunk_words;
+      float* scores = s.scores;
+      const bool second = first + 16 < bhi;  // the second 16 keys are visible to some row
+      const c10::BFloat16* k0 = key_rows(first);
+      const c10::BFloat16* k1 = second ? key_rows(first + 16) : nullptr;
       _tile_zero(0);
       _tile_zero(1);
       for (int64_t c = 0; c < dim / 32; ++c) {
@@ -157,43 +191,42 @@ void attend_rows(const uint32_t* qt, int64_t blocks, int64_t dim, KeyAt&& key_ro
           _tile_dpbf16ps(1, 2, 3);
         }
       }
-      _tile_stored(0, s.scores, 64);
-      if (second) _tile_stored(1, s.scores + 256, 64);
-      // Online softmax, rows in lanes: positions outside [lo, hi) or past a row's limit get -inf.
-      const __m512i limits = _mm512_loadu_si512(limit + b * 16);
+      _tile_stored(0, scores, 64);
+      if (second) _tile_stored(1, scores + 256, 64);
+      // Online softmax, rows in lanes, on the raw scores (the scale joins the exponent):
+      // positions outside [lo, hi) or past a row's limit get -inf.
       const int64_t keys = second ? CHUNK : 16;
       __m512 chunk_max = minus_inf;
-      const __m512 scales = _mm512_set1_ps(scale);
       if (first >= lo && first + keys <= block_min[b]) {  // every row sees all of these positions
-        for (int64_t k = 0; k < keys; ++k) {
-          const __m512 x = _mm512_mul_ps(_mm512_load_ps(s.scores + k * 16), scales);
-          _mm512_store_ps(s.scores + k * 16, x);
-          chunk_max = _mm512_max_ps(chunk_max, x);
-        }
+        for (int64_t k = 0; k < keys; ++k) chunk_max = _mm512_max_ps(chunk_max, _mm512_load_ps(scores + k * 16));
       } else {
         for (int64_t k = 0; k < keys; ++k) {
           const int64_t pos = first + k;
           const __mmask16 valid =
               pos >= lo && pos < bhi ? _mm512_cmpgt_epi32_mask(limits, _mm512_set1_epi32(pos)) : 0;
-          const __m512 x = _mm512_mask_mul_ps(minus_inf, valid, _mm512_load_ps(s.scores + k * 16), scales);
-          _mm512_store_ps(s.scores + k * 16, x);
+          const __m512 x = _mm512_mask_load_ps(minus_inf, valid, scores + k * 16);
+          _mm512_store_ps(scores + k * 16, x);
           chunk_max = _mm512_max_ps(chunk_max, x);
         }
       }
+      // The running max m (of scaled scores) moves only when a row's new scores pass it by more
+      // than kSlack, so most steps rescale nothing: probabilities relative to a stale max stay
+      // below e^kSlack, and acc and l share the same base.
       const __m512 mv = _mm512_loadu_ps(m + b * 16);
-      const __m512 new_max = _mm512_max_ps(mv, chunk_max);
-      // Rows that have seen nothing yet keep -inf: subtract 0 there (exp(-inf) = 0, never NaN).
+      const __m512 scaled_max = _mm512_mul_ps(chunk_max, scales);
+      const __mmask16 grow = _mm512_cmp_ps_mask(scaled_max, _mm512_add_ps(mv, slack), _CMP_GT_OQ);
+      const __m512 new_max = _mm512_mask_mov_ps(mv, grow, scaled_max);
+      // Rows that have seen nothing yet keep -inf: base 0 there (their probabilities are 0).
       const __m512 base = _mm512_mask_mov_ps(new_max, _mm512_cmp_ps_mask(new_max, minus_inf, _CMP_EQ_OQ),
                                              _mm512_setzero_ps());
-      const __m512 correction = exp_ps(_mm512_sub_ps(mv, base));
+      const __m512 offset = _mm512_mul_ps(base, log2e);  // p = 2^(x * scale * log2e - offset)
       __m512 sum = _mm512_setzero_ps();
       __m512i pairs[16];
       for (int64_t k = 0; k < CHUNK; k += 2) {
         __m512 p0 = _mm512_setzero_ps(), p1 = _mm512_setzero_ps();
         if (k < keys) {
-          const __m512 x0 = _mm512_load_ps(s.scores + k * 16), x1 = _mm512_load_ps(s.scores + (k + 1) * 16);
-          p0 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x0, minus_inf, _CMP_NEQ_OQ), exp_ps(_mm512_sub_ps(x0, base)));
-          p1 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x1, minus_inf, _CMP_NEQ_OQ), exp_ps(_mm512_sub_ps(x1, base)));
+          p0 = exp2_ps(_mm512_fmsub_ps(_mm512_load_ps(scores + k * 16), to_log2, offset));
+          p1 = exp2_ps(_mm512_fmsub_ps(_mm512_load_ps(scores + (k + 1) * 16), to_log2, offset));
         }
         const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);  // p0 in words 0-15, p1 in 16-31
         pairs[k / 2] = _mm512_permutexvar_epi16(pair_index, both);  // dword lane n: (p0[n], p1[n])
@@ -202,30 +235,54 @@ void attend_rows(const uint32_t* qt, int64_t blocks, int64_t dim, KeyAt&& key_ro
                                                _mm512_castsi512_ps(_mm512_and_si512(pairs[k / 2],
                                                                                     _mm512_set1_epi32(-65536)))));
       }
-      _mm512_storeu_ps(l + b * 16, _mm512_fmadd_ps(_mm512_loadu_ps(l + b * 16), correction, sum));
+      // Rows whose max moved after they had seen something scale their sum and acc down.
+      const __mmask16 rescale = grow & _mm512_cmp_ps_mask(mv, minus_inf, _CMP_NEQ_OQ);
+      const __m512 correction = exp2_ps(_mm512_mul_ps(_mm512_sub_ps(mv, base), log2e));
+      const __m512 lv = _mm512_loadu_ps(l + b * 16);
+      _mm512_storeu_ps(l + b * 16, _mm512_add_ps(_mm512_mask_mul_ps(lv, rescale, lv, correction), sum));
       _mm512_storeu_ps(m + b * 16, new_max);
+      if (rescale) {
+        if (resident) PAGEDSERVE_ACC_TILES(_tile_stored, block_acc, dim);
+        alignas(64) float corr[16];
+        _mm512_store_ps(corr, correction);
+        for (uint32_t bits = rescale; bits != 0; bits &= bits - 1) {
+          const int r = __builtin_ctz(bits);
+          const __m512 f = _mm512_set1_ps(corr[r]);
+          float* a = block_acc + r * dim;
+          for (int64_t d = 0; d < dim; d += 16) _mm512_storeu_ps(a + d, _mm512_mul_ps(_mm512_loadu_ps(a + d), f));
+        }
+        if (resident) PAGEDSERVE_ACC_TILES(_tile_loadd, block_acc, dim);
+      }
       transpose16(pairs);  // [row][key pair]
       for (int r = 0; r < 16; ++r) _mm512_store_si512(s.probs + r * 16, pairs[r]);
       _tile_loadd(2, s.probs, 64);
-      const int64_t groups = dim / 16;
-      for (int64_t g = 0; g < groups; g += 4) {
-        const int64_t n = std::min<int64_t>(4, groups - g);
-        PAGEDSERVE_PRODUCT_TILE(4, s.values.data(), s.product.data(), dim, g);
-        if (n > 1) PAGEDSERVE_PRODUCT_TILE(5, s.values.data(), s.product.data(), dim, g + 1);
-        if (n > 2) PAGEDSERVE_PRODUCT_TILE(6, s.values.data(), s.product.data(), dim, g + 2);
-        if (n > 3) PAGEDSERVE_PRODUCT_TILE(7, s.values.data(), s.product.data(), dim, g + 3);
-      }
-      alignas(64) float corr[16];
-      _mm512_store_ps(corr, correction);
-      float* block_acc = acc + b * 16 * dim;
-      for (int64_t r = 0; r < used[b]; ++r) {
-        const __m512 f = _mm512_set1_ps(corr[r]);
-        float* a = block_acc + r * dim;
-        const float* pv = s.product.data() + r * dim;
-        for (int64_t d = 0; d < dim; d += 16)
-          _mm512_storeu_ps(a + d, _mm512_fmadd_ps(_mm512_loadu_ps(a + d), f, _mm512_loadu_ps(pv + d)));
+      // acc [16 rows][dim] += probabilities x V, 16 dims a tile (V in tiles 0, 1 and 3 by turns).
+      if (resident) {
+        _tile_loadd(0, values, 64);
+        _tile_dpbf16ps(4, 2, 0);
+        if (dim > 16) {
+          _tile_loadd(1, values + 256, 64);
+          _tile_dpbf16ps(5, 2, 1);
+        }
+        if (dim > 32) {
+          _tile_loadd(3, values + 512, 64);
+          _tile_dpbf16ps(6, 2, 3);
+        }
+        if (dim > 48) {
+          _tile_loadd(0, values + 768, 64);
+          _tile_dpbf16ps(7, 2, 0);
+        }
+      } else {
+        for (int64_t g = 0; g < dim / 16; g += 4) {
+          const int64_t n = std::min<int64_t>(4, dim / 16 - g);
+          PAGEDSERVE_PRODUCT_TILE(4, 0, values, block_acc, dim, g);
+          if (n > 1) PAGEDSERVE_PRODUCT_TILE(5, 1, values, block_acc, dim, g + 1);
+          if (n > 2) PAGEDSERVE_PRODUCT_TILE(6, 3, values, block_acc, dim, g + 2);
+          if (n > 3) PAGEDSERVE_PRODUCT_TILE(7, 0, values, block_acc, dim, g + 3);
+        }
       }
     }
+    if (resident) PAGEDSERVE_ACC_TILES(_tile_stored, block_acc, dim);
   }
 }
 

@@ -1,6 +1,6 @@
 // Prefill and extend chunks of bfloat16 queries over a bfloat16 paged cache on AMX tiles (the
 // flash attention of amx_attention.h): the chosen sequences of a batch, each query at position
-// seq_len - query_len + i seeing the positions up to its own. Work items of up to 64 rows (one
+// seq_len - query_len + i seeing the positions up to its own. Work items of up to 256 rows (one
 // sequence and KV head; rows are query x query head of that KV head) go to the threads longest
 // first.
 #include "amx_attention.h"
@@ -63,10 +63,13 @@ void amx_prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tensor
   std::atomic<int64_t> next{0};
   auto work = [&](int64_t, int64_t) {
     amx::TileScope tiles;
-    amx::Scratch scratch;
+    // Kept per thread across calls: the packed V of a long span is too big to fault in anew.
+    thread_local amx::Scratch scratch;
+    thread_local std::vector<uint32_t> qt;
+    thread_local std::vector<float> acc;
     scratch.reserve(dim);
-    std::vector<uint32_t> qt(amx::MAX_BLOCKS * dim * 8);
-    std::vector<float> acc(amx::MAX_BLOCKS * amx::ROWS * dim);
+    qt.resize(amx::MAX_BLOCKS * dim * 8);
+    acc.resize(amx::MAX_BLOCKS * amx::ROWS * dim);
     alignas(64) float m[amx::MAX_BLOCKS * 16], l[amx::MAX_BLOCKS * 16];
     alignas(64) int32_t limit[amx::MAX_BLOCKS * 16];
     const c10::BFloat16* rows[16];

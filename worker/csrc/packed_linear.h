@@ -288,11 +288,40 @@ torch::Tensor checked_rows(const torch::Tensor& x, const torch::Tensor& packed, 
 // x @ weight.T + bias through ATen's F.linear (oneDNN), the route on AMX CPUs; `gated`: weight is
 // a fused gate/up [2N, K] and the result silu(gate) * up as eager PyTorch computes it. The plain and
 // the GGUF matmuls both end here, so the dequantized and the GGUF model give the same bits.
+// silu(gate) * up of y [..., 2N] (gates first) -> [..., N]: one vectorized pass for bfloat16,
+// rounded where eager rounds (silu_mul_bf16); other dtypes through ATen.
+inline torch::Tensor silu_mul(const torch::Tensor& y, int64_t n) {
+#if defined(__AVX512F__)
+  if (y.scalar_type() == torch::kBFloat16 && y.is_contiguous() && n > 0) {
+    std::vector<int64_t> sizes = y.sizes().vec();
+    sizes.back() = n;
+    torch::Tensor out = torch::empty(sizes, y.options());
+    const int64_t rows = y.numel() / (2 * n);
+    const auto* src = reinterpret_cast<const c10::BFloat16*>(y.data_ptr());
+    auto* dst = reinterpret_cast<c10::BFloat16*>(out.data_ptr());
+    at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / n), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const c10::BFloat16* gate = src + r * 2 * n;
+        c10::BFloat16* o = dst + r * n;
+        for (int64_t j = 0; j < n; j += 16) {
+          const __mmask16 mask = n - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - j)) - 1);
+          auto load = [mask](const c10::BFloat16* p) {
+            return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
+          };
+          _mm256_mask_storeu_epi16(o + j, mask, bf16_bits(silu_mul_bf16(load(gate + j), load(gate + n + j))));
+        }
+      }
+    });
+    return out;
+  }
+#endif
+  return at::silu(y.narrow(-1, 0, n)).mul_(y.narrow(-1, n, n));
+}
+
 inline torch::Tensor aten_linear(const torch::Tensor& x, const torch::Tensor& weight, int64_t out_features,
                                  const c10::optional<torch::Tensor>& bias, bool gated) {
   torch::Tensor y = at::linear(x, weight, bias);
-  if (!gated) return y;
-  return at::silu(y.narrow(-1, 0, out_features)).mul_(y.narrow(-1, out_features, out_features));
+  return gated ? silu_mul(y, out_features) : y;
 }
 
 }  // namespace

@@ -167,8 +167,8 @@ void item_on_tiles(const Problem<Q, T>& p, const Item& item, const int32_t* memb
     return (static_cast<int64_t>(p.query_start[members[item.first + r / gq]]) * p.heads + head * gq + r % gq) * dim;
   };
   scratch.reserve(dim);
-  std::vector<uint32_t> qt(amx::MAX_BLOCKS * dim * 8), own_qt(amx::MAX_BLOCKS * dim * 8);
-  std::vector<float> acc(amx::MAX_BLOCKS * amx::ROWS * dim, 0.0f), own_acc(amx::MAX_BLOCKS * amx::ROWS * dim);
+  std::vector<uint32_t> qt(MAX_VECS * dim * 8), own_qt(MAX_VECS * dim * 8);
+  std::vector<float> acc(MAX_VECS * amx::ROWS * dim, 0.0f), own_acc(MAX_VECS * amx::ROWS * dim);
   alignas(64) float m[amx::MAX_BLOCKS * 16], l[amx::MAX_BLOCKS * 16], own_m[amx::MAX_BLOCKS * 16],
       own_l[amx::MAX_BLOCKS * 16];
   alignas(64) int32_t limit[amx::MAX_BLOCKS * 16];
@@ -291,11 +291,10 @@ void run(const Problem<Q, T>& p, const int32_t* group_start, const int32_t* memb
     void* tiles = nullptr;
 #if defined(PAGEDSERVE_AMX_ATTENTION)
     std::optional<amx::TileScope> scope;
-    std::unique_ptr<amx::Scratch> scratch;
+    thread_local amx::Scratch scratch;  // kept across calls: the shared span's packed V is large
     if (use_amx(p)) {
       scope.emplace();
-      scratch = std::make_unique<amx::Scratch>();
-      tiles = scratch.get();
+      tiles = &scratch;
     }
 #endif
     for (int64_t index = next++; index < count; index = next++) {

@@ -1,7 +1,7 @@
 // The headers every kernel uses and the vector helpers they share: widening loads of float32,
 // bfloat16 and the 8-bit float KV cache types (`load_float`, `load16`), a 16 x 16 dword
-// transpose (`transpose16`) and a vectorized exp for x <= 0 that overflows to inf like exp
-// (`exp_ps`). Everything here has internal linkage (an unnamed namespace), as when all the
+// transpose (`transpose16`), a vectorized exp for x <= 0 that overflows to inf like exp
+// (`exp_ps`) and a cheaper 2^t for probabilities that are rounded to bfloat16 (`exp2_ps`). Everything here has internal linkage (an unnamed namespace), as when all the
 // kernels were one translation unit: each .cpp gets its own copy and the same inlining.
 #pragma once
 
@@ -99,6 +99,20 @@ inline __m512 exp_ps(__m512 x) {
   poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.6666665459e-1f));
   poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(5.0000001201e-1f));
   poly = _mm512_fmadd_ps(poly, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(poly, n);
+}
+
+// 2^t for t <= ~16 (attention probabilities, rounded to bfloat16 after): 2^n * p(t - n) with a
+// degree-4 polynomial (relative error < 5e-5); t of -inf or below -200 gives 0.
+inline __m512 exp2_ps(__m512 t) {
+  t = _mm512_max_ps(t, _mm512_set1_ps(-200.0f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_sub_ps(t, n);
+  __m512 poly = _mm512_set1_ps(9.6181291e-3f);
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(5.5504109e-2f));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(2.4022651e-1f));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(6.9314718e-1f));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f));
   return _mm512_scalef_ps(poly, n);
 }
 #endif
