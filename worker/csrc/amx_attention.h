@@ -72,10 +72,8 @@ struct FlushDenormals {
 struct Scratch {
   alignas(64) float scores[CHUNK * ROWS];  // [key][row]
   alignas(64) uint32_t probs[ROWS * 16];   // [row][key pair], bfloat16 pairs
-  std::vector<uint32_t> values;  // per 32 keys [dim / 16][16 key pairs][16 dims] of bfloat16 pairs
-  void reserve(int64_t dim) {
-    if (values.size() < static_cast<size_t>(dim * 16)) values.resize(dim * 16);
-  }
+  // Per 32 keys [dim / 16][16 key pairs][16 dims] of bfloat16 pairs; attend_rows sizes it.
+  std::vector<uint32_t> values;
 };
 
 // The B tiles of 16 rows' queries: qt[c][pair][row] (dim / 32 tiles), from rows of bfloat16

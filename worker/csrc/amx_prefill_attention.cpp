@@ -67,7 +67,6 @@ void amx_prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tensor
     thread_local amx::Scratch scratch;
     thread_local std::vector<uint32_t> qt;
     thread_local std::vector<float> acc;
-    scratch.reserve(dim);
     qt.resize(amx::MAX_BLOCKS * dim * 8);
     acc.resize(amx::MAX_BLOCKS * amx::ROWS * dim);
     alignas(64) float m[amx::MAX_BLOCKS * 16], l[amx::MAX_BLOCKS * 16];

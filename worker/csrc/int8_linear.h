@@ -72,13 +72,7 @@ struct Int8Sink {
 // adds nothing). Returns the scale (hi - lo) / 255 and sets *zero.
 template <typename In>
 inline float quantize_row(const In* x, int64_t k, uint8_t* u8, int32_t* zero) {
-  auto load = [&](int64_t i, __mmask16 m) -> __m512 {
-    if constexpr (std::is_same_v<In, float>) {
-      return _mm512_maskz_loadu_ps(m, x + i);
-    } else {
-      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, x + i)), 16));
-    }
-  };
+  auto load = [&](int64_t i, __mmask16 m) { return load16(m, x + i); };
   __m512 lo = _mm512_setzero_ps(), hi = _mm512_setzero_ps();  // masked-off lanes load 0: in range
   for (int64_t i = 0; i < k; i += 16) {
     const __mmask16 m = k - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (k - i)) - 1);

@@ -305,10 +305,8 @@ inline torch::Tensor silu_mul(const torch::Tensor& y, int64_t n) {
         c10::BFloat16* o = dst + r * n;
         for (int64_t j = 0; j < n; j += 16) {
           const __mmask16 mask = n - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - j)) - 1);
-          auto load = [mask](const c10::BFloat16* p) {
-            return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
-          };
-          _mm256_mask_storeu_epi16(o + j, mask, bf16_bits(silu_mul_bf16(load(gate + j), load(gate + n + j))));
+          _mm256_mask_storeu_epi16(o + j, mask,
+                                   bf16_bits(silu_mul_bf16(load16(mask, gate + j), load16(mask, gate + n + j))));
         }
       }
     });

@@ -166,7 +166,6 @@ void item_on_tiles(const Problem<Q, T>& p, const Item& item, const int32_t* memb
   auto row_of = [&](int64_t r) {  // row r: member r / gq, query head head * gq + r % gq
     return (static_cast<int64_t>(p.query_start[members[item.first + r / gq]]) * p.heads + head * gq + r % gq) * dim;
   };
-  scratch.reserve(dim);
   std::vector<uint32_t> qt(MAX_VECS * dim * 8), own_qt(MAX_VECS * dim * 8);
   std::vector<float> acc(MAX_VECS * amx::ROWS * dim, 0.0f), own_acc(MAX_VECS * amx::ROWS * dim);
   alignas(64) float m[amx::MAX_BLOCKS * 16], l[amx::MAX_BLOCKS * 16], own_m[amx::MAX_BLOCKS * 16],

@@ -1,7 +1,8 @@
 // The headers every kernel uses and the vector helpers they share: widening loads of float32,
 // bfloat16 and the 8-bit float KV cache types (`load_float`, `load16`), a 16 x 16 dword
 // transpose (`transpose16`), a vectorized exp for x <= 0 that overflows to inf like exp
-// (`exp_ps`) and a cheaper 2^t for probabilities that are rounded to bfloat16 (`exp2_ps`). Everything here has internal linkage (an unnamed namespace), as when all the
+// (`exp_ps`) and a cheaper 2^t for probabilities that are rounded to bfloat16 (`exp2_ps`).
+// Everything here has internal linkage (an unnamed namespace), as when all the
 // kernels were one translation unit: each .cpp gets its own copy and the same inlining.
 #pragma once
 
@@ -47,6 +48,11 @@ inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const c10::BFloat16* p) {
   const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+// The lanes of `mask` only (others 0): row tails.
+inline __m512 load16(__mmask16 mask, const float* p) { return _mm512_maskz_loadu_ps(mask, p); }
+inline __m512 load16(__mmask16 mask, const c10::BFloat16* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
 }
 // e5m2 is the top byte of a float16: widen, shift, vcvtph2ps (AVX-512F, no FP16 extension needed).
 inline __m512 load16(const c10::Float8_e5m2* p) {
