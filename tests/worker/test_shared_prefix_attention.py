@@ -124,6 +124,38 @@ def test_kernel_matches_reference(shape, dtypes, threads, make_metadata) -> None
 
 
 @needs_kernel
+@pytest.mark.parametrize("shape", ["smollm2", "mha"])
+def test_cache_positions_nobody_sees_do_not_leak(shape, make_metadata) -> None:
+    """Members' own positions share tiles (AMX CPUs): one member's keys past its end must not
+    reach another member's rows, even where the cache holds NaN there."""
+    _kernel()
+    heads, kv_heads, dim = SHAPES[shape]
+    block_size = 16
+    g = torch.Generator().manual_seed(2)
+    groups = [(2, [1, 30, 7, 0, 18, 45, 3]), (3, [12, 2])]
+    meta, members, num_blocks = build_batch(groups, [], [], block_size, make_metadata, g)
+    query, key, value, k_cache, v_cache = _inputs(meta, num_blocks, block_size, heads, kv_heads, dim,
+                                                  torch.bfloat16, torch.bfloat16, g)
+    seen = torch.zeros(num_blocks, block_size, dtype=torch.bool)
+    for seq, seq_len in enumerate(meta.seq_lens_cpu):
+        for pos in range(seq_len):
+            seen[meta.block_tables[seq, pos // block_size], pos % block_size] = True
+    k_cache[~seen] = float("nan")
+    v_cache[~seen] = float("nan")
+    scale = dim ** -0.5
+    expected = reference_attention(query, key, value, k_cache, v_cache, meta, scale=scale, sliding_window=None)
+    out = torch.full_like(query, float("nan"))
+    cpu_ops.shared_prefix_attention(
+        out, query, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
+        torch.tensor(np.cumsum([0] + [len(m) for m in members]), dtype=torch.int32),
+        torch.tensor([s for m in members for s in m], dtype=torch.int32),
+        torch.tensor([2 * block_size, 3 * block_size], dtype=torch.int32), scale)
+    grouped = [s for m in members for s in m]
+    assert torch.isfinite(out[grouped]).all()
+    torch.testing.assert_close(out[grouped].float(), expected[grouped].float(), atol=2e-2, rtol=2e-2)
+
+
+@needs_kernel
 def test_kernel_rejects_bad_groups(make_metadata) -> None:
     _kernel()
     g = torch.Generator().manual_seed(2)

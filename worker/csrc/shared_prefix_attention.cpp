@@ -14,7 +14,7 @@
 // the weighted sum (broadcast value element x probability lanes) need no horizontal reductions.
 // A member's own positions have only its few rows: dims in lanes there, as in paged_attention.
 // AVX-512 only: without it the caller keeps paged_attention.
-#include "amx_attention.h"
+#include "amx_member_attention.h"
 #include "kernels.h"
 #include "shared_prefix_tiles.h"
 
@@ -154,7 +154,7 @@ bool use_amx(const Problem<Q, T>& p) {
 }
 
 // A whole item on AMX tiles (amx_attention.h): the shared prefix for all rows together, then
-// each member's own positions for its rows (padded to a tile of 16), written to the output.
+// the members' own positions, 16 / gq members a tile (attend_members), written to the output.
 template <typename Q, typename T>
 void item_on_tiles(const Problem<Q, T>& p, const Item& item, const int32_t* members, int64_t prefix,
                    amx::Scratch& scratch) {
@@ -166,7 +166,7 @@ void item_on_tiles(const Problem<Q, T>& p, const Item& item, const int32_t* memb
   auto row_of = [&](int64_t r) {  // row r: member r / gq, query head head * gq + r % gq
     return (static_cast<int64_t>(p.query_start[members[item.first + r / gq]]) * p.heads + head * gq + r % gq) * dim;
   };
-  std::vector<uint32_t> qt(MAX_VECS * dim * 8), own_qt(MAX_VECS * dim * 8);
+  std::vector<uint32_t> qt(MAX_VECS * dim * 8), own_qt(std::max<int64_t>(MAX_VECS, amx::ROWS) * dim * 8);
   std::vector<float> acc(MAX_VECS * amx::ROWS * dim, 0.0f), own_acc(MAX_VECS * amx::ROWS * dim);
   alignas(64) float m[amx::MAX_BLOCKS * 16], l[amx::MAX_BLOCKS * 16], own_m[amx::MAX_BLOCKS * 16],
       own_l[amx::MAX_BLOCKS * 16];
@@ -193,6 +193,49 @@ void item_on_tiles(const Problem<Q, T>& p, const Item& item, const int32_t* memb
   const int64_t first_seq = members[item.first];
   amx::attend_rows(qt.data(), blocks, dim, cache_rows(p.k_cache, first_seq), cache_rows(p.v_cache, first_seq),
                    p.kv_heads * dim, 0, prefix, limit, p.scale, m, l, acc.data(), scratch);
+  auto finish = [&](int64_t row, const float* row_acc, float row_l) {  // writes output row `row`
+    c10::BFloat16* o = output + row_of(row);
+    const __m512 inv = _mm512_set1_ps(1.0f / row_l);
+    for (int64_t d = 0; d < dim; d += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + d),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(row_acc + d), inv)));
+  };
+  if (gq <= amx::ROWS) {
+    // Own positions: the members of a tile (16 / gq of them) together, each with its rows.
+    const int64_t per_tile = amx::ROWS / gq;
+    int64_t his[amx::ROWS];
+    for (int64_t t = 0; t < item.count; t += per_tile) {
+      const int64_t n = std::min<int64_t>(per_tile, item.count - t);
+      std::fill(own_m, own_m + 16, -std::numeric_limits<float>::infinity());
+      std::fill(own_l, own_l + 16, 0.0f);
+      std::fill(limit, limit + 16, 0);
+      std::fill(own_acc.begin(), own_acc.begin() + 16 * dim, 0.0f);
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t seq = members[item.first + t + j];
+        his[j] = p.seq_lens[seq];
+        for (int64_t i = 0; i < 16; ++i) row_ptrs[i] = i / gq == j ? query + row_of((t + j) * gq + i % gq) : nullptr;
+        amx::pack_queries(row_ptrs, 16, dim, own_qt.data() + j * dim * 8);
+        for (int64_t i = 0; i < gq; ++i) {
+          const int64_t from = (t + j) * gq + i, to = j * gq + i;
+          limit[to] = static_cast<int32_t>(his[j]);
+          own_m[to] = m[from];
+          own_l[to] = l[from];
+          std::memcpy(own_acc.data() + to * dim, acc.data() + from * dim, dim * sizeof(float));
+        }
+      }
+      amx::attend_members(
+          own_qt.data(), n, gq, dim,
+          [&](int64_t j, int64_t pos) {
+            return reinterpret_cast<const c10::BFloat16*>(p.row(p.k_cache, members[item.first + t + j], pos, head));
+          },
+          [&](int64_t j, int64_t pos) {
+            return reinterpret_cast<const c10::BFloat16*>(p.row(p.v_cache, members[item.first + t + j], pos, head));
+          },
+          p.kv_heads * dim, prefix, his, limit, p.scale, own_m, own_l, own_acc.data(), scratch);
+      for (int64_t r = 0; r < n * gq; ++r) finish(t * gq + r, own_acc.data() + r * dim, own_l[r]);
+    }
+    return;
+  }
   const int64_t own_blocks = (gq + amx::ROWS - 1) / amx::ROWS;
   for (int64_t i = 0; i < item.count; ++i) {
     const int64_t seq = members[item.first + i], len = p.seq_lens[seq];
@@ -206,13 +249,7 @@ void item_on_tiles(const Problem<Q, T>& p, const Item& item, const int32_t* memb
     }
     amx::attend_rows(own_qt.data(), own_blocks, dim, cache_rows(p.k_cache, seq), cache_rows(p.v_cache, seq),
                      p.kv_heads * dim, prefix, len, limit, p.scale, own_m, own_l, own_acc.data(), scratch);
-    for (int64_t j = 0; j < gq; ++j) {
-      c10::BFloat16* o = output + row_of(i * gq + j);
-      const __m512 inv = _mm512_set1_ps(1.0f / own_l[j]);
-      for (int64_t d = 0; d < dim; d += 16)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + d),
-                            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(own_acc.data() + j * dim + d), inv)));
-    }
+    for (int64_t j = 0; j < gq; ++j) finish(i * gq + j, own_acc.data() + j * dim, own_l[j]);
   }
 }
 #endif
