@@ -83,7 +83,7 @@ void attend_members(const uint32_t* qt, int64_t members, int64_t gq, int64_t dim
     for (int64_t j = 0; j < members; ++j) {
       if (first >= hi[j]) continue;
       uint32_t* probs = s.member_probs.data() + j * ROWS * 16;
-      for (int64_t r = j * gq; r < (j + 1) * gq; ++r) _mm512_store_si512(probs + r * 16, pairs[r]);
+      for (int64_t r = j * gq; r < (j + 1) * gq; ++r) _mm512_storeu_si512(probs + r * 16, pairs[r]);
       add_product(probs, s.values.data() + j * member_words + chunk * chunk_words, acc, dim, resident);
     }
   }
