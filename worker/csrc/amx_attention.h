@@ -100,11 +100,16 @@ inline void pack_queries(const c10::BFloat16* const* rows, int64_t n, int64_t di
     _tile_stored(C, (acc) + (group) * 16, (dim) * 4);          \
   } while (0)
 
+// Interleaves the words of two vectors a (words 0-15) and b (16-31): dword n = (a[n], b[n]).
+inline __m512i pair_index() {
+  return _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4,
+                          19, 3, 18, 2, 17, 1, 16, 0);
+}
+
 // V's 32 positions from `first` as pairs of keys: values[g][pair][dim 16g + j] =
 // (V[2 pair][.], V[2 pair + 1][.]); positions at or past hi are zeros.
 template <typename ValueAt>
-inline void pack_values(ValueAt&& value_rows, int64_t stride, int64_t first, int64_t hi, int64_t dim, uint32_t* values,
-                        __m512i pair_index) {
+inline void pack_values(ValueAt&& value_rows, int64_t stride, int64_t first, int64_t hi, int64_t dim, uint32_t* values) {
   for (int64_t half = 0; half < 2; ++half) {
     const c10::BFloat16* v = first + half * 16 < hi ? value_rows(first + half * 16) : nullptr;
     for (int64_t p = 0; p < 8; ++p) {
@@ -114,7 +119,7 @@ inline void pack_values(ValueAt&& value_rows, int64_t stride, int64_t first, int
         const __m256i a = _mm256_maskz_loadu_epi16(a_ok, a_ok ? v + (2 * p) * stride + g * 16 : nullptr);
         const __m256i b = _mm256_maskz_loadu_epi16(b_ok, b_ok ? v + (2 * p + 1) * stride + g * 16 : nullptr);
         const __m512i ab = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
-        _mm512_storeu_si512(values + (g * 16 + half * 8 + p) * 16, _mm512_permutexvar_epi16(pair_index, ab));
+        _mm512_storeu_si512(values + (g * 16 + half * 8 + p) * 16, _mm512_permutexvar_epi16(pair_index(), ab));
       }
     }
   }
@@ -140,8 +145,6 @@ inline void softmax_chunk(Scratch& s, int64_t keys, int64_t first, int64_t lo, i
   const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   constexpr float kSlack = 8.0f;  // how far a row's max may run ahead of m before m moves
   const __m512 log2e = _mm512_set1_ps(1.44269504088896341f), to_log2 = _mm512_set1_ps(scale * 1.44269504088896341f);
-  const __m512i pair_index = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
-                                              22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   float* scores = s.scores;
   __m512 chunk_max = minus_inf;
   if (all_visible) {
@@ -174,7 +177,7 @@ inline void softmax_chunk(Scratch& s, int64_t keys, int64_t first, int64_t lo, i
       p1 = exp2_ps(_mm512_fmsub_ps(_mm512_load_ps(scores + (k + 1) * 16), to_log2, offset));
     }
     const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);  // p0 in words 0-15, p1 in 16-31
-    pairs[k / 2] = _mm512_permutexvar_epi16(pair_index, both);  // dword lane n: (p0[n], p1[n])
+    pairs[k / 2] = _mm512_permutexvar_epi16(pair_index(), both);  // dword lane n: (p0[n], p1[n])
     // The sum takes the probabilities as rounded, as the product with V does.
     sum = _mm512_add_ps(sum, _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(pairs[k / 2], 16)),
                                            _mm512_castsi512_ps(_mm512_and_si512(pairs[k / 2],
@@ -244,10 +247,8 @@ inline void block_bounds(const int32_t* limit, int64_t hi, int64_t* block_hi, in
 template <typename ValueAt>
 inline void pack_span(ValueAt&& value_rows, int64_t stride, int64_t start, int64_t hi, int64_t dim,
                       uint32_t* values) {
-  const __m512i pair_index = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
-                                              22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   for (int64_t first = start, c = 0; first < hi; first += CHUNK, ++c)
-    pack_values(value_rows, stride, first, hi, dim, values + c * dim * 16, pair_index);
+    pack_values(value_rows, stride, first, hi, dim, values + c * dim * 16);
 }
 
 // Continues `blocks` blocks of 16 rows (queries packed by pack_queries: qt + b * dim * 8 for
