@@ -200,6 +200,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--distributed-init-method", default=env_default("DISTRIBUTED_INIT_METHOD", None),
                    help="where a worker group meets: tcp://HOST:PORT of rank 0 (default: torchrun's "
                         "MASTER_ADDR and MASTER_PORT)")
+    g.add_argument("--speculative-config", default=env_setting("SPECULATIVE_CONFIG", None),
+                   help='speculative decoding, as vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' or \'{"method": "draft_model", '
+                        '"model": PATH, "num_speculative_tokens": 4}\'; optional "disable_by_batch_size"')
     g.add_argument("--model-cache-dir", default=env_default("CACHE_DIR", None),
                    help="where converted GGUF models are kept (default ~/.cache/pagedserve/models)")
     return parser
@@ -220,7 +224,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         enforce_eager=args.enforce_eager, model_cache_dir=args.model_cache_dir, max_logprobs=args.max_logprobs,
         greedy_rescore_near_ties=args.greedy_rescore_near_ties,
         tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
-        data_parallel_size=args.data_parallel_size, distributed_init_method=args.distributed_init_method)
+        data_parallel_size=args.data_parallel_size, distributed_init_method=args.distributed_init_method,
+        speculative_config=args.speculative_config)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -255,6 +260,8 @@ def engine_argv(config: EngineConfig) -> list[str]:
     for flag, value in optional.items():
         if value is not None:
             argv += [flag, str(value)]
+    if config.speculative_config is not None:
+        argv += ["--speculative-config", config.speculative_config.to_json()]
     if config.gpu_memory_utilization != 0.9:
         argv += ["--gpu-memory-utilization", str(config.gpu_memory_utilization)]
     for flag, size in (("--tensor-parallel-size", config.tensor_parallel_size),

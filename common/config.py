@@ -7,6 +7,7 @@ import sys
 from dataclasses import dataclass
 
 from common.errors import ConfigError
+from common.speculative_config import SpeculativeConfig
 
 GiB = 1 << 30
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -79,8 +80,12 @@ class EngineConfig:
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     distributed_init_method: str | None = None  # tcp://HOST:PORT; None: MASTER_ADDR/MASTER_PORT
+    # Draft tokens checked by the model in one pass (common.speculative_config); a dict or the
+    # CLI's JSON text is parsed on construction.
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.block_size is None:
             self.block_size = self.default_block_size()
         self.validate()
@@ -121,6 +126,9 @@ class EngineConfig:
                               f"got {self.distributed_init_method!r}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ConfigError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
+        if self.speculative_config is not None and self.world_size > 1:
+            raise ConfigError("speculative decoding runs on one worker rank; it does not combine with "
+                              "tensor_parallel_size or pipeline_parallel_size above 1")
 
     # --- resolved values -------------------------------------------------
     def resolved_device(self) -> str:

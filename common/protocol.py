@@ -204,6 +204,9 @@ class CachedRequestData(msgspec.Struct, **_STRUCT):
     request_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
+    # Set when the scheduler gave back blocks of the request (rejected drafts' slots) since the
+    # last plan: keep only the first this many before appending new_block_ids. -1: keep all.
+    num_blocks_kept: int = -1
 
 
 class StepPlan(msgspec.Struct, **_STRUCT):
@@ -217,6 +220,10 @@ class StepPlan(msgspec.Struct, **_STRUCT):
     num_scheduled_tokens: dict[str, int] = {}
     finished_request_ids: list[str] = []  # free these (finished, aborted or preempted)
     reset_prefix_cache: bool = False
+    # Speculative decoding: draft tokens to check this step, after the request's last known token.
+    # Such a request's num_scheduled_tokens counts them: 1 + len(drafts).
+    draft_token_ids: dict[str, list[int]] = {}
+    speculate: bool = False  # propose drafts for the requests that sample this step
 
 
 class StepResult(msgspec.Struct, **_STRUCT):
@@ -226,6 +233,13 @@ class StepResult(msgspec.Struct, **_STRUCT):
     execute_ns: int = 0
     sampled_logprobs: dict[str, TokenLogprobs] = {}  # for the sampling requests that asked
     prompt_logprobs: dict[str, PromptLogprobs] = {}  # prompt positions computed this step, when asked
+    # Speculative decoding. `accepted_draft_ids`: the drafts the model accepted, which come before
+    # the request's entry in sampled_token_ids (a rejected draft's place takes that token);
+    # `draft_logprobs`: their logprobs, when the request asked. `proposals`: drafts for the next
+    # step, from the request's tokens as this step left them.
+    accepted_draft_ids: dict[str, list[int]] = {}
+    draft_logprobs: dict[str, list[TokenLogprobs]] = {}
+    proposals: dict[str, list[int]] = {}
 
 
 class Shutdown(msgspec.Struct, **_STRUCT):

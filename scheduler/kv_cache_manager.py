@@ -121,13 +121,27 @@ class KVCacheManager:
         if not self.enable_caching:
             return
         request_id = request.request_id
-        num_full = request.num_computed_tokens // self.block_size
+        # Only blocks of known tokens have hashes: KV of checked drafts is computed before they join.
+        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_hashes))
         start = self.num_cached_blocks[request_id]
         if num_full <= start:
             return
         blocks = self.req_to_blocks[request_id]
         self.block_pool.cache_full_blocks(blocks[start:num_full], request.block_hashes[start:num_full])
         self.num_cached_blocks[request_id] = num_full
+
+    def trim(self, request: Request, num_tokens: int) -> bool:
+        """Give back the request's blocks past its first `num_tokens` slots (rejected drafts and a
+        draft model's lookahead); never a block registered in the prefix cache. Whether any went."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        if not blocks:
+            return False
+        keep = max(cdiv(num_tokens, self.block_size), self.num_cached_blocks.get(request.request_id, 0))
+        if keep >= len(blocks):
+            return False
+        self.block_pool.free_blocks(reversed(blocks[keep:]))
+        del blocks[keep:]
+        return True
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first, so a sequence's last

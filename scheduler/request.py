@@ -60,6 +60,8 @@ class Request:
         self.sent_to_worker = False  # False: the next plan carries NewRequestData
         self.finish_reason: FinishReason | None = None
         self.num_preemptions = 0
+        self.spec_token_ids: list[int] = []  # drafts the worker proposed, checked next step
+        self.blocks_trimmed = False  # blocks given back since the last plan (the worker must drop them too)
         self._block_size = block_size
         self._enable_caching = enable_caching
         self.block_hashes: list[BlockHash] = []

@@ -24,6 +24,7 @@ from scheduler.request import Request, RequestStatus
 from scheduler.resumption import resumed_samples
 from scheduler.sample_group import SampleGroup
 from scheduler.scheduler_stats import SchedulerStats
+from scheduler.speculation import SpecDecodeStats, can_speculate, drafts_to_check, roll_back_rejected
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        self.speculative_config = config.speculative_config
+        self.spec_stats = SpecDecodeStats(self.speculative_config)
 
     # --- requests in and out ----------------------------------------------
     def add_request(self, engine_request: EngineRequest) -> None:
@@ -165,7 +168,10 @@ class Scheduler:
         """Plan the next step, or None when no request has work."""
         budget = self.max_num_batched_tokens
         scheduled: list[tuple[Request, int, list[int]]] = []  # (request, tokens, blocks added)
+        drafts: dict[str, list[int]] = {}
         preempted = False
+        speculate = self._speculating()
+        lookahead = self.speculative_config.lookahead_slots if speculate else 0
 
         index = 0
         while index < len(self.running) and budget > 0:
@@ -174,7 +180,13 @@ class Scheduler:
             if num_new <= 0:  # its sampled token is not back yet (schedule called twice)
                 index += 1
                 continue
-            new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
+            checked = drafts_to_check(request, budget, self.max_model_len) if speculate and num_new == 1 else []
+            # A step that samples gives a draft model room to run ahead (its KV past the checked tokens).
+            ahead = self._lookahead(request, num_new + len(checked), lookahead)
+            new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new + len(checked) + ahead)
+            if new_block_ids is None and (checked or ahead):  # drafts never cost another request its place
+                checked, ahead = [], 0
+                new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
             while new_block_ids is None:
                 # Victims come from the tail, i.e. requests not yet scheduled in this step.
                 victim = self.running.pop()
@@ -185,22 +197,29 @@ class Scheduler:
                 new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
             if new_block_ids is None:
                 break
+            if checked:
+                drafts[request.request_id] = checked
+                num_new += len(checked)
+            request.spec_token_ids = []
             scheduled.append((request, num_new, new_block_ids))
             budget -= num_new
             index += 1
 
         # Admitting right after a preemption would only thrash the cache.
         if not preempted:
-            self._admit_waiting(budget, scheduled)
+            self._admit_waiting(budget, scheduled, lookahead)
         if not scheduled:
             return None  # pending finished ids go out with the next plan
 
         new_requests, cached_requests, num_scheduled_tokens = [], [], {}
         for request, num_new, new_block_ids in scheduled:
             if request.sent_to_worker:
+                kept = -1
+                if request.blocks_trimmed:
+                    kept = len(self.kv_cache_manager.req_to_blocks[request.request_id]) - len(new_block_ids)
                 cached_requests.append(CachedRequestData(
                     request_id=request.request_id, new_block_ids=new_block_ids,
-                    num_computed_tokens=request.num_computed_tokens))
+                    num_computed_tokens=request.num_computed_tokens, num_blocks_kept=kept))
             else:
                 # All its blocks: a forked sample arrives holding its shared prompt blocks.
                 new_requests.append(NewRequestData(
@@ -209,16 +228,18 @@ class Scheduler:
                     block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
                     num_computed_tokens=request.num_computed_tokens))
                 request.sent_to_worker = True
+            request.blocks_trimmed = False
             num_scheduled_tokens[request.request_id] = num_new
             # Advanced now, like vLLM: the next step continues after this chunk.
             request.num_computed_tokens += num_new
         plan = StepPlan(step_id=self._next_step_id, new_requests=new_requests, cached_requests=cached_requests,
-                        num_scheduled_tokens=num_scheduled_tokens, finished_request_ids=list(self._finished_ids))
+                        num_scheduled_tokens=num_scheduled_tokens, finished_request_ids=list(self._finished_ids),
+                        draft_token_ids=drafts, speculate=speculate)
         self._next_step_id += 1
         self._finished_ids.clear()
         return plan
 
-    def _admit_waiting(self, budget: int, scheduled: list[tuple[Request, int, list[int]]]) -> None:
+    def _admit_waiting(self, budget: int, scheduled: list[tuple[Request, int, list[int]]], lookahead: int) -> None:
         """Admit waiting requests in queue order while budget, sequence slots
         and blocks last; stop at the first that does not fit (no overtaking).
 
@@ -234,7 +255,10 @@ class Scheduler:
             if in_flight and kv.next_block_in_flight(request, len(hit_blocks), in_flight):
                 break
             num_new = min(request.num_tokens - num_hit_tokens, budget)
-            new_block_ids = kv.allocate_slots(request, num_new, hit_blocks)
+            request.num_computed_tokens = num_hit_tokens  # (for the lookahead; kept only if admitted)
+            ahead = self._lookahead(request, num_new, lookahead)
+            request.num_computed_tokens = 0
+            new_block_ids = kv.allocate_slots(request, num_new + ahead, hit_blocks)
             if new_block_ids is None:
                 break
             self.waiting.pop()
@@ -252,10 +276,24 @@ class Scheduler:
             scheduled.append((request, num_new, new_block_ids))
             budget -= num_new
 
+    def _speculating(self) -> bool:
+        """Whether this step checks drafts (and the worker proposes more): speculation is on
+        and fewer requests run than `disable_by_batch_size`."""
+        config = self.speculative_config
+        return config is not None and len(self.running) < config.disable_by_batch_size
+
+    def _lookahead(self, request: Request, num_new: int, lookahead: int) -> int:
+        """KV slots past this step's tokens for a draft model to run ahead in: only when the chunk
+        reaches the request's last known token (it samples, then proposes), within max_model_len."""
+        if not lookahead or request.num_computed_tokens + num_new < request.num_tokens or not can_speculate(request):
+            return 0
+        return max(0, min(lookahead, self.max_model_len - request.num_computed_tokens - num_new))
+
     def _preempt(self, request: Request) -> None:
         """Recompute later: free the KV, keep the tokens, wait at the front."""
         self.kv_cache_manager.free(request)
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -271,6 +309,12 @@ class Scheduler:
         """Apply a step's sampled tokens; return this step's outputs."""
         if result.step_id != plan.step_id:
             raise ValueError(f"result of step {result.step_id} applied to plan {plan.step_id}")
+        sampled = set(result.request_ids)
+        for request_id, checked in plan.draft_token_ids.items():
+            request = self._requests.get(request_id)
+            if request is not None and request.status is RequestStatus.RUNNING and request_id in sampled:
+                roll_back_rejected(self.kv_cache_manager, self.spec_stats, request, len(checked),
+                                   len(result.accepted_draft_ids.get(request_id, ())))
         # The step's KV is computed now, so its newly full blocks can be shared.
         for request_id in plan.num_scheduled_tokens:
             request = self._requests.get(request_id)
@@ -288,26 +332,35 @@ class Scheduler:
             request = self._requests.get(request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            if request.num_computed_tokens != request.num_tokens:
+            accepted = result.accepted_draft_ids.get(request_id, [])
+            if request.num_computed_tokens != request.num_tokens + len(accepted):
                 logger.error("Ignoring a token sampled for %s, which has %d of %d tokens computed",
                              request_id, request.num_computed_tokens, request.num_tokens)
                 continue
             if request.num_output_tokens == 0 and request.sample_index == 0:
                 self.num_prompt_tokens += request.num_prompt_tokens  # once, however many samples
-            request.append_output_token(token_id)
-            self.num_generation_tokens += 1
-            if request.num_output_tokens == 1 and request.sample_index == 0:
+            new_token_ids = []
+            for token in accepted + [token_id]:
+                request.append_output_token(token)
+                new_token_ids.append(token)
+                reason = request.check_stop(self.eos_token_ids, self.max_model_len)
+                if reason is not None:
+                    break
+            self.num_generation_tokens += len(new_token_ids)
+            if request.num_output_tokens == len(new_token_ids) and request.sample_index == 0:
                 group = self._groups.get(request.external_id)
                 if group is not None and group.num_unforked:
                     self._fork(group, request)  # before a finish could free the prompt blocks
             prompt_logprobs = request.take_prompt_logprobs()
-            reason = request.check_stop(self.eos_token_ids, self.max_model_len)
             if reason is not None:
                 self._finish(request, reason)
                 num_finished += 1
+            else:
+                request.spec_token_ids = result.proposals.get(request_id, [])
             logprobs = result.sampled_logprobs.get(request_id)
-            outputs.append(self._output(request, [token_id], None if logprobs is None else [logprobs],
-                                        prompt_logprobs))
+            if logprobs is not None:
+                logprobs = (result.draft_logprobs.get(request_id, []) + [logprobs])[:len(new_token_ids)]
+            outputs.append(self._output(request, new_token_ids, logprobs, prompt_logprobs))
         if num_finished:
             self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
         return outputs
@@ -362,7 +415,11 @@ class Scheduler:
             num_free_blocks=kv.num_free_blocks, num_total_blocks=kv.block_pool.num_usable_blocks,
             prefix_cache_queries=kv.prefix_cache_queries, prefix_cache_hits=kv.prefix_cache_hits,
             num_preemptions=self.num_preemptions, num_prompt_tokens=self.num_prompt_tokens,
-            num_generation_tokens=self.num_generation_tokens)
+            num_generation_tokens=self.num_generation_tokens,
+            spec_decode_num_drafts=self.spec_stats.num_drafts,
+            spec_decode_num_draft_tokens=self.spec_stats.num_draft_tokens,
+            spec_decode_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos=list(self.spec_stats.accepted_per_position))
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached prefix; False (nothing changed) while requests hold blocks."""
@@ -378,6 +435,7 @@ class Scheduler:
         for request in reversed(moved):  # push_front reverses, so the oldest ends first
             self.kv_cache_manager.free(request)
             request.num_computed_tokens = 0
+            request.spec_token_ids = []
             request.status = RequestStatus.PREEMPTED
             request.sent_to_worker = False
             self.waiting.push_front(request)

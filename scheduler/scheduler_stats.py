@@ -1,7 +1,7 @@
 """What the scheduler reports about itself (control service, stats log, metrics)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True, slots=True)
@@ -16,6 +16,12 @@ class SchedulerStats:
     num_preemptions: int  # cumulative
     num_prompt_tokens: int  # prompt tokens of requests that finished their prefill
     num_generation_tokens: int  # sampled tokens applied
+    # Speculative decoding, cumulative: steps of a request with drafts, drafts checked, drafts
+    # accepted, and accepted drafts by position (index 0: the first draft of a step).
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
 
     @property
     def prefix_cache_hit_rate(self) -> float:

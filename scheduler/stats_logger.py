@@ -19,12 +19,16 @@ class StatsLogger:
         self._prompt_tokens = 0
         self._generation_tokens = 0
         self._steps = 0
+        self._spec_seen = (0, 0, 0)  # drafts, draft tokens, accepted tokens at the last line
 
     def record_step(self, plan: StepPlan, outputs: list[RequestOutput]) -> None:
         generated = sum(len(o.new_token_ids) for o in outputs)
         self._generation_tokens += generated
-        # Every scheduled token that did not produce an output token was prompt (prefill) work.
-        self._prompt_tokens += max(0, sum(plan.num_scheduled_tokens.values()) - generated)
+        # Every scheduled token but the checked drafts and the one token each output sampled
+        # from was prompt (prefill) work.
+        drafts = sum(len(d) for d in plan.draft_token_ids.values())
+        sampled = sum(1 for o in outputs if o.new_token_ids)
+        self._prompt_tokens += max(0, sum(plan.num_scheduled_tokens.values()) - drafts - sampled)
         self._steps += 1
 
     def maybe_log(self, scheduler) -> None:
@@ -42,5 +46,16 @@ class StatsLogger:
                 "Preemptions: %d", self._prompt_tokens / elapsed, self._generation_tokens / elapsed,
                 stats.num_running, stats.num_waiting, 100 * stats.kv_cache_usage, 100 * hit_rate,
                 stats.num_preemptions)
+            self._log_spec_decode(stats)
         self._last_log = now
         self._prompt_tokens = self._generation_tokens = self._steps = 0
+
+    def _log_spec_decode(self, stats) -> None:
+        """vLLM's spec-decode line, for the drafts checked since the last one."""
+        now = (stats.spec_decode_num_drafts, stats.spec_decode_num_draft_tokens, stats.spec_decode_num_accepted_tokens)
+        drafts, draft_tokens, accepted = (a - b for a, b in zip(now, self._spec_seen))
+        self._spec_seen = now
+        if drafts > 0:
+            logger.info("SpecDecoding metrics: Mean acceptance length: %.2f, Accepted: %d tokens, Drafted: %d tokens, "
+                        "Draft acceptance rate: %.1f%%", 1 + accepted / drafts, accepted, draft_tokens,
+                        100 * accepted / max(draft_tokens, 1))

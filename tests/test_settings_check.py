@@ -51,6 +51,7 @@ BAD_VALUES: dict[str, tuple[str, ...]] = {
     "PAGEDSERVE_BLOCK_SIZE": ("12", "block_size must be a positive power of two"),
     "PAGEDSERVE_MAX_LOGPROBS": ("-5", "max_logprobs must be -1"),
     "PAGEDSERVE_DISTRIBUTED_INIT_METHOD": ("udp://x", "distributed_init_method must be"),
+    "PAGEDSERVE_SPECULATIVE_CONFIG": ('{"method": "ngram"}', "num_speculative_tokens is required"),
     "PAGEDSERVE_CHAT_TEMPLATE": ("no/such/template.jinja", "the tokenizer would not start", "no such file"),
     # The scheduler reads them too (its control service), and is checked before the frontend.
     "PAGEDSERVE_SSL_KEYFILE": ("/no/such/key.pem", "the scheduler would not start", "--ssl-keyfile and"),

@@ -55,6 +55,9 @@ class StepBatch:
     scheduled: list[tuple[RequestState, int]]  # every request that runs, with its token count
     # Requests scoring prompt tokens this step (prompt_logprobs), with their batch positions.
     prompt_logprobs: list[PromptLogprobsRequest] = field(default_factory=list)
+    # Speculative decoding: each sampling request's drafts to check (empty: none). A request with
+    # k drafts has k + 1 rows in logits_indices and in the sampling metadata, one per position.
+    drafts: list[list[int]] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -64,18 +67,34 @@ class StepBatch:
     def sampling_request_ids(self) -> list[str]:
         return [state.request_id for state in self.sampling_states]
 
-    def commit(self, sampled_token_ids: list[int]) -> None:
+    def commit(self, sampled_token_ids: list[int], accepted: list[list[int]] | None = None) -> None:
         """Record a finished step in the request states: every scheduled chunk
         is now in the KV cache and each sampled token joins its request, so
-        the next step's decode input is known without a resend."""
+        the next step's decode input is known without a resend. `accepted[i]`:
+        the drafts sampling request i accepted, which join before its token (the
+        rejected ones' KV does not count)."""
         if len(sampled_token_ids) != len(self.sampling_states):
             raise ValueError(f"{len(sampled_token_ids)} sampled tokens for {len(self.sampling_states)} requests")
         for state, num_tokens in self.scheduled:
             state.num_computed_tokens += num_tokens
-        for state, token_id in zip(self.sampling_states, sampled_token_ids):
-            state.token_ids.append(token_id)
-            if state.grammar is not None:
-                state.grammar.accept(token_id)
+        for i, (state, token_id) in enumerate(zip(self.sampling_states, sampled_token_ids)):
+            if self.drafts is not None and self.drafts[i]:
+                taken = accepted[i] if accepted is not None else []
+                state.num_computed_tokens -= len(self.drafts[i]) - len(taken)
+                new_tokens = [*taken, token_id]
+            else:
+                new_tokens = [token_id]
+            for token in new_tokens:
+                state.token_ids.append(token)
+                if state.grammar is not None:
+                    state.grammar.accept(token)
+
+    @property
+    def rows_per_request(self) -> list[int]:
+        """Sampling rows of each sampling request: 1, or 1 + its drafts."""
+        if self.drafts is None:
+            return [1] * len(self.sampling_states)
+        return [1 + len(d) for d in self.drafts]
 
 
 class InputBatch:
@@ -111,18 +130,29 @@ class InputBatch:
             state = self.requests.get(diff.request_id)
             if state is None:
                 raise KeyError(f"step {plan.step_id}: diff for unknown request {diff.request_id!r}")
+            if diff.num_blocks_kept >= 0:
+                del state.block_ids[diff.num_blocks_kept:]
             state.block_ids.extend(diff.new_block_ids)
             state.num_computed_tokens = diff.num_computed_tokens
 
-    def build(self, num_scheduled_tokens: dict[str, int]) -> StepBatch | None:
-        """The flattened batch for the scheduled requests, or None if there are none."""
+    def build(self, num_scheduled_tokens: dict[str, int],
+              draft_token_ids: dict[str, list[int]] | None = None) -> StepBatch | None:
+        """The flattened batch for the scheduled requests, or None if there are none.
+        `draft_token_ids`: drafts to check after a request's last known token (they
+        count in its scheduled tokens)."""
         scheduled = [(self._state(request_id), n) for request_id, n in num_scheduled_tokens.items() if n > 0]
         if not scheduled:
             return None
+        drafts_of = draft_token_ids or {}
         # Decodes (one query token) first, keeping plan order within each group.
         scheduled = [s for s in scheduled if s[1] == 1] + [s for s in scheduled if s[1] != 1]
         for state, n in scheduled:
-            if state.num_computed_tokens + n > state.num_tokens:
+            num_drafts = len(drafts_of.get(state.request_id, ()))
+            if num_drafts and (state.num_computed_tokens + 1 != state.num_tokens or n != 1 + num_drafts):
+                raise ValueError(f"request {state.request_id!r}: {num_drafts} drafts need one decode token "
+                                 f"before them, but {n} tokens are scheduled after {state.num_computed_tokens} "
+                                 f"of {state.num_tokens}")
+            if state.num_computed_tokens + n > state.num_tokens + num_drafts:
                 raise ValueError(f"request {state.request_id!r}: {n} tokens scheduled after "
                                  f"{state.num_computed_tokens} computed, but only {state.num_tokens} known")
 
@@ -136,7 +166,12 @@ class InputBatch:
 
         input_ids = np.empty(num_tokens, dtype=np.int64)
         for (state, n), start, context in zip(scheduled, query_start_loc.tolist(), context_lens.tolist()):
-            input_ids[start:start + n] = state.token_ids[context:context + n]
+            drafts = drafts_of.get(state.request_id)
+            if drafts:
+                input_ids[start] = state.token_ids[context]
+                input_ids[start + 1:start + n] = drafts
+            else:
+                input_ids[start:start + n] = state.token_ids[context:context + n]
 
         # Token-level arrays, vectorized: which sequence each token belongs to
         # and how far into its query it sits.
@@ -146,10 +181,19 @@ class InputBatch:
         block_ids = block_tables[seq_of_token, positions // self.block_size].astype(np.int64)
         slot_mapping = block_ids * self.block_size + positions % self.block_size
 
-        samples = np.fromiter((s.num_computed_tokens + n == s.num_tokens for s, n in scheduled),
+        samples = np.fromiter((s.num_computed_tokens + n >= s.num_tokens for s, n in scheduled),
                               dtype=bool, count=num_seqs)
-        logits_indices = query_start_loc[1:][samples] - 1
         sampling_states = [state for (state, _), sample in zip(scheduled, samples.tolist()) if sample]
+        if drafts_of:
+            drafts = [drafts_of.get(state.request_id, []) for state in sampling_states]
+            ends = query_start_loc[1:][samples]
+            logits_indices = np.concatenate([np.arange(end - 1 - len(d), end) for end, d in zip(ends, drafts)])
+            sampling_params, rows = self._draft_rows(sampling_states, drafts)
+        else:
+            drafts = None
+            logits_indices = query_start_loc[1:][samples] - 1
+            rows = [(s, s.token_ids) for s in sampling_states]
+            sampling_params = [s.sampling_params for s in sampling_states]
 
         return StepBatch(
             input_ids=self._to_device(input_ids),
@@ -168,15 +212,32 @@ class InputBatch:
             logits_indices=self._to_device(logits_indices),
             sampling_states=sampling_states,
             sampling_metadata=SamplingMetadata.build(
-                [s.sampling_params for s in sampling_states],
-                [s.num_output_tokens for s in sampling_states], self.device,
-                token_ids=[s.token_ids for s in sampling_states],
-                num_prompt_tokens=[s.num_prompt_tokens for s in sampling_states],
+                sampling_params,
+                [len(tokens) - s.num_prompt_tokens for s, tokens in rows], self.device,
+                token_ids=[tokens for _, tokens in rows],
+                num_prompt_tokens=[s.num_prompt_tokens for s, _ in rows],
                 eos_token_ids=self.eos_token_ids,
-                grammars=[s.grammar for s in sampling_states] if self._any_grammar(sampling_states) else None),
+                grammars=[s.grammar for s, _ in rows] if self._any_grammar(sampling_states) else None),
             scheduled=scheduled,
             prompt_logprobs=plan_prompt_logprobs(scheduled, query_start_loc[:-1].tolist()),
+            drafts=drafts,
         )
+
+    @staticmethod
+    def _draft_rows(states: list[RequestState], drafts: list[list[int]]
+                    ) -> tuple[list[SamplingParams], list[tuple[RequestState, list[int]]]]:
+        """One sampling row per checked position: row i of a request with drafts d
+        samples as the request would after accepting d[:i] (its penalties, min_tokens,
+        bad words and seed's noise see those tokens; see worker.spec_decode)."""
+        params: list[SamplingParams] = []
+        rows: list[tuple[RequestState, list[int]]] = []
+        for state, d in zip(states, drafts):
+            if d and state.grammar is not None:
+                raise ValueError(f"request {state.request_id!r} follows a grammar: its drafts cannot be checked")
+            for i in range(len(d) + 1):
+                params.append(state.sampling_params)
+                rows.append((state, state.token_ids + d[:i] if i else state.token_ids))
+        return params, rows
 
     def _grammar(self, request_id: str, params: SamplingParams, output_ids: Sequence[int]) -> GrammarMatcher | None:
         spec = params.structured_outputs

@@ -15,6 +15,8 @@ from worker.lm_head import LmHead
 from worker.lm_head.bf16_screen_calibration import calibrate_lm_head
 from worker.logprobs import compute_prompt_logprobs
 from worker.sampler import Sampler
+from worker.spec_decode.speculator import Speculator
+from worker.spec_decode.verification import verify
 
 
 @dataclass(slots=True)
@@ -23,6 +25,9 @@ class RunnerOutput:
     sampled_token_ids: list[int]
     sampled_logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # rows that asked
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
+    accepted_draft_ids: dict[str, list[int]] = field(default_factory=dict)  # speculative decoding (StepResult)
+    draft_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    proposals: dict[str, list[int]] = field(default_factory=dict)
 
 
 def runner_output(result: StepResult) -> RunnerOutput:
@@ -33,7 +38,7 @@ def runner_output(result: StepResult) -> RunnerOutput:
 class ModelRunner:
     def __init__(self, model: Any, lm_head: LmHead | None, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  backend: Any, block_size: int, device: torch.device | str = "cpu", seed: int = 0,
-                 forward: ModelForward | None = None):
+                 forward: ModelForward | None = None, speculator: Speculator | None = None):
         """`lm_head`: the strategy chosen for the model's lm_head (worker.lm_head.choose_lm_head);
         `forward`: how the model runs (compiled or eager, see ModelForward); eager by default.
         In a pipeline-parallel group, only the last stage has an lm_head (None elsewhere): it
@@ -47,24 +52,28 @@ class ModelRunner:
         self.sampler = Sampler(seed)
         self.forward = forward or ModelForward(model, kv_caches, backend, max_model_len=0, compile=False)
         self.stage_results = StageResults() if parallel_state.layout().pp_size > 1 else None
+        self.speculator = speculator  # speculative decoding (one rank only: EngineConfig checks)
 
-    def execute(self, batch: StepBatch) -> RunnerOutput:
+    def execute(self, batch: StepBatch, speculate: bool = False) -> RunnerOutput:
         """Run the batch; return the ids of the requests that sampled, their
-        tokens, and any logprobs the requests asked for.
+        tokens, and any logprobs the requests asked for. With drafts in the batch,
+        also the drafts each request accepted; with `speculate`, drafts to check next step.
 
         Side effects on the request states (so the next step needs no resend
         from the scheduler): every scheduled request's num_computed_tokens
-        advances by its chunk, and each sampled token is appended.
+        advances by its chunk (less its rejected drafts), and each new token is appended.
         """
         with torch.inference_mode():
             hidden = self.forward(batch.input_ids, batch.positions, batch.attn_metadata)
+            if self.speculator is not None:
+                self.speculator.follow(batch)
             if self.lm_head is None:  # an earlier pipeline stage: the last one samples
                 output = runner_output(self.stage_results.receive())
                 batch.commit(output.sampled_token_ids)
                 return output
             prompt_logprobs = (compute_prompt_logprobs(self.lm_head, hidden, batch.prompt_logprobs)
                                if batch.prompt_logprobs else {})
-            sampled_logprobs: dict[str, TokenLogprobs] = {}
+            row_logprobs: list[TokenLogprobs | None] | None = None
             if batch.logits_indices.numel() == 0:
                 sampled: list[int] = []
             else:
@@ -78,17 +87,40 @@ class ModelRunner:
                 else:
                     # Only the adjustments (penalties, biases, masks) need float32 logits to add to.
                     logits = self.lm_head.logits(hidden, upcast=meta.adjustments is not None)
-                    output = self.sampler.sample(logits, meta, self.lm_head, hidden)
-                    sampled = output.token_ids.tolist()
-                    if output.logprobs is not None:
-                        sampled_logprobs = {state.request_id: entry for state, entry
-                                            in zip(batch.sampling_states, output.logprobs) if entry is not None}
-        output = RunnerOutput(batch.sampling_request_ids, sampled, sampled_logprobs, prompt_logprobs)
+                    sample_output = self.sampler.sample(logits, meta, self.lm_head, hidden)
+                    sampled = sample_output.token_ids.tolist()
+                    row_logprobs = sample_output.logprobs
+            output = self._outputs(batch, sampled, row_logprobs, prompt_logprobs)
         if self.stage_results is not None:  # every rank commits the same tokens: the result rank's
             output = runner_output(self.stage_results.share(StepResult(
                 step_id=0, request_ids=output.request_ids, sampled_token_ids=output.sampled_token_ids,
                 sampled_logprobs=output.sampled_logprobs, prompt_logprobs=output.prompt_logprobs)))
-        batch.commit(output.sampled_token_ids)
+        states = batch.sampling_states
+        batch.commit(output.sampled_token_ids, [output.accepted_draft_ids.get(s.request_id, []) for s in states]
+                     if batch.drafts is not None else None)
+        if speculate and self.speculator is not None and states:
+            with torch.inference_mode():
+                output.proposals = self.speculator.propose(batch)
+        return output
+
+    @staticmethod
+    def _outputs(batch: StepBatch, sampled: list[int], row_logprobs: list[TokenLogprobs | None] | None,
+                 prompt_logprobs: dict[str, PromptLogprobs]) -> RunnerOutput:
+        """Per sampling request: its token, and with drafts, those it accepted (verification)."""
+        ids = batch.sampling_request_ids
+        if batch.drafts is None:
+            logprobs = ({rid: entry for rid, entry in zip(ids, row_logprobs) if entry is not None}
+                        if row_logprobs is not None else {})
+            return RunnerOutput(ids, sampled, logprobs, prompt_logprobs)
+        checked = verify(batch.drafts, sampled, row_logprobs)
+        output = RunnerOutput(ids, checked.tokens, {}, prompt_logprobs)
+        for i, rid in enumerate(ids):
+            if batch.drafts[i]:
+                output.accepted_draft_ids[rid] = checked.accepted[i]
+            if row_logprobs is not None and checked.logprobs[i] is not None:
+                output.sampled_logprobs[rid] = checked.logprobs[i]
+                if checked.draft_logprobs[i]:
+                    output.draft_logprobs[rid] = checked.draft_logprobs[i]
         return output
 
     def warm_up(self) -> None:

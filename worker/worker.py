@@ -2,6 +2,7 @@
 executes the scheduler's step plans."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -28,6 +29,8 @@ from worker.model_loader import load_model, safetensors_files
 from worker.model_runner import ModelRunner
 from worker.quantization import prepare_linear_weights
 from worker.models.rotary import CONTEXT_STRETCHING_ROPE_TYPES, rope_parameters
+from worker.spec_decode.draft_model_proposer import DraftModelProposer
+from worker.spec_decode.speculator import Speculator
 from worker.structured_output import GrammarCompiler
 
 logger = logging.getLogger(__name__)
@@ -67,7 +70,11 @@ class Worker:
             keep_freed_memory_mapped()  # steps then reuse their activations' pages instead of faulting them in
         spec = kv_cache_spec(self.hf_config, config.block_size, self.kv_cache_dtype,
                              num_layers=len(self.model.layers), num_kv_heads=self.model.sizes.num_kv_heads)
-        self.num_blocks = group_minimum(num_blocks_for(config, spec, self.device))  # the same block ids on every rank
+        # A draft model's cache has the same blocks: each block's bytes count both.
+        self.draft_model = self._draft_model()
+        sizing = spec if self.draft_model is None else dataclasses.replace(
+            spec, num_layers=spec.num_layers + self._draft_layers_equivalent(spec))
+        self.num_blocks = group_minimum(num_blocks_for(config, sizing, self.device))  # the same block ids on every rank
         model_limit = _model_max_len(self.hf_config)
         self.max_model_len = config.resolve_max_model_len(model_limit=model_limit, num_blocks=self.num_blocks)
         if self.max_model_len < model_limit and config.max_model_len is None:
@@ -86,8 +93,12 @@ class Worker:
         self.forward = ModelForward(self.model, self.kv_caches, self.backend, max_model_len=self.max_model_len,
                                     compile=compile_step, kv_scales=self.kv_scales)
         self.forward.warm_up(config.block_size)
+        if self.draft_model is not None:
+            self.draft_model.allocate(self.num_blocks, self.max_model_len, self.backend)
+        speculator = (Speculator(config.speculative_config, self.draft_model)
+                      if config.speculative_config is not None else None)
         self.runner = ModelRunner(self.model, self.lm_head, self.kv_caches, self.backend, config.block_size,
-                                  self.device, seed=config.seed, forward=self.forward)
+                                  self.device, seed=config.seed, forward=self.forward, speculator=speculator)
         started = time.perf_counter()
         self.runner.warm_up()
         if self.forward.compiled:
@@ -99,6 +110,19 @@ class Worker:
                     else f"{self.dtype_name}, KV cache {self.kv_cache_dtype_name}", self.quantization,
                     f"compiled in {self.forward.compile_seconds:.1f} s" if self.forward.compiled else "eager",
                     self.num_blocks, self.max_model_len, torch.get_num_threads())
+
+    def _draft_model(self) -> DraftModelProposer | None:
+        spec = self.config.speculative_config
+        if spec is None or spec.method != "draft_model":
+            return None
+        # An 8-bit target cache's scales are the target's: the draft keeps its cache in the model dtype.
+        kv_dtype = self.dtype if is_fp8(self.kv_cache_dtype) else self.kv_cache_dtype
+        return DraftModelProposer(self.config, self.device, self.dtype, kv_dtype, int(self.hf_config.vocab_size))
+
+    def _draft_layers_equivalent(self, spec) -> int:
+        """The draft cache's bytes per block, in target layers (rounded up)."""
+        per_layer = spec.bytes_per_block // spec.num_layers
+        return -(-self.draft_model.kv_spec().bytes_per_block // per_layer)
 
     def _lm_head(self, compile_step: bool) -> LmHead | None:
         """The lm_head strategy on the last pipeline stage (None elsewhere); under tensor
@@ -135,14 +159,16 @@ class Worker:
         """
         started = time.perf_counter_ns()
         self.input_batch.apply_plan(plan)
-        batch = self.input_batch.build(plan.num_scheduled_tokens)
+        batch = self.input_batch.build(plan.num_scheduled_tokens, plan.draft_token_ids)
         if batch is None:
             return StepResult(step_id=plan.step_id, request_ids=[], sampled_token_ids=[],
                               execute_ns=time.perf_counter_ns() - started)
-        output = self.runner.execute(batch)
+        output = self.runner.execute(batch, speculate=plan.speculate)
         return StepResult(step_id=plan.step_id, request_ids=output.request_ids,
                           sampled_token_ids=output.sampled_token_ids, execute_ns=time.perf_counter_ns() - started,
-                          sampled_logprobs=output.sampled_logprobs, prompt_logprobs=output.prompt_logprobs)
+                          sampled_logprobs=output.sampled_logprobs, prompt_logprobs=output.prompt_logprobs,
+                          accepted_draft_ids=output.accepted_draft_ids, draft_logprobs=output.draft_logprobs,
+                          proposals=output.proposals)
 
 
 def _model_max_len(hf_config: Any) -> int:

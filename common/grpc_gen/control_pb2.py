@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rcontrol.proto\x12\x15pagedserve.control.v1\"\x07\n\x05\x45mpty\"@\n\x0bHealthReply\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x14\n\x0cworker_ready\x18\x02 \x01(\x08\x12\x0f\n\x07message\x18\x03 \x01(\t\"\xbf\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x15\n\reos_token_ids\x18\x07 \x03(\r\x12\x19\n\x0cmax_logprobs\x18\x08 \x01(\x05H\x00\x88\x01\x01\x42\x0f\n\r_max_logprobs\"\x8b\x02\n\x0eSchedulerStats\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x03 \x01(\x01\x12\x1c\n\x14prefix_cache_queries\x18\x04 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x05 \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\x06 \x01(\x04\x12\x19\n\x11num_prompt_tokens\x18\x07 \x01(\x04\x12\x1d\n\x15num_generation_tokens\x18\x08 \x01(\x04\x12\x17\n\x0fnum_free_blocks\x18\t \x01(\r\x12\x12\n\nnum_blocks\x18\n \x01(\r\"#\n\x15ResetPrefixCacheReply\x12\n\n\x02ok\x18\x01 \x01(\x08\x32\xdf\x02\n\x10SchedulerControl\x12J\n\x06Health\x12\x1c.pagedserve.control.v1.Empty\x1a\".pagedserve.control.v1.HealthReply\x12N\n\x0cGetModelInfo\x12\x1c.pagedserve.control.v1.Empty\x1a .pagedserve.control.v1.ModelInfo\x12O\n\x08GetStats\x12\x1c.pagedserve.control.v1.Empty\x1a%.pagedserve.control.v1.SchedulerStats\x12^\n\x10ResetPrefixCache\x12\x1c.pagedserve.control.v1.Empty\x1a,.pagedserve.control.v1.ResetPrefixCacheReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rcontrol.proto\x12\x15pagedserve.control.v1\"\x07\n\x05\x45mpty\"@\n\x0bHealthReply\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x14\n\x0cworker_ready\x18\x02 \x01(\x08\x12\x0f\n\x07message\x18\x03 \x01(\t\"\xbf\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x15\n\reos_token_ids\x18\x07 \x03(\r\x12\x19\n\x0cmax_logprobs\x18\x08 \x01(\x05H\x00\x88\x01\x01\x42\x0f\n\r_max_logprobs\"\xab\x03\n\x0eSchedulerStats\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x03 \x01(\x01\x12\x1c\n\x14prefix_cache_queries\x18\x04 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x05 \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\x06 \x01(\x04\x12\x19\n\x11num_prompt_tokens\x18\x07 \x01(\x04\x12\x1d\n\x15num_generation_tokens\x18\x08 \x01(\x04\x12\x17\n\x0fnum_free_blocks\x18\t \x01(\r\x12\x12\n\nnum_blocks\x18\n \x01(\r\x12\x1e\n\x16spec_decode_num_drafts\x18\x0b \x01(\x04\x12$\n\x1cspec_decode_num_draft_tokens\x18\x0c \x01(\x04\x12\'\n\x1fspec_decode_num_accepted_tokens\x18\r \x01(\x04\x12/\n\'spec_decode_num_accepted_tokens_per_pos\x18\x0e \x03(\x04\"#\n\x15ResetPrefixCacheReply\x12\n\n\x02ok\x18\x01 \x01(\x08\x32\xdf\x02\n\x10SchedulerControl\x12J\n\x06Health\x12\x1c.pagedserve.control.v1.Empty\x1a\".pagedserve.control.v1.HealthReply\x12N\n\x0cGetModelInfo\x12\x1c.pagedserve.control.v1.Empty\x1a .pagedserve.control.v1.ModelInfo\x12O\n\x08GetStats\x12\x1c.pagedserve.control.v1.Empty\x1a%.pagedserve.control.v1.SchedulerStats\x12^\n\x10ResetPrefixCache\x12\x1c.pagedserve.control.v1.Empty\x1a,.pagedserve.control.v1.ResetPrefixCacheReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,9 +38,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_MODELINFO']._serialized_start=116
   _globals['_MODELINFO']._serialized_end=307
   _globals['_SCHEDULERSTATS']._serialized_start=310
-  _globals['_SCHEDULERSTATS']._serialized_end=577
-  _globals['_RESETPREFIXCACHEREPLY']._serialized_start=579
-  _globals['_RESETPREFIXCACHEREPLY']._serialized_end=614
-  _globals['_SCHEDULERCONTROL']._serialized_start=617
-  _globals['_SCHEDULERCONTROL']._serialized_end=968
+  _globals['_SCHEDULERSTATS']._serialized_end=737
+  _globals['_RESETPREFIXCACHEREPLY']._serialized_start=739
+  _globals['_RESETPREFIXCACHEREPLY']._serialized_end=774
+  _globals['_SCHEDULERCONTROL']._serialized_start=777
+  _globals['_SCHEDULERCONTROL']._serialized_end=1128
 # @@protoc_insertion_point(module_scope)

@@ -64,7 +64,34 @@ class SchedulerStatsCollector(Collector):
             family(counter, "num_preemptions", "Requests preempted (recomputed later).", lambda s: s.num_preemptions),
             family(counter, "prompt_tokens", "Prompt tokens processed.", lambda s: s.num_prompt_tokens),
             family(counter, "generation_tokens", "Tokens generated.", lambda s: s.num_generation_tokens),
+            *self._spec_decode(series, label_names),
         ]
+
+    @staticmethod
+    def _spec_decode(series: list, label_names: list[str]) -> list[Metric]:
+        """vLLM's spec-decode counters, where speculative decoding has run (absent otherwise)."""
+        series = [(labels, s) for labels, s in series if s.spec_decode_num_drafts]
+        if not series:
+            return []
+        metrics = []
+        for name, doc, value in (
+                ("spec_decode_num_drafts", "Steps of a request that checked draft tokens.",
+                 lambda s: s.spec_decode_num_drafts),
+                ("spec_decode_num_draft_tokens", "Draft tokens checked.", lambda s: s.spec_decode_num_draft_tokens),
+                ("spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                 lambda s: s.spec_decode_num_accepted_tokens)):
+            metric = CounterMetricFamily(PREFIX + name, doc, labels=label_names)
+            for labels, stats in series:
+                metric.add_metric(labels, value(stats))
+            metrics.append(metric)
+        per_pos = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                      "Draft tokens accepted, by position in the step (0: the first draft).",
+                                      labels=[*label_names, "position"])
+        for labels, stats in series:
+            for position, count in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
+                per_pos.add_metric([*labels, str(position)], count)
+        metrics.append(per_pos)
+        return metrics
 
 
 class FrontendMetrics:

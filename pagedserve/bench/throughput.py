@@ -59,6 +59,7 @@ def run_throughput(config: EngineConfig, requests: list[BenchRequest], *, detoke
 
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
     params = [sampling.params(r.max_tokens) for r in requests]
+    spec_before = _spec_counts(llm)
     started = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
     elapsed = time.perf_counter() - started
@@ -96,7 +97,24 @@ def run_throughput(config: EngineConfig, requests: list[BenchRequest], *, detoke
         "peak_kv_blocks": stats.peak_used_blocks,
         "peak_kv_gib": round(stats.peak_used_blocks * block_bytes / GiB, 6),
         "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB, 3),
+        **_spec_decode_fields(llm, spec_before),
     }
+
+
+def _spec_counts(llm: Any) -> tuple[int, int, int]:
+    stats = llm.scheduler.spec_stats
+    return stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens
+
+
+def _spec_decode_fields(llm: Any, before: tuple[int, int, int]) -> dict[str, Any]:
+    """With --speculative-config: the config, and the timed run's drafts."""
+    spec = llm.config.speculative_config
+    if spec is None:
+        return {}
+    drafts, draft_tokens, accepted = (now - then for now, then in zip(_spec_counts(llm), before))
+    return {"speculative_config": spec.to_json(), "spec_decode_drafts": drafts,
+            "spec_decode_draft_tokens": draft_tokens, "spec_decode_accepted_tokens": accepted,
+            "mean_accepted_length": round(1 + accepted / drafts, 3) if drafts else None}
 
 
 def _bytes_per_block(llm: Any) -> int:
@@ -126,6 +144,11 @@ def format_throughput(result: dict[str, Any]) -> str:
         f"  peak KV cache used   {result['peak_kv_gib']:.3f} GiB ({result['peak_kv_blocks']} blocks); "
         f"peak RSS {result['peak_rss_gib']:.2f} GiB",
     ]
+    if "speculative_config" in result:
+        accepted = result["mean_accepted_length"]
+        lines.append(f"  speculative          {result['speculative_config']}: {result['spec_decode_drafts']} steps "
+                     f"with drafts, {result['spec_decode_accepted_tokens']} of {result['spec_decode_draft_tokens']} "
+                     f"drafts accepted, mean accepted length {accepted if accepted is not None else '-'}")
     return "\n".join(lines)
 
 

@@ -12,7 +12,9 @@ performance issue:
   reads dominate the decode steps: what an 8-bit cache is for);
 - P1: prefix-heavy (system prompts, few-shot examples, RAG contexts): 8 groups of
   16 requests, each group's prompts a shared prefix of 1,500 random token ids
-  followed by 32-128 of their own, 16-32 output tokens; the groups interleaved.
+  followed by 32-128 of their own, 16-32 output tokens; the groups interleaved;
+- C1: copy-heavy real text, 16 chat requests that fix typos in a paragraph or rename
+  a function's argument (speculative decoding's case; see `pagedserve.bench.copy_workload`).
 
 A file holds one JSON object a line: {"prompt_token_ids": [...], "max_tokens": N},
 the format `vllm_offline_runner.py` reads, so every system runs the
@@ -122,15 +124,27 @@ def load_workload_file(path: str) -> list[BenchRequest]:
     return requests
 
 
-def resolve_workload(name_or_path: str, vocab_size: int, seed: int = DEFAULT_SEED) -> list[BenchRequest]:
-    """A named workload (W1, W2, S1, L1, P1; case-insensitive) generated for `vocab_size`, or a JSONL file."""
+TEXT_WORKLOADS = ("C1",)  # made of text: their token ids come from a tokenizer
+
+
+def resolve_workload(name_or_path: str, vocab_size: int, seed: int = DEFAULT_SEED,
+                     tokenizer_model: str | None = None, cache_dir: str | None = None) -> list[BenchRequest]:
+    """A named workload (W1, W2, S1, L1, P1; case-insensitive) generated for `vocab_size`, C1 with
+    the tokenizer of `tokenizer_model` (default: the default model's), or a JSONL file."""
+    if name_or_path.upper() == "C1":
+        from common.model_files import resolve_model_dir
+        from common.tokenizer import load_tokenizer
+        from pagedserve.bench.copy_workload import copy_workload_requests
+        model_dir = resolve_model_dir(tokenizer_model or "smollm2-135m-instruct", cache_dir)
+        return [BenchRequest(ids, n) for ids, n in copy_workload_requests(load_tokenizer(model_dir), seed)]
     spec = NAMED_WORKLOADS.get(name_or_path.upper())
     if isinstance(spec, PrefixWorkloadSpec):
         return generate_prefix_workload(spec, vocab_size, seed)
     if spec is not None:
         return generate_workload(spec, vocab_size, seed)
     if not os.path.isfile(name_or_path):
-        raise ValueError(f"unknown workload {name_or_path!r}: use one of {sorted(NAMED_WORKLOADS)} or a JSONL file")
+        raise ValueError(f"unknown workload {name_or_path!r}: use one of "
+                         f"{sorted([*NAMED_WORKLOADS, *TEXT_WORKLOADS])} or a JSONL file")
     return load_workload_file(name_or_path)
 
 

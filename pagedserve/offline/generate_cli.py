@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 
-from common.cli_args import SettingsParser, add_engine_args, engine_config_from_args
+from common.cli_args import SettingsParser, add_engine_args, engine_config_from_args, parse_engine_args
 from common.errors import InvalidRequestError
 from common.logging_setup import setup_logging
 
@@ -25,7 +25,7 @@ def build_parser() -> SettingsParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_engine_args(build_parser(), argv)  # a setting that cannot run is a usage error (exit 2)
     setup_logging("generate", "WARNING")
     from common.sampling_params import SamplingParams
     from pagedserve.offline.llm import LLM

@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import time
 import weakref
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Sequence, Union
 
 from tqdm.auto import tqdm
@@ -49,6 +49,9 @@ class EngineLoopStats:
     execute_ns: int = 0  # Worker.execute (input prep, model, sampling)
     outputs_ns: int = 0  # turning outputs into results (detokenization, stop strings)
     peak_used_blocks: int = 0  # KV blocks held by requests at the fullest step
+    # Inter-token latency: a request's output that brings m tokens after a gap of g seconds
+    # (since its previous output) counts m gaps of g / m, so speculative steps count per token.
+    itl_s: list[float] = field(default_factory=list)
 
     @property
     def scheduler_ms_per_step(self) -> float:
@@ -197,6 +200,7 @@ class LLM:
         bar = tqdm(total=len(requests), desc="Generating", unit="req", disable=not use_tqdm, dynamic_ncols=True)
         started, generated = time.perf_counter(), 0
         stats = self.loop_stats = EngineLoopStats()
+        last_output: dict[tuple[str, int], float] = {}
         clock = time.perf_counter_ns
         try:
             while self.scheduler.has_unfinished_requests():
@@ -228,6 +232,14 @@ class LLM:
                     if request.finished:
                         bar.update(1)
                         bar.set_postfix(tok_s=f"{generated / (time.perf_counter() - started):.1f}")
+                now = time.perf_counter()
+                for out in outputs:
+                    if out.new_token_ids:
+                        previous = last_output.get((out.request_id, out.index))
+                        if previous is not None:
+                            count = len(out.new_token_ids)
+                            stats.itl_s.extend([(now - previous) / count] * count)
+                        last_output[(out.request_id, out.index)] = now
                 stats.outputs_ns += clock() - t3
         finally:
             bar.close()

@@ -201,3 +201,31 @@ def test_accuracy_of_a_bfloat16_kv_cache(tiny):
                            "kv_bfloat16_identical_requests", "kv_bfloat16_vs_float32_logits_rel_l2"}
     assert 0.5 <= result["kv_bfloat16_vs_float32_token_agreement"] <= 1.0
     assert 0 < result["kv_bfloat16_vs_float32_logits_rel_l2"] < 1e-2  # rounded K/V: close, not equal
+
+
+def test_spec_decode_runs_both_engines_at_each_concurrency(tiny):
+    root, requests = tiny
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
+    out = bench("spec-decode", "--workload", str(root / "tiny.jsonl"), "--model", str(root / "model"),
+                "--concurrency", "1,3", "--repeat", "1", "--json", "--enforce-eager", "--speculative-config", spec,
+                *SMALL_ENGINE)
+    [result] = json_lines(out)
+    assert [r["concurrency"] for r in result["results"]] == [1, 3]
+    for row in result["results"]:
+        # float32, greedy: the same tokens with and without drafts.
+        assert row["same_tokens"] is True
+        assert row["median_itl_ms_off"] > 0 and row["median_itl_ms_on"] > 0
+        assert row["itl_ratio"] == pytest.approx(row["median_itl_ms_off"] / row["median_itl_ms_on"], rel=1e-2)
+    throughput = bench("throughput", "--workload", str(root / "tiny.jsonl"), "--model", str(root / "model"),
+                       "--no-detokenize", "--json", "--enforce-eager", "--speculative-config", spec, *SMALL_ENGINE)
+    [plain] = json_lines(throughput)
+    assert plain["output_tokens"] == sum(r.max_tokens for r in requests)
+    assert plain["spec_decode_draft_tokens"] >= plain["spec_decode_accepted_tokens"] >= 0
+
+
+def test_spec_decode_needs_a_speculative_config(tiny):
+    root, _ = tiny
+    proc = subprocess.run([sys.executable, "-m", "pagedserve.cli", "bench", "spec-decode", "--workload",
+                           str(root / "tiny.jsonl"), "--model", str(root / "model"), *SMALL_ENGINE], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--speculative-config is required" in proc.stderr

@@ -67,3 +67,27 @@ def test_bad_files_name_the_line(tmp_path, line):
 def test_unknown_workload_is_rejected():
     with pytest.raises(ValueError, match="unknown workload"):
         resolve_workload("W9", 100)
+
+
+def test_c1_is_real_text_to_copy_with_a_change():
+    from common.model_files import resolve_model_dir
+    from common.tokenizer import load_tokenizer
+    from pagedserve.bench.copy_workload import add_typos, copy_tasks
+
+    requests = resolve_workload("c1", vocab_size=49152)
+    assert len(requests) == 16 and resolve_workload("C1", 49152) == requests
+    tokenizer = load_tokenizer(resolve_model_dir("smollm2-135m-instruct"))
+    tasks = copy_tasks()
+    for request, (message, answer) in zip(requests, tasks):
+        text = tokenizer.decode(request.prompt_token_ids)
+        assert message in text and text.startswith("<|im_start|>")  # the chat template around the task
+        assert request.max_tokens == len(tokenizer.encode(answer, add_special_tokens=False))
+    typo_tasks, code_tasks = tasks[0::2], tasks[1::2]
+    for message, answer in typo_tasks:  # the paragraph to fix differs from the answer, but a little
+        given = message.split("\n\n", 1)[1]
+        assert given != answer and len(given.split()) == len(answer.split())
+        assert sum(a != b for a, b in zip(given.split(), answer.split())) <= len(answer.split()) // 4
+    for message, answer in code_tasks:
+        assert "def " in answer and "_value" in answer and "_value" not in message.split("```python")[1]
+    import random
+    assert add_typos("word " * 50, random.Random(0)) != "word " * 50

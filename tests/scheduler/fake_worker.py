@@ -21,6 +21,7 @@ from common.protocol import EngineRequest, RequestOutput, StepPlan, StepResult, 
 from common.sampling_params import SamplingParams
 
 SampleFn = Callable[[str, list[int]], int]  # (request_id, token ids so far) -> next token
+ProposeFn = Callable[[str, list[int]], list[int]]  # (request_id, token ids so far) -> drafts
 
 
 @dataclass
@@ -33,7 +34,11 @@ class FakeRequestState:
 
 class FakeWorker:
     def __init__(self, num_blocks: int, block_size: int, sample_fn: SampleFn | None = None,
-                 vocab_size: int = 1000, seed: int = 0):
+                 vocab_size: int = 1000, seed: int = 0, propose_fn: ProposeFn | None = None):
+        """`propose_fn`: speculative decoding's drafts, proposed after every step a request
+        samples in when the plan asks; a step's drafts are checked like the real worker does
+        (each position samples as without them, the agreeing prefix is accepted)."""
+        self.propose_fn = propose_fn
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.rng = random.Random(seed)
@@ -55,29 +60,52 @@ class FakeWorker:
             assert cached.num_computed_tokens == state.num_computed_tokens, (
                 f"{cached.request_id}: plan says {cached.num_computed_tokens} computed, worker has "
                 f"{state.num_computed_tokens}")
+            if cached.num_blocks_kept >= 0:
+                del state.block_ids[cached.num_blocks_kept:]
             state.block_ids.extend(cached.new_block_ids)
 
         sampled_ids, sampled_tokens = [], []
+        accepted_ids: dict[str, list[int]] = {}
+        proposals: dict[str, list[int]] = {}
         for request_id, num_tokens in plan.num_scheduled_tokens.items():
             state = self.requests[request_id]
+            drafts = plan.draft_token_ids.get(request_id, [])
             assert num_tokens >= 1
             start, end = state.num_computed_tokens, state.num_computed_tokens + num_tokens
-            assert end <= len(state.token_ids), f"{request_id}: scheduled past the known tokens"
+            if drafts:
+                assert end == len(state.token_ids) + len(drafts), f"{request_id}: drafts not after one decode token"
+            else:
+                assert end <= len(state.token_ids), f"{request_id}: scheduled past the known tokens"
             assert len(state.block_ids) * self.block_size >= end, f"{request_id}: too few blocks"
             assert 0 not in state.block_ids, "the null block was handed out"
             assert all(0 < b < self.num_blocks for b in state.block_ids)
+            known = state.token_ids + drafts
             for position in range(start, end):
-                self.kv[self._slot(state, position)] = state.token_ids[position]
+                self.kv[self._slot(state, position)] = known[position]
             state.num_computed_tokens = end
             self.num_computed_tokens_total += num_tokens
-            if end == len(state.token_ids):
+            if end >= len(state.token_ids):
+                accepted = []
+                for draft in drafts:
+                    if self.sample_fn(request_id, list(state.token_ids)) != draft:
+                        break
+                    accepted.append(draft)
+                    state.token_ids.append(draft)
+                if drafts:
+                    state.num_computed_tokens -= len(drafts) - len(accepted)
+                    accepted_ids[request_id] = accepted
                 self._check_kv(request_id, state)
                 token = self.sample_fn(request_id, list(state.token_ids))
                 state.token_ids.append(token)
                 sampled_ids.append(request_id)
                 sampled_tokens.append(token)
+                if plan.speculate and self.propose_fn is not None:
+                    proposed = self.propose_fn(request_id, list(state.token_ids))
+                    if proposed:
+                        proposals[request_id] = proposed
         self.num_steps += 1
-        return StepResult(step_id=plan.step_id, request_ids=sampled_ids, sampled_token_ids=sampled_tokens)
+        return StepResult(step_id=plan.step_id, request_ids=sampled_ids, sampled_token_ids=sampled_tokens,
+                          accepted_draft_ids=accepted_ids, proposals=proposals)
 
     def _slot(self, state: FakeRequestState, position: int) -> int:
         return state.block_ids[position // self.block_size] * self.block_size + position % self.block_size
@@ -161,11 +189,12 @@ def deterministic_sample(vocab_size: int = 1000) -> SampleFn:
 
 
 def make_scheduler(num_blocks: int = 11, block_size: int = 4, max_model_len: int = 40,
-                   eos_token_ids: tuple[int, ...] = (2,), sample_fn: SampleFn | None = None, **config):
+                   eos_token_ids: tuple[int, ...] = (2,), sample_fn: SampleFn | None = None,
+                   propose_fn: ProposeFn | None = None, **config):
     """A Scheduler (11 blocks of 4 tokens by default) and a FakeWorker sized alike."""
     from common.config import EngineConfig
     from scheduler.scheduler import Scheduler
     engine_config = EngineConfig(block_size=block_size, device="cpu", **config)
     scheduler = Scheduler(engine_config, num_blocks=num_blocks, max_model_len=max_model_len,
                           eos_token_ids=list(eos_token_ids))
-    return scheduler, FakeWorker(num_blocks, block_size, sample_fn=sample_fn)
+    return scheduler, FakeWorker(num_blocks, block_size, sample_fn=sample_fn, propose_fn=propose_fn)

@@ -1,0 +1,86 @@
+"""Speculative decoding as a user runs it: `pagedserve serve --speculative-config` (the real
+process split, SmolLM2 in float32) answers copy tasks through the openai client exactly as
+the engine does without speculation, streams several tokens per step, and reports the
+spec-decode metrics; the offline LLM with a draft model (a tiny random Llama with SmolLM2's
+vocabulary) gives the same greedy tokens too; a bad config is a usage error."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import openai
+import pytest
+
+from common.sampling_params import SamplingParams
+from pagedserve.bench.copy_workload import copy_tasks
+from serve_helpers import MODEL, metric_samples, running_server
+from tiny_models import build_tiny_llama_with_smollm2_tokenizer
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+MAX_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def spec_server(tmp_path_factory):
+    with running_server(tmp_path_factory.mktemp("serve-spec"), [
+            "--enforce-eager", "--disable-log-stats", "--speculative-config", json.dumps(NGRAM)]) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def plain_llm():
+    from pagedserve.offline.llm import LLM
+    return LLM(model=MODEL, dtype="float32", kv_cache_memory=1 << 29, enforce_eager=True)
+
+
+def messages(index: int) -> list[dict]:
+    return [{"role": "user", "content": copy_tasks()[index][0]}]
+
+
+def test_served_greedy_outputs_equal_the_engine_without_speculation(spec_server, plain_llm):
+    client = openai.OpenAI(base_url=spec_server.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for index in (0, 1):
+        expected = plain_llm.chat(messages(index), params, use_tqdm=False)[0].outputs[0].text
+        reply = client.chat.completions.create(model=MODEL, messages=messages(index), temperature=0,
+                                               max_tokens=MAX_TOKENS, extra_body={"ignore_eos": True})
+        assert reply.choices[0].message.content == expected
+        assert reply.usage.completion_tokens == MAX_TOKENS
+    # Streamed: steps that accept drafts send several tokens in one chunk; the text is the same.
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=messages(0), temperature=0, max_tokens=MAX_TOKENS, stream=True,
+        extra_body={"ignore_eos": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == plain_llm.chat(messages(0), params, use_tqdm=False)[0].outputs[0].text
+    assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) < MAX_TOKENS
+    samples = metric_samples(spec_server)
+    drafts = samples["pagedserve:spec_decode_num_draft_tokens_total"]
+    accepted = samples["pagedserve:spec_decode_num_accepted_tokens_total"]
+    assert samples["pagedserve:spec_decode_num_drafts_total"] > 0 and 0 < accepted <= drafts
+    assert samples["pagedserve:spec_decode_num_accepted_tokens_per_pos_total"] == accepted
+
+
+def test_offline_draft_model_equals_plain_decoding(tmp_path, plain_llm):
+    from pagedserve.offline.llm import LLM
+    build_tiny_llama_with_smollm2_tokenizer(tmp_path)
+    llm = LLM(model=MODEL, dtype="float32", kv_cache_memory=1 << 29, enforce_eager=True,
+              speculative_config={"method": "draft_model", "model": str(tmp_path), "num_speculative_tokens": 3})
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = [messages(i) for i in range(3)]
+    assert ([o.outputs[0].token_ids for o in llm.chat(prompts, params, use_tqdm=False)]
+            == [o.outputs[0].token_ids for o in plain_llm.chat(prompts, params, use_tqdm=False)])
+    assert llm.scheduler.spec_stats.num_draft_tokens > 0
+
+
+@pytest.mark.parametrize("setting, message", [
+    ('{"method": "ngram"', "not valid JSON"),
+    ('{"method": "medusa", "num_speculative_tokens": 2}', "method must be one of"),
+    ('{"method": "ngram"}', "num_speculative_tokens is required"),
+    ('{"method": "draft_model", "num_speculative_tokens": 2}', 'needs "model"'),
+])
+def test_a_bad_speculative_config_is_a_usage_error(setting, message):
+    done = subprocess.run([sys.executable, "-m", "pagedserve.cli", "generate", "--speculative-config", setting,
+                           "--prompt", "hi"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert message in done.stderr
