@@ -19,8 +19,8 @@ from typing import Any
 from common.errors import ConfigError
 
 METHODS = ("ngram", "draft_model")
-# Measured on the AMX Xeon (docs/benchmarks.md, "Speculative decoding"): n-gram speculation
-# still lowers ITL at 4 concurrent requests and costs throughput from about 16 on.
+# Measured on the AMX Xeon (docs/benchmarks.md, "Speculative decoding"): where drafts are mostly
+# rejected (sampled text), checking them is even at 4 running requests and costs from 16 on.
 DEFAULT_DISABLE_BY_BATCH_SIZE = 16
 
 

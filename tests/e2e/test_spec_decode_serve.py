@@ -61,6 +61,42 @@ def test_served_greedy_outputs_equal_the_engine_without_speculation(spec_server,
     assert samples["pagedserve:spec_decode_num_accepted_tokens_per_pos_total"] == accepted
 
 
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    """A tiny random Llama with SmolLM2's tokenizer, and a draft: the same model with its
+    weights perturbed (it agrees often, not always)."""
+    import torch
+    target, draft = tmp_path_factory.mktemp("tiny-target"), tmp_path_factory.mktemp("tiny-draft")
+    build_tiny_llama_with_smollm2_tokenizer(target)
+    perturbed = build_tiny_llama_with_smollm2_tokenizer(draft)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for param in perturbed.parameters():
+            param.add_(0.05 * param.abs().mean() * torch.randn(param.shape, generator=generator))
+    perturbed.save_pretrained(draft)
+    return target, draft
+
+
+def test_served_tiny_llama_with_a_draft_model_equals_plain_decoding(tmp_path, tiny_pair):
+    from pagedserve.offline.llm import LLM
+    target, draft = tiny_pair
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
+    prompts = ["The capital of France is", "def fibonacci(n):", "one two three one two three one"]
+    plain = LLM(model=str(target), dtype="float32", kv_cache_memory=1 << 27, enforce_eager=True)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    expected = [o.outputs[0].text for o in plain.generate(prompts, params, use_tqdm=False)]
+    with running_server(tmp_path, ["--model", str(target), "--enforce-eager", "--disable-log-stats",
+                                   "--kv-cache-memory", "128MiB", "--speculative-config", json.dumps(spec)]) as server:
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        for prompt, text in zip(prompts, expected):
+            reply = client.completions.create(model=str(target), prompt=prompt, temperature=0, max_tokens=32,
+                                              extra_body={"ignore_eos": True})
+            assert reply.choices[0].text == text
+        samples = metric_samples(server)
+    assert 0 < samples["pagedserve:spec_decode_num_accepted_tokens_total"] < samples[
+        "pagedserve:spec_decode_num_draft_tokens_total"]
+
+
 def test_offline_draft_model_equals_plain_decoding(tmp_path, plain_llm):
     from pagedserve.offline.llm import LLM
     build_tiny_llama_with_smollm2_tokenizer(tmp_path)
