@@ -78,7 +78,9 @@ def test_every_service_command_parses_with_the_real_cli(compose, monkeypatch):
         command = service["command"]
         assert command[0] == "pagedserve" and command[1] in COMMANDS, f"{name}: {command}"
         for key, value in service.get("environment", {}).items():
-            monkeypatch.setenv(key, str(value))  # flags default from the service's environment
+            # Flags default from the service's environment. `${VAR:-}` is an empty string to compose
+            # (it substitutes inside the scalar); substituted as text here, it reads as YAML null.
+            monkeypatch.setenv(key, "" if value is None else str(value))
         module = importlib.import_module(COMMANDS[command[1]][0])
         parser = module.build_parser()
         parser.raise_errors = True  # a ConfigError naming the setting, not an exit
