@@ -1,8 +1,9 @@
 """Speculative decoding as a user runs it: `pagedserve serve --speculative-config` (the real
 process split, SmolLM2 in float32) answers copy tasks through the openai client exactly as
 the engine does without speculation, streams several tokens per step, and reports the
-spec-decode metrics; the offline LLM with a draft model (a tiny random Llama with SmolLM2's
-vocabulary) gives the same greedy tokens too; a bad config is a usage error."""
+spec-decode metrics; tiny Llama and Qwen2 models served with a draft model (a perturbed
+copy), and the offline LLM on SmolLM2 with a draft model (a tiny random Llama with its
+vocabulary), give the tokens plain decoding gives too; a bad config is a usage error."""
 from __future__ import annotations
 
 import json
@@ -61,14 +62,28 @@ def test_served_greedy_outputs_equal_the_engine_without_speculation(spec_server,
     assert samples["pagedserve:spec_decode_num_accepted_tokens_per_pos_total"] == accepted
 
 
-@pytest.fixture(scope="module")
-def tiny_pair(tmp_path_factory):
-    """A tiny random Llama with SmolLM2's tokenizer, and a draft: the same model with its
+def tiny_with_smollm2_tokenizer(architecture: str, directory):
+    """A tiny random model of `architecture` that reads and writes text with SmolLM2's tokenizer."""
+    import shutil
+
+    from common.model_files import resolve_model_dir
+    from tiny_models import build_tiny_hf_model
+    if architecture == "LlamaForCausalLM":
+        return build_tiny_llama_with_smollm2_tokenizer(directory)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(f"{resolve_model_dir(MODEL)}/{name}", directory / name)
+    return build_tiny_hf_model(architecture, directory, vocab_size=49152, eos_token_id=2, bos_token_id=1,
+                               tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="module", params=["LlamaForCausalLM", "Qwen2ForCausalLM"])
+def tiny_pair(request, tmp_path_factory):
+    """A tiny random model with SmolLM2's tokenizer, and a draft: the same model with its
     weights perturbed (it agrees often, not always)."""
     import torch
     target, draft = tmp_path_factory.mktemp("tiny-target"), tmp_path_factory.mktemp("tiny-draft")
-    build_tiny_llama_with_smollm2_tokenizer(target)
-    perturbed = build_tiny_llama_with_smollm2_tokenizer(draft)
+    tiny_with_smollm2_tokenizer(request.param, target)
+    perturbed = tiny_with_smollm2_tokenizer(request.param, draft)
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for param in perturbed.parameters():
@@ -77,7 +92,7 @@ def tiny_pair(tmp_path_factory):
     return target, draft
 
 
-def test_served_tiny_llama_with_a_draft_model_equals_plain_decoding(tmp_path, tiny_pair):
+def test_served_tiny_models_with_a_draft_model_equal_plain_decoding(tmp_path, tiny_pair):
     from pagedserve.offline.llm import LLM
     target, draft = tiny_pair
     spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
