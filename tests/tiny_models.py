@@ -73,3 +73,13 @@ def tiny_llama_engine(directory: Path, **engine_overrides: Any):
     settings = dict(skip_tokenizer_init=True, dtype="float32", device="cpu", attention_backend="torch",
                     block_size=4, seed=0)
     return hf_model, LLM(model=str(directory), **{**settings, **engine_overrides})
+
+
+def save_perturbed(model, directory: Path, scale: float, seed: int = 1) -> None:
+    """Add noise of `scale` times each weight's mean magnitude to `model` and save it to
+    `directory`: a draft model that agrees with the original often, not always."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(scale * param.abs().mean() * torch.randn(param.shape, generator=generator))
+    model.save_pretrained(directory)

@@ -16,7 +16,7 @@ import pytest
 from common.sampling_params import SamplingParams
 from pagedserve.bench.copy_workload import copy_tasks
 from serve_helpers import MODEL, metric_samples, running_server
-from tiny_models import build_tiny_llama_with_smollm2_tokenizer
+from tiny_models import build_tiny_llama_with_smollm2_tokenizer, save_perturbed
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 MAX_TOKENS = 48
@@ -80,15 +80,9 @@ def tiny_with_smollm2_tokenizer(architecture: str, directory):
 def tiny_pair(request, tmp_path_factory):
     """A tiny random model with SmolLM2's tokenizer, and a draft: the same model with its
     weights perturbed (it agrees often, not always)."""
-    import torch
     target, draft = tmp_path_factory.mktemp("tiny-target"), tmp_path_factory.mktemp("tiny-draft")
     tiny_with_smollm2_tokenizer(request.param, target)
-    perturbed = tiny_with_smollm2_tokenizer(request.param, draft)
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for param in perturbed.parameters():
-            param.add_(0.05 * param.abs().mean() * torch.randn(param.shape, generator=generator))
-    perturbed.save_pretrained(draft)
+    save_perturbed(tiny_with_smollm2_tokenizer(request.param, draft), draft, 0.05)
     return target, draft
 
 

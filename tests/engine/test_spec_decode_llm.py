@@ -12,7 +12,7 @@ import torch
 
 from common.sampling_params import SamplingParams
 from pagedserve.offline.llm import LLM
-from tiny_models import build_tiny_hf_model
+from tiny_models import build_tiny_hf_model, save_perturbed
 
 SETTINGS = dict(skip_tokenizer_init=True, dtype="float32", device="cpu", attention_backend="torch", block_size=4,
                 enforce_eager=True, seed=0, num_gpu_blocks_override=1024)
@@ -26,12 +26,7 @@ def models(request, tmp_path_factory):
     target = tmp_path_factory.mktemp("target")
     draft = tmp_path_factory.mktemp("draft")
     hf_model = build_tiny_hf_model(request.param, target)
-    perturbed = build_tiny_hf_model(request.param, draft)
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for param in perturbed.parameters():
-            param.add_(0.08 * param.abs().mean() * torch.randn(param.shape, generator=generator))
-    perturbed.save_pretrained(draft)
+    save_perturbed(build_tiny_hf_model(request.param, draft), draft, 0.08)
     return hf_model, target, draft
 
 
