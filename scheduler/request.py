@@ -121,6 +121,25 @@ class Request:
         self.all_token_ids.append(token_id)
         self._update_block_hashes()
 
+    def lose_kv(self) -> None:
+        """Its KV is gone (preempted, or its worker lost): it waits to be recomputed, tokens kept."""
+        self.num_computed_tokens = 0
+        self.spec_token_ids = []
+        self.status = RequestStatus.PREEMPTED
+
+    def append_until_stop(self, token_ids: list[int], eos_token_ids: frozenset[int],
+                          max_model_len: int) -> tuple[list[int], FinishReason | None]:
+        """Append a step's new tokens (accepted drafts, then the sampled one) up to the first
+        that stops the request; (the tokens appended, why it stopped or None)."""
+        appended = []
+        for token in token_ids:
+            self.append_output_token(token)
+            appended.append(token)
+            reason = self.check_stop(eos_token_ids, max_model_len)
+            if reason is not None:
+                return appended, reason
+        return appended, None
+
     def _update_block_hashes(self) -> None:
         # Hashes cover every full block of known tokens; whether a block may
         # be cached (its KV computed) is the KV cache manager's decision.

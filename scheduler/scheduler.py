@@ -5,8 +5,8 @@ the next prefill chunk), then admits waiting requests, all within
 `max_num_batched_tokens` tokens and `max_num_seqs` running requests. When a
 running request cannot get blocks, the most recently admitted running request
 is preempted by recompute. A request with several samples (n > 1, best_of)
-prefills its prompt once and forks (see `scheduler.sample_group`). Never
-imports torch.
+prefills its prompt once and forks (see `scheduler.sample_group`). Drafts of
+speculative decoding ride on decodes (`scheduler.speculation`). Never imports torch.
 """
 from __future__ import annotations
 
@@ -21,10 +21,12 @@ from common.protocol import (CachedRequestData, EngineRequest, FinishReason, New
 from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.queues import WaitingQueue
 from scheduler.request import Request, RequestStatus
+from scheduler.request_checks import check_new_request, servable_max_model_len
 from scheduler.resumption import resumed_samples
 from scheduler.sample_group import SampleGroup
 from scheduler.scheduler_stats import SchedulerStats
-from scheduler.speculation import SpecDecodeStats, can_speculate, drafts_to_check, roll_back_rejected
+from scheduler.speculation import (SpecDecodeStats, drafts_to_check, lookahead_slots, roll_back_rejected,
+                                   speculating)
 
 logger = logging.getLogger(__name__)
 
@@ -38,16 +40,7 @@ class Scheduler:
         self.block_size = config.block_size
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.resolved_max_num_batched_tokens()  # torch-free
-        usable_tokens = (num_blocks - 1) * config.block_size  # block 0 is reserved
-        if max_model_len - 1 > usable_tokens:
-            # A lone request must always fit, or it would be preempted forever.
-            # A sequence of max_model_len tokens ends when its last token is
-            # sampled, so that token's KV is never needed.
-            logger.warning("max_model_len=%d needs more KV cache than the %d tokens available (%d usable blocks "
-                           "of %d); serving at most %d tokens per sequence", max_model_len, usable_tokens,
-                           num_blocks - 1, config.block_size, usable_tokens + 1)
-            max_model_len = usable_tokens + 1
-        self.max_model_len = max_model_len
+        self.max_model_len = servable_max_model_len(max_model_len, num_blocks, config.block_size)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
 
@@ -68,27 +61,8 @@ class Scheduler:
     def add_request(self, engine_request: EngineRequest) -> None:
         """Queue a request; raises InvalidRequestError instead of truncating."""
         request_id = engine_request.request_id
-        engine_request.sampling_params.validate(self.vocab_size, self.config.max_logprobs)
-        num_prompt = len(engine_request.prompt_token_ids)
-        if num_prompt == 0:
-            raise InvalidRequestError("The prompt is empty; at least one token is required", param="prompt")
-        if self.vocab_size is not None:
-            # An id the embedding lookup cannot take would fail the whole step on the worker.
-            bad = next((t for t in engine_request.prompt_token_ids if not 0 <= t < self.vocab_size), None)
-            if bad is not None:
-                raise InvalidRequestError(f"Token id {bad} is out of vocabulary (size {self.vocab_size})",
-                                          param="prompt")
-        if num_prompt + 1 > self.max_model_len:
-            raise InvalidRequestError(
-                f"The prompt has {num_prompt} tokens, but the maximum context length (max_model_len) is "
-                f"{self.max_model_len} tokens, which leaves no room for an output token; shorten the prompt",
-                param="prompt", code="context_length_exceeded")
+        check_new_request(engine_request, self.vocab_size, self.max_model_len, self.config.max_logprobs)
         params = engine_request.sampling_params
-        if params.max_tokens is None and params.min_tokens > self.max_model_len - num_prompt:
-            raise InvalidRequestError(
-                f"min_tokens ({params.min_tokens}) is more than the {self.max_model_len - num_prompt} tokens "
-                f"that fit after the prompt in max_model_len ({self.max_model_len})", param="min_tokens",
-                code="context_length_exceeded")
         num_samples = params.num_samples
         ids = [request_id] + [sample_request_id(request_id, i) for i in range(num_samples if num_samples > 1 else 0)]
         if any(i in self._requests or i in self._groups or self._is_future_sample(i) for i in ids):
@@ -170,7 +144,7 @@ class Scheduler:
         scheduled: list[tuple[Request, int, list[int]]] = []  # (request, tokens, blocks added)
         drafts: dict[str, list[int]] = {}
         preempted = False
-        speculate = self._speculating()
+        speculate = speculating(self.speculative_config, len(self.running))
         lookahead = self.speculative_config.lookahead_slots if speculate else 0
 
         index = 0
@@ -182,7 +156,8 @@ class Scheduler:
                 continue
             checked = drafts_to_check(request, budget, self.max_model_len) if speculate and num_new == 1 else []
             # A step that samples gives a draft model room to run ahead (its KV past the checked tokens).
-            ahead = self._lookahead(request, num_new + len(checked), lookahead)
+            ahead = lookahead_slots(request, request.num_computed_tokens, num_new + len(checked), lookahead,
+                                    self.max_model_len)
             new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new + len(checked) + ahead)
             if new_block_ids is None and (checked or ahead):  # drafts never cost another request its place
                 checked, ahead = [], 0
@@ -255,9 +230,7 @@ class Scheduler:
             if in_flight and kv.next_block_in_flight(request, len(hit_blocks), in_flight):
                 break
             num_new = min(request.num_tokens - num_hit_tokens, budget)
-            request.num_computed_tokens = num_hit_tokens  # (for the lookahead; kept only if admitted)
-            ahead = self._lookahead(request, num_new, lookahead)
-            request.num_computed_tokens = 0
+            ahead = lookahead_slots(request, num_hit_tokens, num_new, lookahead, self.max_model_len)
             new_block_ids = kv.allocate_slots(request, num_new + ahead, hit_blocks)
             if new_block_ids is None:
                 break
@@ -276,25 +249,10 @@ class Scheduler:
             scheduled.append((request, num_new, new_block_ids))
             budget -= num_new
 
-    def _speculating(self) -> bool:
-        """Whether this step checks drafts (and the worker proposes more): speculation is on
-        and fewer requests run than `disable_by_batch_size`."""
-        config = self.speculative_config
-        return config is not None and len(self.running) < config.disable_by_batch_size
-
-    def _lookahead(self, request: Request, num_new: int, lookahead: int) -> int:
-        """KV slots past this step's tokens for a draft model to run ahead in: only when the chunk
-        reaches the request's last known token (it samples, then proposes), within max_model_len."""
-        if not lookahead or request.num_computed_tokens + num_new < request.num_tokens or not can_speculate(request):
-            return 0
-        return max(0, min(lookahead, self.max_model_len - request.num_computed_tokens - num_new))
-
     def _preempt(self, request: Request) -> None:
         """Recompute later: free the KV, keep the tokens, wait at the front."""
         self.kv_cache_manager.free(request)
-        request.num_computed_tokens = 0
-        request.spec_token_ids = []
-        request.status = RequestStatus.PREEMPTED
+        request.lose_kv()
         request.num_preemptions += 1
         self.num_preemptions += 1
         if request.sent_to_worker:
@@ -339,13 +297,8 @@ class Scheduler:
                 continue
             if request.num_output_tokens == 0 and request.sample_index == 0:
                 self.num_prompt_tokens += request.num_prompt_tokens  # once, however many samples
-            new_token_ids = []
-            for token in accepted + [token_id]:
-                request.append_output_token(token)
-                new_token_ids.append(token)
-                reason = request.check_stop(self.eos_token_ids, self.max_model_len)
-                if reason is not None:
-                    break
+            new_token_ids, reason = request.append_until_stop(accepted + [token_id], self.eos_token_ids,
+                                                              self.max_model_len)
             self.num_generation_tokens += len(new_token_ids)
             if request.num_output_tokens == len(new_token_ids) and request.sample_index == 0:
                 group = self._groups.get(request.external_id)
@@ -416,10 +369,7 @@ class Scheduler:
             prefix_cache_queries=kv.prefix_cache_queries, prefix_cache_hits=kv.prefix_cache_hits,
             num_preemptions=self.num_preemptions, num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens,
-            spec_decode_num_drafts=self.spec_stats.num_drafts,
-            spec_decode_num_draft_tokens=self.spec_stats.num_draft_tokens,
-            spec_decode_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
-            spec_decode_num_accepted_tokens_per_pos=list(self.spec_stats.accepted_per_position))
+            **self.spec_stats.stats_fields())
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached prefix; False (nothing changed) while requests hold blocks."""
@@ -434,9 +384,7 @@ class Scheduler:
         moved = self.running
         for request in reversed(moved):  # push_front reverses, so the oldest ends first
             self.kv_cache_manager.free(request)
-            request.num_computed_tokens = 0
-            request.spec_token_ids = []
-            request.status = RequestStatus.PREEMPTED
+            request.lose_kv()
             request.sent_to_worker = False
             self.waiting.push_front(request)
         self.running = []

@@ -13,6 +13,12 @@ from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.request import Request
 
 
+def speculating(config: SpeculativeConfig | None, num_running: int) -> bool:
+    """Whether a step checks drafts (and the worker proposes more): speculation is on and fewer
+    requests run than `disable_by_batch_size`."""
+    return config is not None and num_running < config.disable_by_batch_size
+
+
 def can_speculate(request: Request) -> bool:
     """Whether drafts for this request can be verified exactly: a grammar's state would have to
     follow every draft, so structured outputs run without speculation."""
@@ -29,6 +35,15 @@ def drafts_to_check(request: Request, budget: int, max_model_len: int) -> list[i
     room = min(budget - 1, request.max_tokens - request.num_output_tokens - 1,
                max_model_len - request.num_tokens - 1)
     return drafts[:max(room, 0)]
+
+
+def lookahead_slots(request: Request, num_computed: int, num_new: int, lookahead: int, max_model_len: int) -> int:
+    """KV slots past a step's `num_new` tokens (after `num_computed`) for a draft model to run
+    ahead in: only when the chunk reaches the request's last known token (it samples, then
+    proposes), within max_model_len."""
+    if not lookahead or num_computed + num_new < request.num_tokens or not can_speculate(request):
+        return 0
+    return max(0, min(lookahead, max_model_len - num_computed - num_new))
 
 
 def roll_back_rejected(kv: KVCacheManager, stats: "SpecDecodeStats", request: Request, num_checked: int,
@@ -61,6 +76,12 @@ class SpecDecodeStats:
         self.num_accepted_tokens += num_accepted
         for position in range(num_accepted):
             self.accepted_per_position[position] += 1
+
+    def stats_fields(self) -> dict[str, int | list[int]]:
+        """The counts under SchedulerStats' names."""
+        return {"spec_decode_num_drafts": self.num_drafts, "spec_decode_num_draft_tokens": self.num_draft_tokens,
+                "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
+                "spec_decode_num_accepted_tokens_per_pos": list(self.accepted_per_position)}
 
     @property
     def mean_accepted_length(self) -> float:

@@ -1,0 +1,48 @@
+"""What a new request must satisfy before the scheduler queues it: checked up front, so a
+bad request gets a clear 400 and never reaches (or fails) a worker step. Never truncates."""
+from __future__ import annotations
+
+import logging
+
+from common.errors import InvalidRequestError
+from common.protocol import EngineRequest
+
+logger = logging.getLogger(__name__)
+
+
+def servable_max_model_len(max_model_len: int, num_blocks: int, block_size: int) -> int:
+    """The longest sequence the KV cache holds alone: a lone request must always fit, or it
+    would be preempted forever. A sequence of max_model_len tokens ends when its last token is
+    sampled, so that token's KV is never needed."""
+    usable_tokens = (num_blocks - 1) * block_size  # block 0 is reserved
+    if max_model_len - 1 > usable_tokens:
+        logger.warning("max_model_len=%d needs more KV cache than the %d tokens available (%d usable blocks "
+                       "of %d); serving at most %d tokens per sequence", max_model_len, usable_tokens,
+                       num_blocks - 1, block_size, usable_tokens + 1)
+        return usable_tokens + 1
+    return max_model_len
+
+
+def check_new_request(engine_request: EngineRequest, vocab_size: int | None, max_model_len: int,
+                      max_logprobs: int) -> None:
+    """Raise InvalidRequestError naming the parameter at fault."""
+    engine_request.sampling_params.validate(vocab_size, max_logprobs)
+    num_prompt = len(engine_request.prompt_token_ids)
+    if num_prompt == 0:
+        raise InvalidRequestError("The prompt is empty; at least one token is required", param="prompt")
+    if vocab_size is not None:
+        # An id the embedding lookup cannot take would fail the whole step on the worker.
+        bad = next((t for t in engine_request.prompt_token_ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(f"Token id {bad} is out of vocabulary (size {vocab_size})", param="prompt")
+    if num_prompt + 1 > max_model_len:
+        raise InvalidRequestError(
+            f"The prompt has {num_prompt} tokens, but the maximum context length (max_model_len) is "
+            f"{max_model_len} tokens, which leaves no room for an output token; shorten the prompt",
+            param="prompt", code="context_length_exceeded")
+    params = engine_request.sampling_params
+    if params.max_tokens is None and params.min_tokens > max_model_len - num_prompt:
+        raise InvalidRequestError(
+            f"min_tokens ({params.min_tokens}) is more than the {max_model_len - num_prompt} tokens "
+            f"that fit after the prompt in max_model_len ({max_model_len})", param="min_tokens",
+            code="context_length_exceeded")
