@@ -55,6 +55,7 @@ def run_spec_decode(config: EngineConfig, requests: list[BenchRequest], concurre
                                       skip_tokenizer_init=True),
                "on": LLM.from_config(config.replace(max_num_seqs=size), skip_tokenizer_init=True)}
     for llm in engines.values():  # compile and warm both before any timed run
+        llm.record_itl = True
         _run(llm, requests[:1], 1, SamplingChoice())
     rows = []
     for concurrency in concurrencies:

@@ -49,9 +49,7 @@ class EngineLoopStats:
     execute_ns: int = 0  # Worker.execute (input prep, model, sampling)
     outputs_ns: int = 0  # turning outputs into results (detokenization, stop strings)
     peak_used_blocks: int = 0  # KV blocks held by requests at the fullest step
-    # Inter-token latency: a request's output that brings m tokens after a gap of g seconds
-    # (since its previous output) counts m gaps of g / m, so speculative steps count per token.
-    itl_s: list[float] = field(default_factory=list)
+    itl_s: list[float] = field(default_factory=list)  # per token, when LLM.record_itl (InterTokenLatency)
 
     @property
     def scheduler_ms_per_step(self) -> float:
@@ -98,6 +96,7 @@ class LLM:
         self.tokenizer = None if skip_tokenizer_init else load_tokenizer(self.worker.model_dir)
         self._ids = itertools.count()
         self.loop_stats = EngineLoopStats()
+        self.record_itl = False  # benchmarks: gather loop_stats.itl_s during generate
         self._sampling_defaults = sampling_defaults(self.worker.model_dir, generation_config)
 
     def shutdown(self) -> None:
@@ -200,7 +199,7 @@ class LLM:
         bar = tqdm(total=len(requests), desc="Generating", unit="req", disable=not use_tqdm, dynamic_ncols=True)
         started, generated = time.perf_counter(), 0
         stats = self.loop_stats = EngineLoopStats()
-        last_output: dict[tuple[str, int], float] = {}
+        itl = InterTokenLatency(stats.itl_s) if self.record_itl else None
         clock = time.perf_counter_ns
         try:
             while self.scheduler.has_unfinished_requests():
@@ -232,17 +231,30 @@ class LLM:
                     if request.finished:
                         bar.update(1)
                         bar.set_postfix(tok_s=f"{generated / (time.perf_counter() - started):.1f}")
-                now = time.perf_counter()
-                for out in outputs:
-                    if out.new_token_ids:
-                        previous = last_output.get((out.request_id, out.index))
-                        if previous is not None:
-                            count = len(out.new_token_ids)
-                            stats.itl_s.extend([(now - previous) / count] * count)
-                        last_output[(out.request_id, out.index)] = now
+                if itl is not None:
+                    itl.record(outputs)
                 stats.outputs_ns += clock() - t3
         finally:
             bar.close()
+
+
+class InterTokenLatency:
+    """A request's output that brings m tokens after a gap of g seconds (since its previous
+    output) counts m gaps of g / m, so speculative steps count per token."""
+
+    def __init__(self, gaps: list[float]):
+        self.gaps = gaps
+        self.last_output: dict[tuple[str, int], float] = {}
+
+    def record(self, outputs: list) -> None:
+        now = time.perf_counter()
+        for out in outputs:
+            if out.new_token_ids:
+                previous = self.last_output.get((out.request_id, out.index))
+                if previous is not None:
+                    count = len(out.new_token_ids)
+                    self.gaps.extend([(now - previous) / count] * count)
+                self.last_output[(out.request_id, out.index)] = now
 
 
 def _stop_group(group: GroupLeader, followers: FollowerRanks | None, replicas: ReplicaProcesses | None) -> None:

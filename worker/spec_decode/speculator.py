@@ -22,7 +22,7 @@ class Speculator:
     def propose(self, batch: StepBatch) -> dict[str, list[int]]:
         """Drafts for the batch's sampling requests, after `batch.commit` (requests following
         a grammar get none: see scheduler.speculation)."""
-        states = [s for s in batch.sampling_states if s.grammar is None and s.sampling_params.structured_outputs is None]
+        states = [s for s in batch.sampling_states if s.sampling_params.structured_outputs is None]
         if not states:
             return {}
         limits = [self.config.num_speculative_tokens] * len(states)
