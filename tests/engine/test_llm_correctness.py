@@ -37,6 +37,7 @@ def assert_no_leaked_blocks(llm: LLM) -> None:
                           "tie_word_embeddings": True}),
     ("MistralForCausalLM", {"sliding_window": 8}),
     ("Qwen2ForCausalLM", {}),
+    ("Qwen3ForCausalLM", {}),
 ])
 def test_greedy_matches_transformers_with_chunked_prefill(tmp_path, architecture, overrides):
     hf_model = build_tiny_hf_model(architecture, tmp_path / "model", **overrides)

@@ -42,6 +42,9 @@ VARIANTS = {
     "qwen2_tied": ("Qwen2ForCausalLM", {"tie_word_embeddings": True}),
     "qwen2_window_upper_layer": ("Qwen2ForCausalLM", {
         "use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1}),
+    "qwen3": ("Qwen3ForCausalLM", {}),
+    "qwen3_window_tied": ("Qwen3ForCausalLM", {"use_sliding_window": True, "sliding_window": 6,
+                                               "max_window_layers": 1, "tie_word_embeddings": True}),
 }
 
 

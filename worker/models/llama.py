@@ -47,7 +47,7 @@ PACKED_WEIGHTS = ("qkv", "o", "gate_up", "down")  # a layer's matmul weights: <n
 
 class DecoderLayer(nn.Module):
     def __init__(self, sizes: "ModelSizes", biases: dict[str, bool], sliding_window: int | None,
-                 dtype: torch.dtype | None, device: Any, layer_index: int = 0):
+                 dtype: torch.dtype | None, device: Any, layer_index: int = 0, qk_norm: bool = False):
         super().__init__()
         s = sizes
         self.sizes = s
@@ -64,6 +64,9 @@ class DecoderLayer(nn.Module):
         self.qkv_bias = _param(qkv_rows, dtype=dtype, device=device) if biases["qkv"] else None
         self.o_weight = _param(s.hidden, s.num_heads * s.head_dim, dtype=dtype, device=device)
         self.o_bias = _param(s.hidden, dtype=dtype, device=device) if biases["o"] else None
+        # Per-head RMSNorm of queries and keys before the rotary embedding (Qwen3).
+        self.q_norm = _param(s.head_dim, dtype=dtype, device=device) if qk_norm else None
+        self.k_norm = _param(s.head_dim, dtype=dtype, device=device) if qk_norm else None
         self.post_norm = _param(s.hidden, dtype=dtype, device=device)
         self.gate_up_weight = _param(2 * s.intermediate, s.hidden, dtype=dtype, device=device)
         self.gate_up_bias = _param(2 * s.intermediate, dtype=dtype, device=device) if biases["mlp"] else None
@@ -87,7 +90,10 @@ def decoder_layer(layer: DecoderLayer, hidden: torch.Tensor, cos: torch.Tensor, 
     qkv = linear(x, layer.qkv_weight, layer.qkv_bias, layer.qkv_packed)
     q, k, v = qkv.split([s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim,
                          s.num_kv_heads * s.head_dim], dim=-1)
-    if layer.fused_rotary:
+    if layer.q_norm is not None:
+        q = rms_norm(q.reshape(num_tokens, s.num_heads, s.head_dim), layer.q_norm, s.eps)
+        k = rms_norm(k.reshape(num_tokens, s.num_kv_heads, s.head_dim), layer.k_norm, s.eps)
+    if layer.fused_rotary:  # (never with q/k norms: the kernel reads q and k from the fused qkv rows)
         q, k = cpu_ops.rotary_qk(qkv, cos, sin, s.num_heads, s.num_kv_heads)
     else:
         q = apply_rotary(q.view(num_tokens, s.num_heads, s.head_dim), cos, sin)
@@ -164,7 +170,8 @@ class LlamaForCausalLM(nn.Module):
         holds_embeddings = self.is_first_stage or (self.is_last_stage and self.tie_word_embeddings)
         self.embed_tokens = _param(vocab_rows, s.hidden, dtype=dtype, device=device) if holds_embeddings else None
         self.layers = nn.ModuleList(
-            DecoderLayer(s, biases, self.sliding_windows[i], dtype, device, layer_index=i - self.first_layer)
+            DecoderLayer(s, biases, self.sliding_windows[i], dtype, device, layer_index=i - self.first_layer,
+                         qk_norm=self.qk_norm)
             for i in range(self.first_layer, self.end_layer))
         self.norm = _param(s.hidden, dtype=dtype, device=device) if self.is_last_stage else None
         self.lm_head = None
@@ -173,7 +180,9 @@ class LlamaForCausalLM(nn.Module):
                 vocab_rows, s.hidden, dtype=dtype, device=device)
         self.rotary = RotaryEmbedding(hf_config, s.head_dim)
 
-    # --- architecture rules (overridden by Mistral / Qwen2) -------------------------
+    # --- architecture rules (overridden by Mistral / Qwen2 / Qwen3) ------------------
+    qk_norm = False  # per-head RMSNorm of q and k (q_norm / k_norm weights of head_dim)
+
     @classmethod
     def biases(cls, hf_config: Any) -> dict[str, bool]:
         attention_bias = bool(getattr(hf_config, "attention_bias", False))
@@ -228,7 +237,7 @@ class LlamaForCausalLM(nn.Module):
             for name in PACKED_WEIGHTS:
                 pack = pack_gated if name == "gate_up" else pack_weight
                 setattr(layer, name + "_packed", pack(getattr(layer, name + "_weight")))
-            layer.fused_rotary = self.dtype == torch.bfloat16
+            layer.fused_rotary = self.dtype == torch.bfloat16 and layer.q_norm is None
         return True
 
     # --- weights ---------------------------------------------------------------------
@@ -258,6 +267,9 @@ class LlamaForCausalLM(nn.Module):
             p = f"model.layers.{i}."
             targets[p + "input_layernorm.weight"] = (layer.input_norm, None)
             targets[p + "post_attention_layernorm.weight"] = (layer.post_norm, None)
+            if layer.q_norm is not None:
+                targets[p + "self_attn.q_norm.weight"] = (layer.q_norm, None)
+                targets[p + "self_attn.k_norm.weight"] = (layer.k_norm, None)
             # (slice of the fused tensor, rows of the checkpoint tensor this rank holds)
             fused = {"self_attn.q_proj": ((0, q_rows), s.q_head_start * hd),
                      "self_attn.k_proj": ((q_rows, q_rows + kv_rows), s.kv_head_start * hd),

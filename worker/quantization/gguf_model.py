@@ -89,5 +89,5 @@ def quantize_layers(model: Any, gguf_path: str) -> Counter:
             setattr(layer, name + "_packed", packed)
             setattr(layer, name + "_weight", _stub(weight))
             used["+".join(sorted({source.type_name(n) for n in names}))] += 1
-        layer.fused_rotary = model.dtype == torch.bfloat16
+        layer.fused_rotary = model.dtype == torch.bfloat16 and layer.q_norm is None
     return used
