@@ -47,6 +47,15 @@ def cpu_supports_bf16() -> bool:
     return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
+def window_fits(sliding_window: int, num_blocks: int, block_size: int, max_step_tokens: int) -> bool:
+    """Whether a sequence of any length fits the KV cache alone when every layer sees only the
+    latest `sliding_window` positions: it holds the window and one step's new slots at most."""
+    if sliding_window <= 0:
+        return False
+    peak_tokens = sliding_window - 1 + max_step_tokens
+    return -(-peak_tokens // block_size) + 1 <= num_blocks - 1  # +1: a window straddles blocks
+
+
 @dataclass(slots=True)
 class EngineConfig:
     """Settings for one model replica. Model-dependent defaults (max_model_len)
@@ -174,12 +183,20 @@ class EngineConfig:
             return self.max_num_batched_tokens
         return 2048 if self.resolved_device() == "cuda" else 4096
 
-    def resolve_max_model_len(self, model_limit: int, num_blocks: int) -> int:
+    def max_step_tokens(self) -> int:
+        """The most KV slots one step adds to a request: its chunk plus a draft model's lookahead."""
+        spec = self.speculative_config
+        return self.resolved_max_num_batched_tokens() + (spec.lookahead_slots if spec is not None else 0)
+
+    def resolve_max_model_len(self, model_limit: int, num_blocks: int, sliding_window: int = 0) -> int:
         """The longest sequence we serve: the user's value, else the model's
         limit capped by what the KV cache holds. A user value above either
-        limit is an error, never a silent truncation."""
+        limit is an error, never a silent truncation. `sliding_window`: that of
+        every layer (0: none), whose sequences hold only their window's blocks."""
         # Block 0 is reserved; a sequence of L tokens keeps the KV of its first L-1.
         cache_tokens = (num_blocks - 1) * self.block_size + 1
+        if window_fits(sliding_window, num_blocks, self.block_size, self.max_step_tokens()):
+            cache_tokens = model_limit
         if self.max_model_len is None:
             return max(1, min(model_limit, cache_tokens))
         if self.max_model_len > model_limit:

@@ -173,6 +173,9 @@ class WorkerHello(msgspec.Struct, **_STRUCT):
     protocol_version: int = PROTOCOL_VERSION
     tensor_parallel_size: int = 1  # the ranks behind this worker (only rank 0 talks to the scheduler)
     pipeline_parallel_size: int = 1
+    # Every layer attends to at most this many latest positions (0: some layer sees all):
+    # the scheduler frees the blocks that fall out of the window.
+    sliding_window: int = 0
 
 
 class WorkerReady(msgspec.Struct, **_STRUCT):

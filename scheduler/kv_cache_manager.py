@@ -13,9 +13,12 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, sliding_window: int = 0):
+        """`sliding_window` > 0: every layer sees only that many latest positions, so blocks
+        wholly before them are given back while the request runs (`free_out_of_window`)."""
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.sliding_window = sliding_window
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
         # How many leading blocks of each request are registered in the
@@ -108,7 +111,7 @@ class KVCacheManager:
         if child.request_id in self.req_to_blocks:
             raise ValueError(f"{child.request_id} already holds blocks")
         shared = parent_blocks[:num_shared]
-        self.block_pool.touch(shared)
+        self.block_pool.touch(self._real(shared))
         self.req_to_blocks[child.request_id] = list(shared)
         # The parent registered them already (if caching is on); never again by the child.
         self.num_cached_blocks[child.request_id] = num_shared
@@ -143,12 +146,36 @@ class KVCacheManager:
         del blocks[keep:]
         return True
 
+    def free_out_of_window(self, request: Request) -> int:
+        """With a sliding window on every layer: give back the request's blocks that hold only
+        positions no later token can see (before `num_computed_tokens - window + 1`); their
+        places in the table become the null block. Registered blocks stay in the prefix cache
+        (free, evictable). Call after `cache_blocks`. Returns the number freed."""
+        if self.sliding_window <= 0:
+            return 0
+        blocks = self.req_to_blocks.get(request.request_id)
+        if not blocks:
+            return 0
+        first_visible = request.num_computed_tokens - self.sliding_window + 1
+        num_out = min(max(0, first_visible) // self.block_size, len(blocks))
+        null = self.block_pool.null_block
+        freed = [block for block in blocks[:num_out] if block is not null]
+        if freed:
+            blocks[:num_out] = [null] * num_out
+            self.block_pool.free_blocks(freed)
+        return len(freed)
+
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first, so a sequence's last
         blocks are evicted before its (more shareable) leading ones."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
-        self.block_pool.free_blocks(reversed(blocks))
+        self.block_pool.free_blocks(reversed(self._real(blocks)))
+
+    def _real(self, blocks: list[KVBlock]) -> list[KVBlock]:
+        """`blocks` without the null block that stands for freed out-of-window ones."""
+        null = self.block_pool.null_block
+        return [block for block in blocks if block is not null]
 
     # --- views ------------------------------------------------------------
     def get_block_ids(self, request_id: str) -> list[int]:

@@ -4,18 +4,22 @@ from __future__ import annotations
 
 import logging
 
+from common.config import window_fits
 from common.errors import InvalidRequestError
 from common.protocol import EngineRequest
 
 logger = logging.getLogger(__name__)
 
 
-def servable_max_model_len(max_model_len: int, num_blocks: int, block_size: int) -> int:
+def servable_max_model_len(max_model_len: int, num_blocks: int, block_size: int, sliding_window: int = 0,
+                           max_step_tokens: int = 0) -> int:
     """The longest sequence the KV cache holds alone: a lone request must always fit, or it
     would be preempted forever. A sequence of max_model_len tokens ends when its last token is
-    sampled, so that token's KV is never needed."""
+    sampled, so that token's KV is never needed. With a sliding window on every layer a request
+    holds only the window plus one step's tokens (`max_step_tokens`, lookahead included)."""
     usable_tokens = (num_blocks - 1) * block_size  # block 0 is reserved
-    if max_model_len - 1 > usable_tokens:
+    if max_model_len - 1 > usable_tokens and not window_fits(sliding_window, num_blocks, block_size,
+                                                              max_step_tokens):
         logger.warning("max_model_len=%d needs more KV cache than the %d tokens available (%d usable blocks "
                        "of %d); serving at most %d tokens per sequence", max_model_len, usable_tokens,
                        num_blocks - 1, block_size, usable_tokens + 1)

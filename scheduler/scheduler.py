@@ -33,16 +33,20 @@ logger = logging.getLogger(__name__)
 
 class Scheduler:
     def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int, eos_token_ids: list[int],
-                 vocab_size: int | None = None):
-        """`vocab_size` (the worker's): prompt and stop/bias token ids must lie in it."""
+                 vocab_size: int | None = None, sliding_window: int = 0):
+        """`vocab_size` (the worker's): prompt and stop/bias token ids must lie in it.
+        `sliding_window`: the window of every layer, when all have one (WorkerHello)."""
         self.config = config
         self.vocab_size = vocab_size
         self.block_size = config.block_size
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.resolved_max_num_batched_tokens()  # torch-free
-        self.max_model_len = servable_max_model_len(max_model_len, num_blocks, config.block_size)
+        self.speculative_config = config.speculative_config
+        self.max_model_len = servable_max_model_len(max_model_len, num_blocks, config.block_size, sliding_window,
+                                                    config.max_step_tokens())
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                               sliding_window)
 
         self._requests: dict[str, Request] = {}  # every unfinished request (each sample of one)
         self._groups: dict[str, SampleGroup] = {}  # requests with several samples, by request id
@@ -54,7 +58,6 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
-        self.speculative_config = config.speculative_config
         self.spec_stats = SpecDecodeStats(self.speculative_config)
 
     # --- requests in and out ----------------------------------------------
@@ -278,6 +281,7 @@ class Scheduler:
             request = self._requests.get(request_id)
             if request is not None and request.status is RequestStatus.RUNNING:
                 self.kv_cache_manager.cache_blocks(request)
+                self.kv_cache_manager.free_out_of_window(request)
 
         for request_id, chunk in result.prompt_logprobs.items():
             request = self._requests.get(request_id)

@@ -76,7 +76,8 @@ class Worker:
             spec, num_layers=spec.num_layers + self._draft_layers_equivalent(spec))
         self.num_blocks = group_minimum(num_blocks_for(config, sizing, self.device))  # the same block ids on every rank
         model_limit = _model_max_len(self.hf_config)
-        self.max_model_len = config.resolve_max_model_len(model_limit=model_limit, num_blocks=self.num_blocks)
+        self.max_model_len = config.resolve_max_model_len(model_limit=model_limit, num_blocks=self.num_blocks,
+                                                          sliding_window=self.shared_sliding_window())
         if self.max_model_len < model_limit and config.max_model_len is None:
             logger.warning("max_model_len is %d, not the model's %d: that is all the KV cache holds "
                            "(%d blocks of %d tokens); raise --kv-cache-memory to serve longer sequences",
@@ -142,7 +143,15 @@ class Worker:
             block_size=self.config.block_size, max_model_len=self.max_model_len,
             vocab_size=int(self.hf_config.vocab_size), eos_token_ids=eos_token_ids(self.model_dir),
             dtype=self.dtype_name, tensor_parallel_size=self.layout.tp_size,
-            pipeline_parallel_size=self.layout.pp_size)
+            pipeline_parallel_size=self.layout.pp_size, sliding_window=self.shared_sliding_window())
+
+    def shared_sliding_window(self) -> int:
+        """The window every layer of every model sharing the KV blocks (a draft model too) keeps
+        to, or 0 when some layer sees the whole sequence: blocks before it can be given back."""
+        windows = list(getattr(self.model, "sliding_windows", None) or [None])
+        if self.draft_model is not None:
+            windows += list(getattr(self.draft_model.model, "sliding_windows", None) or [None])
+        return 0 if any(not w for w in windows) else max(windows)
 
     @property
     def num_requests(self) -> int:

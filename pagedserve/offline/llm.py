@@ -92,7 +92,8 @@ class LLM:
         self.vocab_size = hello.vocab_size
         self.eos_token_ids = list(hello.eos_token_ids)
         self.scheduler = Scheduler(self.config, num_blocks=hello.num_blocks, max_model_len=hello.max_model_len,
-                                   eos_token_ids=list(hello.eos_token_ids), vocab_size=hello.vocab_size)
+                                   eos_token_ids=list(hello.eos_token_ids), vocab_size=hello.vocab_size,
+                                   sliding_window=hello.sliding_window)
         self.tokenizer = None if skip_tokenizer_init else load_tokenizer(self.worker.model_dir)
         self._ids = itertools.count()
         self.loop_stats = EngineLoopStats()

@@ -131,3 +131,21 @@ def test_out_of_vocabulary_prompt_token_is_rejected_before_any_work(tiny_llama):
         assert not llm.scheduler.has_unfinished_requests()
         assert not llm.worker.input_batch.requests  # nothing reached the worker
     assert_no_leaked_blocks(llm)
+
+
+def test_sliding_window_model_runs_sequences_longer_than_its_kv_cache(tmp_path):
+    """Every Mistral layer sees 8 positions: blocks behind the window go back to the pool, so
+    72-token sequences run in 8 blocks of 4 tokens, token for token as transformers."""
+    hf_model = build_tiny_hf_model("MistralForCausalLM", tmp_path / "model", sliding_window=8)
+    prompts = random_prompts(3, hf_model.config.vocab_size, [40, 37, 45], seed=3)
+    expected = [hf_greedy(hf_model, p, NEW_TOKENS) for p in prompts]
+    llm = LLM(model=str(tmp_path / "model"), dtype="float32", block_size=4, max_num_batched_tokens=16,
+              num_gpu_blocks_override=9, skip_tokenizer_init=True)
+    assert llm.scheduler.max_model_len == 512  # not capped by the 32 token slots
+    assert generate_ids(llm, prompts) == expected
+    assert_no_leaked_blocks(llm)
+    # Samples of one prompt share its leading blocks, freed ones included.
+    params = SamplingParams(temperature=1.0, n=3, seed=5, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)
+    assert [len(o.token_ids) for o in outputs[0].outputs] == [NEW_TOKENS] * 3
+    assert_no_leaked_blocks(llm)

@@ -156,3 +156,33 @@ def test_salt_and_disabled_caching_prevent_hits():
     assert off.block_pool.cached_block_hash_to_block == {}
     assert off.get_computed_blocks(new_request("b", list(range(9)), caching=False)) == ([], 0)
     assert (off.prefix_cache_queries, off.prefix_cache_hits) == (0, 0)
+
+
+def test_sliding_window_frees_blocks_behind_the_window_and_nothing_twice():
+    manager = KVCacheManager(num_blocks=11, block_size=BLOCK_SIZE, sliding_window=6)
+    request = new_request("w", list(range(20)))  # five full blocks
+    assert admit(manager, request, 8) == [1, 2]
+    # Next token at position 8 sees positions 3..8: block 0 (positions 0-3) is still needed.
+    assert manager.free_out_of_window(request) == 0
+    assert manager.allocate_slots(request, 8) == [3, 4]
+    request.num_computed_tokens = 16
+    manager.cache_blocks(request)
+    # Position 16 sees 11..16: blocks 0-1 (positions 0-7) are out of the window; block 2 (8-11) is not.
+    assert manager.free_out_of_window(request) == 2
+    assert manager.get_block_ids("w") == [0, 0, 3, 4]
+    assert manager.free_out_of_window(request) == 0
+    # Freed but still registered: another request with the same prefix hits them.
+    other = new_request("o", list(range(9)))
+    hits, num_hit = manager.get_computed_blocks(other)
+    assert [b.block_id for b in hits] == [1, 2] and num_hit == 8
+    # A new chunk needs blocks for its positions only: the null places count as held.
+    assert manager.allocate_slots(request, 4) == [5]
+    manager.free(request)
+    assert manager.num_free_blocks == 10 and manager.block_pool.null_block.ref_cnt == 0
+
+
+def test_no_window_frees_nothing_early():
+    manager = KVCacheManager(num_blocks=11, block_size=BLOCK_SIZE)
+    request = new_request("w", list(range(20)))
+    admit(manager, request)
+    assert manager.free_out_of_window(request) == 0 and 0 not in manager.get_block_ids("w")
