@@ -1,4 +1,4 @@
-"""Convert a llama-family GGUF file (llama, mistral-style, qwen2) into a plain
+"""Convert a llama-family GGUF file (llama, mistral-style, qwen2, qwen3, phi3) into a plain
 Hugging Face model directory: config.json, float32 safetensors, tokenizer
 files and generation_config.json.
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -30,7 +31,8 @@ CONVERTER_VERSION = 1
 MARKER_FILE = "pagedserve_conversion.json"
 DEFAULT_MAX_SHARD_BYTES = 4 << 30
 
-SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                           "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
 
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_TENSORS = {
@@ -43,17 +45,25 @@ _LAYER_TENSORS = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",  # qwen3
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_qkv": "self_attn.qkv_proj",  # phi3: q, k and v rows in one tensor, as HF stores them
 }
+# phi3's ffn_up holds the gate rows then the up rows: HF Phi3's fused gate_up_proj.
+_ARCH_LAYER_TENSORS = {"phi3": {"ffn_up": "mlp.gate_up_proj"}}
+# phi3's LongRoPE factors: rope parameters of the config, not weights.
+ROPE_FACTOR_TENSORS = {"rope_factors_short.weight": "short_factor", "rope_factors_long.weight": "long_factor"}
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _GLOBAL_NAME = re.compile(r"(\w+)\.(weight|bias)")
 
 
-def hf_tensor_name(gguf_name: str) -> str:
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str:
     """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`."""
     if m := _LAYER_NAME.fullmatch(gguf_name):
         layer, part, kind = m.groups()
-        if part in _LAYER_TENSORS:
-            return f"model.layers.{layer}.{_LAYER_TENSORS[part]}.{kind}"
+        names = {**_LAYER_TENSORS, **_ARCH_LAYER_TENSORS.get(arch, {})}
+        if part in names:
+            return f"model.layers.{layer}.{names[part]}.{kind}"
     elif (m := _GLOBAL_NAME.fullmatch(gguf_name)) and m.group(1) in _GLOBAL_TENSORS:
         return f"{_GLOBAL_TENSORS[m.group(1)]}.{m.group(2)}"
     hint = " (Llama-3 style rope scaling is not supported)" if gguf_name.startswith("rope_freqs") else ""
@@ -92,9 +102,13 @@ class GGUFModel:
             raise ConfigError(
                 f"GGUF architecture {self.arch!r} in {path} is not supported; "
                 f"supported: {sorted(SUPPORTED_ARCHITECTURES)}")
-        self.tensor_names = [t.name for t in self.reader.tensors]
+        rope_factors = ROPE_FACTOR_TENSORS if self.arch == "phi3" else {}
+        self.rope_factors = {rope_factors[t.name]: [_shortest_float(x) for x in np.asarray(t.data, np.float32)]
+                             for t in self.reader.tensors if t.name in rope_factors}
+        self.weights = [t for t in self.reader.tensors if t.name not in rope_factors]
+        self.tensor_names = [t.name for t in self.weights]
         for name in self.tensor_names:  # fail before any work on an unknown tensor
-            hf_tensor_name(name)
+            hf_tensor_name(name, self.arch)
 
     def field(self, key: str, default=None):
         f = self.reader.fields.get(key)
@@ -128,17 +142,39 @@ class GGUFModel:
             "torch_dtype": "float32",
         }
         head_dim = self.arch_field("attention.key_length", hidden // heads)
-        if self.arch_field("rope.dimension_count", head_dim) != head_dim:
-            raise ConfigError(f"{self.path}: partial rotary embeddings are not supported")
-        if self.arch == "llama":
+        rotary_dim = self.arch_field("rope.dimension_count", head_dim)
+        if rotary_dim != head_dim and self.arch != "phi3":
+            raise ConfigError(f"{self.path}: partial rotary embeddings are not supported for {self.arch}")
+        if self.arch in ("llama", "qwen3"):
             fields["head_dim"] = head_dim
             fields["attention_bias"] = "blk.0.attn_q.bias" in self.tensor_names
-            fields["mlp_bias"] = "blk.0.ffn_up.bias" in self.tensor_names
         elif head_dim != hidden // heads:
             raise ConfigError(f"{self.path}: head_dim {head_dim} != hidden_size / heads, unsupported for {self.arch}")
-        if (rope_scaling := self._rope_scaling()) is not None:
+        if self.arch == "llama":
+            fields["mlp_bias"] = "blk.0.ffn_up.bias" in self.tensor_names
+        if self.arch == "phi3":
+            fields.update(self._phi3_fields(fields, rotary_dim / head_dim))
+        elif (rope_scaling := self._rope_scaling()) is not None:
             fields["rope_scaling"] = rope_scaling
         return fields
+
+    def _phi3_fields(self, fields: dict, partial_rotary_factor: float) -> dict:
+        """phi3's rope (LongRoPE factors when the file has them, partial rotary) and window
+        (llama.cpp writes 0 for none), as transformers' Phi3Config takes them."""
+        original = self.arch_field("rope.scaling.original_context_length", fields["max_position_embeddings"])
+        rope = {"rope_type": "default", "rope_theta": fields["rope_theta"],
+                "partial_rotary_factor": partial_rotary_factor}
+        if self.rope_factors:
+            if set(self.rope_factors) != {"short_factor", "long_factor"}:
+                raise ConfigError(f"{self.path} has only one of rope_factors_short / rope_factors_long")
+            rope.update(rope_type="longrope", **self.rope_factors)
+            scale = fields["max_position_embeddings"] / original
+            derived = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 else 1.0
+            stored = self.arch_field("rope.scaling.attn_factor")
+            if stored is not None and not math.isclose(stored, derived, rel_tol=1e-6):
+                rope["attention_factor"] = _shortest_float(stored)  # transformers would derive another
+        return {"rope_scaling": rope, "original_max_position_embeddings": original,
+                "sliding_window": self.arch_field("attention.sliding_window") or None}
 
     def _rope_scaling(self) -> dict | None:
         kind = self.arch_field("rope.scaling.type", "none")
@@ -166,10 +202,10 @@ class GGUFModel:
         from gguf.quants import dequantize
 
         # Only llama-arch files get the rotary permutation in convert_hf_to_gguf;
-        # qwen2 uses NEOX-style rope in llama.cpp and stores HF order.
+        # qwen2/qwen3/phi3 use NEOX-style rope in llama.cpp and store HF order.
         permuted = {"attn_q": num_heads, "attn_k": num_kv_heads} if self.arch == "llama" else {}
-        for tensor in self.reader.tensors:
-            hf_name = hf_tensor_name(tensor.name)
+        for tensor in self.weights:
+            hf_name = hf_tensor_name(tensor.name, self.arch)
             weight = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
             part = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else ""
             if part in permuted:  # llama.cpp permutes q/k biases exactly like the weights
@@ -177,7 +213,7 @@ class GGUFModel:
             yield hf_name, np.ascontiguousarray(weight)
 
     def tensor_nbytes_f32(self) -> list[int]:
-        return [int(t.n_elements) * 4 for t in self.reader.tensors]
+        return [int(t.n_elements) * 4 for t in self.weights]
 
 
 def _shard_sizes(nbytes: list[int], max_shard_bytes: int) -> list[int]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 import subprocess
 import sys
@@ -66,8 +67,14 @@ def tiny_vocab() -> tuple[list[str], list[str], list[int]]:
     return tokens, merges, [3] * len(specials) + [1] * (len(tokens) - len(specials))
 
 
+# phi3: Phi-4-mini's partial rotary (3/4 of each head) with LongRoPE and a sliding window.
+PHI3_ROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+             "short_factor": [1.0 + 0.2 * i for i in range(6)], "long_factor": [2.0 + 3.0 * i for i in range(6)]}
+
+
 def tiny_hf_model(arch: str, *, tied: bool):
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (LlamaConfig, LlamaForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
     torch.manual_seed(0)
     common = dict(vocab_size=len(tiny_vocab()[0]), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -77,6 +84,11 @@ def tiny_hf_model(arch: str, *, tied: bool):
         config = LlamaConfig(**common, head_dim=32, attention_bias=True, rope_theta=50000.0,
                              rope_scaling={"rope_type": "linear", "factor": 2.0})
         model = LlamaForCausalLM(config)
+    elif arch == "qwen3":  # head_dim 32 != hidden/heads, as in the real Qwen3 models
+        model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=32, rope_theta=1000000.0))
+    elif arch == "phi3":
+        model = Phi3ForCausalLM(Phi3Config(**common, pad_token_id=0, rope_parameters=dict(PHI3_ROPE),
+                                           original_max_position_embeddings=64, sliding_window=8))
     else:
         model = Qwen2ForCausalLM(Qwen2Config(**common, rope_theta=1000000.0))
     with torch.no_grad():  # norms start at exactly 1.0 and biases at 0.0; make them distinguishable
@@ -92,6 +104,7 @@ def write_gguf(path: str, model, arch: str, *, with_tokenizer: bool = True,
     cfg = model.config
     quantized = 0
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    rope = cfg.rope_parameters
     writer = gguf.GGUFWriter(path, arch)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
@@ -101,13 +114,21 @@ def write_gguf(path: str, model, arch: str, *, with_tokenizer: bool = True,
     writer.add_head_count_kv(cfg.num_key_value_heads)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     writer.add_vocab_size(cfg.vocab_size)
-    if cfg.rope_parameters.get("rope_type") == "linear":
+    if rope.get("rope_type") == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        writer.add_rope_scaling_factor(cfg.rope_parameters["factor"])
+        writer.add_rope_scaling_factor(rope["factor"])
+    if arch == "phi3":  # as convert_hf_to_gguf.py's Phi3MiniModel writes them
+        original = rope["original_max_position_embeddings"]
+        writer.add_rope_scaling_orig_ctx_len(original)
+        writer.add_sliding_window(cfg.sliding_window or 0)
+        scale = cfg.max_position_embeddings / original
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
+        writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], np.float32))
     if with_tokenizer:
         tokens, merges, types = tiny_vocab()
         writer.add_tokenizer_model("gpt2")
@@ -118,7 +139,8 @@ def write_gguf(path: str, model, arch: str, *, with_tokenizer: bool = True,
         writer.add_bos_token_id(1)
         writer.add_eos_token_id(2)
         writer.add_chat_template(CHAT_TEMPLATE)
-    model_arch = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2}[arch]
+    model_arch = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3,
+                  "phi3": gguf.MODEL_ARCH.PHI3}[arch]
     name_map = gguf.get_tensor_name_map(model_arch, cfg.num_hidden_layers)  # llama.cpp's own naming table
     for hf_name, tensor in model.state_dict().items():
         if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
@@ -218,7 +240,7 @@ def test_smollm2_tokenizer_matches_transformers_gguf_tokenizer(smollm2_dir):
 
 # --- synthetic round trips -----------------------------------------------------------
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3"])
 def test_tiny_gguf_round_trips_to_the_same_hf_model(arch, tiny_gguf, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -228,13 +250,18 @@ def test_tiny_gguf_round_trips_to_the_same_hf_model(arch, tiny_gguf, tmp_path):
     expected = {k: v.numpy() for k, v in source.state_dict().items()
                 if not (k == "lm_head.weight" and source.config.tie_word_embeddings)}
     assert set(ours) == set(expected)
-    assert "model.layers.1.self_attn.k_proj.bias" in ours
-    assert ("lm_head.weight" in ours) == (arch == "qwen2")
+    assert {"llama": "model.layers.1.self_attn.k_proj.bias", "qwen2": "model.layers.1.self_attn.k_proj.bias",
+            "qwen3": "model.layers.1.self_attn.k_norm.weight",
+            "phi3": "model.layers.1.mlp.gate_up_proj.weight"}[arch] in ours
+    assert ("lm_head.weight" in ours) == (arch != "llama")
     for name, value in expected.items():
         np.testing.assert_array_equal(ours[name], value, err_msg=name)
 
     reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     assert reloaded.config.rope_parameters == source.config.rope_parameters
+    assert type(reloaded) is type(source)
+    assert getattr(reloaded.config, "head_dim", None) == getattr(source.config, "head_dim", None)
+    assert getattr(reloaded.config, "sliding_window", None) == getattr(source.config, "sliding_window", None)
     assert reloaded.config.tie_word_embeddings == source.config.tie_word_embeddings
     input_ids = torch.tensor([[5, 70, 259, 261, 100, 3, 42]])
     with torch.no_grad():

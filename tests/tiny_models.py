@@ -13,8 +13,9 @@ TINY_SIZES = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidd
 
 def build_tiny_hf_model(architecture: str, directory: Path, *, seed: int = 0,
                         attn_implementation: str = "sdpa", **overrides: Any):
-    """A random float32 transformers model (`LlamaForCausalLM`, `MistralForCausalLM` or
-    `Qwen2ForCausalLM`) saved to `directory`; returns the model in eval mode.
+    """A random float32 transformers model (`LlamaForCausalLM`, `MistralForCausalLM`,
+    `Qwen2ForCausalLM`, `Qwen3ForCausalLM`, `Phi3ForCausalLM`) saved to `directory`; returns
+    the model in eval mode.
 
     Weights use initializer_range 0.2 (logits spread over a few units, no argmax
     ties) and norm weights/biases are randomised too (HF initialises them to 1/0,
@@ -26,6 +27,8 @@ def build_tiny_hf_model(architecture: str, directory: Path, *, seed: int = 0,
     settings = {**TINY_SIZES, "initializer_range": 0.2, **overrides}
     if architecture == "Qwen2ForCausalLM":
         settings.pop("head_dim")  # Qwen2 derives it: hidden_size // num_attention_heads
+    if architecture == "Phi3ForCausalLM":  # Phi3Config's special ids (32000) lie outside the tiny vocabulary
+        settings = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **settings}
     config = config_class(**settings)
     config.architectures = [architecture]
     torch.manual_seed(seed)

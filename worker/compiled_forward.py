@@ -82,6 +82,8 @@ class ModelForward:
         self.dtype: torch.dtype = model.dtype
         self.device: torch.device = model.device
         # The whole rotary table up front: a table that grows would change a graph constant.
+        if max_model_len:  # (LongRoPE picks its factors by it)
+            model.rotary.set_max_model_len(max_model_len)
         model.rotary.reserve(max_model_len + 1, self.dtype, self.device)
         self.compile_seconds = 0.0
         self.group_size = 1  # layers a call; compiled, layers_per_graph

@@ -76,17 +76,18 @@ def test_default_model_gguf_matches_its_dequantized_run(dtype, caplog):
 
 
 @needs_kernels
-def test_tiny_q8_0_q4_0_gguf_matches_its_dequantized_run(tmp_path):
+@pytest.mark.parametrize("arch", ["llama", "phi3"])  # phi3: fused attn_qkv and gate/up ffn_up tensors
+def test_tiny_q8_0_q4_0_gguf_matches_its_dequantized_run(arch, tmp_path):
     path = str(tmp_path / "tiny-q.gguf")
-    write_gguf(path, tiny_hf_model("llama", tied=True), "llama", matmul_types=(gguf.GGMLQuantizationType.Q8_0,
-                                                                              gguf.GGMLQuantizationType.Q4_0))
+    write_gguf(path, tiny_hf_model(arch, tied=arch == "llama"), arch,
+               matmul_types=(gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0))
     settings = dict(skip_tokenizer_init=True, dtype="float32", device="cpu", block_size=4, enforce_eager=True,
                     kv_cache_memory=16 << 20, model_cache_dir=str(tmp_path / "cache"))
     prompts = [{"prompt_token_ids": [1, 40, 80, 120, 7]}, {"prompt_token_ids": list(range(3, 60))}]
     quantized = LLM(model=path, **settings)
     assert quantized.worker.quantization == "gguf"
-    packed = quantized.worker.model.layers[0].qkv_packed
-    assert packed is not None and packed.dtype == torch.uint8
+    for packed in (quantized.worker.model.layers[0].qkv_packed, quantized.worker.model.layers[0].gate_up_packed):
+        assert packed is not None and packed.dtype == torch.uint8
     got = greedy_runs(quantized, prompts, 16)
     del quantized
     expected = greedy_runs(LLM(model=path, quantization="none", **settings), prompts, 16)

@@ -30,6 +30,10 @@ def assert_no_leaked_blocks(llm: LLM) -> None:
     assert stats.num_free_blocks == stats.num_total_blocks, "KV blocks leaked"
 
 
+PHI3_LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75, "factor": 4.0,
+                 "short_factor": [1.0 + 0.2 * i for i in range(6)], "long_factor": [2.0 + 3.0 * i for i in range(6)]}
+
+
 @pytest.mark.parametrize("architecture,overrides", [
     ("LlamaForCausalLM", {}),
     ("LlamaForCausalLM", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -38,6 +42,9 @@ def assert_no_leaked_blocks(llm: LLM) -> None:
     ("MistralForCausalLM", {"sliding_window": 8}),
     ("Qwen2ForCausalLM", {}),
     ("Qwen3ForCausalLM", {}),
+    # Phi-4-mini's partial rotary with LongRoPE (short factors: max_model_len 128 = the original length).
+    ("Phi3ForCausalLM", {"rope_parameters": PHI3_LONGROPE, "max_position_embeddings": 128,
+                         "original_max_position_embeddings": 128, "sliding_window": 16}),
 ])
 def test_greedy_matches_transformers_with_chunked_prefill(tmp_path, architecture, overrides):
     hf_model = build_tiny_hf_model(architecture, tmp_path / "model", **overrides)
@@ -48,6 +55,23 @@ def test_greedy_matches_transformers_with_chunked_prefill(tmp_path, architecture
               num_gpu_blocks_override=256, skip_tokenizer_init=True)
     assert generate_ids(llm, prompts) == expected
     assert_no_leaked_blocks(llm)
+
+
+def test_phi3_longrope_factors_follow_max_model_len(tmp_path):
+    """original_max_position_embeddings 24 of 512. With max_model_len 24 the short factors: exact for
+    sequences within it; by default (512) the long ones: exact for prompts longer than 24, which
+    transformers rotates wholly with the long factors (it recomputes a sequence that crosses 24)."""
+    rope = {key: value for key, value in PHI3_LONGROPE.items() if key != "factor"}
+    hf_model = build_tiny_hf_model("Phi3ForCausalLM", tmp_path / "model", rope_parameters=rope,
+                                   original_max_position_embeddings=24)
+    settings = dict(model=str(tmp_path / "model"), dtype="float32", block_size=4, max_num_batched_tokens=24,
+                    num_gpu_blocks_override=128, skip_tokenizer_init=True)
+    for max_model_len, lengths, new_tokens in ((24, [3, 9, 14, 6], 8), (None, [25, 40, 31, 57], 16)):
+        prompts = random_prompts(4, hf_model.config.vocab_size, lengths, seed=3)
+        params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+        llm = LLM(max_model_len=max_model_len, **settings)
+        assert llm.worker.model.rotary.long_factors == (max_model_len is None)
+        assert generate_ids(llm, prompts, params) == [hf_greedy(hf_model, p, new_tokens) for p in prompts]
 
 
 @pytest.fixture(scope="module")

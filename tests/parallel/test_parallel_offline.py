@@ -26,10 +26,13 @@ MODELS = {
     "llama": ("LlamaForCausalLM", {"num_hidden_layers": 4}),
     "mistral": ("MistralForCausalLM", {"sliding_window": 8}),
     "qwen2": ("Qwen2ForCausalLM", {"num_key_value_heads": 1}),
+    # Fused qkv / gate_up checkpoint tensors, each rank taking its rows of every part.
+    "phi3": ("Phi3ForCausalLM", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                     "partial_rotary_factor": 0.75}}),
 }
 # (model, tensor, pipeline, data parallel sizes)
 LAYOUTS = [("llama", 2, 1, 1), ("llama", 1, 2, 1), ("llama", 2, 2, 1), ("llama", 1, 1, 2), ("mistral", 2, 1, 1),
-           ("qwen2", 2, 1, 1)]
+           ("qwen2", 2, 1, 1), ("phi3", 2, 1, 1)]
 
 
 def run(model_dir, tp: int, pp: int, dp: int = 1):
@@ -51,13 +54,17 @@ def run(model_dir, tp: int, pp: int, dp: int = 1):
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    """name -> (model directory, one worker's outputs)."""
+    """models(name) -> (model directory, one worker's outputs), each built on first use."""
     built = {}
-    for name, (architecture, overrides) in MODELS.items():
-        directory = tmp_path_factory.mktemp(name)
-        build_tiny_hf_model(architecture, directory, **overrides)
-        built[name] = (directory, run(directory, 1, 1))
-    return built
+
+    def get(name: str):
+        if name not in built:
+            architecture, overrides = MODELS[name]
+            directory = tmp_path_factory.mktemp(name)
+            build_tiny_hf_model(architecture, directory, **overrides)
+            built[name] = (directory, run(directory, 1, 1))
+        return built[name]
+    return get
 
 
 def token_agreement(a: list[list[int]], b: list[list[int]]) -> float:
@@ -67,7 +74,7 @@ def token_agreement(a: list[list[int]], b: list[list[int]]) -> float:
 
 @pytest.mark.parametrize("name, tp, pp, dp", LAYOUTS, ids=[f"{n}-tp{t}-pp{p}-dp{d}" for n, t, p, d in LAYOUTS])
 def test_group_matches_one_worker(models, name, tp, pp, dp):
-    directory, (greedy_ref, seeded_ref, logprobs_ref) = models[name]
+    directory, (greedy_ref, seeded_ref, logprobs_ref) = models(name)
     greedy, seeded, logprobs = run(directory, tp, pp, dp)
     assert token_agreement(greedy, greedy_ref) >= 0.99
     assert seeded == seeded_ref  # the same seeded draws from (nearly) the same logits
@@ -76,7 +83,7 @@ def test_group_matches_one_worker(models, name, tp, pp, dp):
 
 
 def test_bad_group_sizes_are_refused_before_any_rank_starts(models):
-    directory, _ = models["qwen2"]  # 4 query heads, 1 KV head: 3 ranks cannot share them
+    directory, _ = models("qwen2")  # 4 query heads, 1 KV head: 3 ranks cannot share them
     from common.errors import ConfigError
     with pytest.raises(ConfigError, match="tensor_parallel_size 3"):
         LLM(model=str(directory), skip_tokenizer_init=True, dtype="float32", tensor_parallel_size=3,

@@ -5,12 +5,14 @@ from typing import Any
 
 from worker.models.llama import LlamaForCausalLM
 from worker.models.mistral import MistralForCausalLM
+from worker.models.phi3 import Phi3ForCausalLM
 from worker.models.qwen2 import Qwen2ForCausalLM
 from worker.models.qwen3 import Qwen3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
 }

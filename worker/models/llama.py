@@ -178,10 +178,11 @@ class LlamaForCausalLM(nn.Module):
         if self.is_last_stage:
             self.lm_head = self.embed_tokens if self.tie_word_embeddings else _param(
                 vocab_rows, s.hidden, dtype=dtype, device=device)
-        self.rotary = RotaryEmbedding(hf_config, s.head_dim)
+        self.rotary = RotaryEmbedding(hf_config, s.head_dim, partial_rotary=self.partial_rotary)
 
     # --- architecture rules (overridden by Mistral / Qwen2 / Qwen3) ------------------
     qk_norm = False  # per-head RMSNorm of q and k (q_norm / k_norm weights of head_dim)
+    partial_rotary = False  # honours partial_rotary_factor < 1 (rotates part of each head)
 
     @classmethod
     def biases(cls, hf_config: Any) -> dict[str, bool]:
@@ -237,8 +238,14 @@ class LlamaForCausalLM(nn.Module):
             for name in PACKED_WEIGHTS:
                 pack = pack_gated if name == "gate_up" else pack_weight
                 setattr(layer, name + "_packed", pack(getattr(layer, name + "_weight")))
-            layer.fused_rotary = self.dtype == torch.bfloat16 and layer.q_norm is None
+            layer.fused_rotary = self.rotary_kernel_fits()
         return True
+
+    def rotary_kernel_fits(self) -> bool:
+        """Whether cpu_ops.rotary_qk computes this model's q/k rotation: bfloat16, q and k read
+        straight from the fused qkv rows (no q/k norms) and the whole head rotated."""
+        return (self.dtype == torch.bfloat16 and not self.qk_norm
+                and self.rotary.rotary_dim == self.sizes.head_dim)
 
     # --- weights ---------------------------------------------------------------------
     def _elsewhere(self, name: str) -> bool:

@@ -26,6 +26,8 @@ logger = logging.getLogger(__name__)
 # A layer's packed weight -> the GGUF tensors whose rows it stacks.
 LAYER_PARTS = {"qkv": ("attn_q", "attn_k", "attn_v"), "o": ("attn_output",), "gate_up": ("ffn_gate", "ffn_up"),
                "down": ("ffn_down",)}
+# phi3 files store them fused: attn_qkv, and ffn_up with the gate rows then the up rows.
+FUSED_LAYER_PARTS = {"qkv": ("attn_qkv",), "o": ("attn_output",), "gate_up": ("ffn_up",), "down": ("ffn_down",)}
 
 
 class GGUFTensors:
@@ -71,12 +73,16 @@ def quantize_layers(model: Any, gguf_path: str) -> Counter:
     heads = config.num_attention_heads
     source = GGUFTensors(gguf_path, heads, getattr(config, "num_key_value_heads", None) or heads)
     used: Counter = Counter()
+    fused = f"blk.{model.first_layer}.attn_qkv.weight" in source.tensors
     for local, layer in enumerate(model.layers):
         index = model.first_layer + local
-        for name, parts in LAYER_PARTS.items():
+        for name, parts in (FUSED_LAYER_PARTS if fused else LAYER_PARTS).items():
             weight = getattr(layer, name + "_weight")
             names = [f"blk.{index}.{part}.weight" for part in parts]
             quant = [source.rows(n) for n in names]
+            if name == "gate_up" and len(quant) == 1 and quant[0] is not None:  # fused: split gate / up
+                half = quant[0].q.shape[0] // 2
+                quant = [quant[0].permute_rows(lambda a: a[:half]), quant[0].permute_rows(lambda a: a[half:])]
             if any(q is None for q in quant):
                 used["dequantized"] += 1
                 setattr(layer, name + "_packed", pack_gated(weight) if name == "gate_up" else pack_weight(weight))
@@ -89,5 +95,5 @@ def quantize_layers(model: Any, gguf_path: str) -> Counter:
             setattr(layer, name + "_packed", packed)
             setattr(layer, name + "_weight", _stub(weight))
             used["+".join(sorted({source.type_name(n) for n in names}))] += 1
-        layer.fused_rotary = model.dtype == torch.bfloat16 and layer.q_norm is None
+        layer.fused_rotary = model.rotary_kernel_fits()
     return used

@@ -160,8 +160,7 @@ def quantize_model(model: Any, scales: dict[tuple[int, str], torch.Tensor] | Non
             setattr(layer, name + "_packed", Int8Linear(q, scale, gated=name == "gate_up", use_kernel=use_kernel))
             # The float weight is no longer read (the packing carries the shapes): keep an empty one.
             setattr(layer, name + "_weight", nn.Parameter(weight.new_empty((0, weight.shape[1])), requires_grad=False))
-        layer.fused_rotary = (model.dtype == torch.bfloat16 and use_kernel and _bf16_rotary_available()
-                              and layer.q_norm is None)
+        layer.fused_rotary = use_kernel and _bf16_rotary_available() and model.rotary_kernel_fits()
     return use_kernel
 
 
