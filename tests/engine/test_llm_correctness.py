@@ -7,7 +7,7 @@ import random
 import pytest
 
 from common.sampling_params import SamplingParams
-from tiny_models import build_tiny_hf_model, hf_greedy
+from tiny_models import MOE_SIZES, build_tiny_hf_model, hf_greedy
 from pagedserve.offline.llm import LLM
 
 NEW_TOKENS = 32
@@ -38,6 +38,9 @@ def assert_no_leaked_blocks(llm: LLM) -> None:
     ("MistralForCausalLM", {"sliding_window": 8}),
     ("Qwen2ForCausalLM", {}),
     ("Qwen3ForCausalLM", {}),
+    ("MixtralForCausalLM", MOE_SIZES["MixtralForCausalLM"]),
+    ("Qwen2MoeForCausalLM", {**MOE_SIZES["Qwen2MoeForCausalLM"], "mlp_only_layers": [1]}),
+    ("Qwen3MoeForCausalLM", {**MOE_SIZES["Qwen3MoeForCausalLM"], "decoder_sparse_step": 2, "num_hidden_layers": 3}),
 ])
 def test_greedy_matches_transformers_with_chunked_prefill(tmp_path, architecture, overrides):
     hf_model = build_tiny_hf_model(architecture, tmp_path / "model", **overrides)
