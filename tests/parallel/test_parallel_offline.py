@@ -14,7 +14,7 @@ import gc
 import pytest
 
 from pagedserve import LLM, SamplingParams
-from tiny_models import build_tiny_hf_model
+from tiny_models import MOE_SIZES, build_tiny_hf_model
 
 PROMPTS = [[1, 5, 9, 33, 70, 100], [3, 4, 200], list(range(10, 60)), [7] * 13]
 GREEDY = SamplingParams(temperature=0, max_tokens=24, logprobs=1)
@@ -26,10 +26,12 @@ MODELS = {
     "llama": ("LlamaForCausalLM", {"num_hidden_layers": 4}),
     "mistral": ("MistralForCausalLM", {"sliding_window": 8}),
     "qwen2": ("Qwen2ForCausalLM", {"num_key_value_heads": 1}),
+    # Experts' and shared expert's columns split over the ranks; layer 1 dense.
+    "qwen2_moe": ("Qwen2MoeForCausalLM", {**MOE_SIZES["Qwen2MoeForCausalLM"], "mlp_only_layers": [1]}),
 }
 # (model, tensor, pipeline, data parallel sizes)
 LAYOUTS = [("llama", 2, 1, 1), ("llama", 1, 2, 1), ("llama", 2, 2, 1), ("llama", 1, 1, 2), ("mistral", 2, 1, 1),
-           ("qwen2", 2, 1, 1)]
+           ("qwen2", 2, 1, 1), ("qwen2_moe", 2, 1, 1), ("qwen2_moe", 1, 2, 1)]
 
 
 def run(model_dir, tp: int, pp: int, dp: int = 1):
