@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3, and via small subclasses Mistral and Qwen2) over a
+"""Llama-family decoder (Llama 2/3, and via small subclasses Mistral, Qwen2/3 and the
+mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE, whose layers hold an MLP module) over a
 flattened, unpadded token batch with a paged KV cache: token ids in, final-norm hidden
 states out. The model holds the lm_head weight (`lm_head`, or the tied embeddings); what
 turns hidden states into logits and greedy tokens is `worker.lm_head`.
