@@ -10,11 +10,42 @@ TINY_SIZES = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidd
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                   max_position_embeddings=512, rms_norm_eps=1e-5)
 
+# Mixture-of-experts settings (merged by callers): 4 experts, top-2, experts narrower than
+# the dense MLP; Qwen2-MoE's shared expert wider.
+MOE_SIZES = {
+    "MixtralForCausalLM": dict(num_local_experts=4, num_experts_per_tok=2),
+    "Qwen2MoeForCausalLM": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                                shared_expert_intermediate_size=80),
+    "Qwen3MoeForCausalLM": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48),
+}
+
+
+def routing_margins(model, tokens: torch.Tensor) -> torch.Tensor:
+    """For each MoE layer of transformers' `model` run on `tokens` [1, T], each token's gap
+    between its k-th and (k+1)-th router probability (in float32): a near tie would let
+    rounding choose another expert and make a comparison with the reference flaky."""
+    margins: list[torch.Tensor] = []
+
+    def record(module, _inputs, output):
+        probs = torch.softmax(output[0].float(), dim=-1).sort(dim=-1, descending=True).values
+        margins.append(probs[:, module.top_k - 1] - probs[:, module.top_k])
+
+    routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+    hooks = [m.register_forward_hook(record) for m in routers]
+    try:
+        with torch.no_grad():
+            model(tokens)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert routers and margins, "not a mixture-of-experts model"
+    return torch.cat(margins)
+
 
 def build_tiny_hf_model(architecture: str, directory: Path, *, seed: int = 0,
                         attn_implementation: str = "sdpa", **overrides: Any):
     """A random float32 transformers model (`LlamaForCausalLM`, `MistralForCausalLM`,
-    `Qwen2ForCausalLM`, `Qwen3ForCausalLM`, `Phi3ForCausalLM`) saved to `directory`; returns
+    `Qwen2ForCausalLM`, `Qwen3ForCausalLM`, `Phi3ForCausalLM`, the MoE ones with `MOE_SIZES`) saved to `directory`; returns
     the model in eval mode.
 
     Weights use initializer_range 0.2 (logits spread over a few units, no argmax
@@ -32,8 +63,11 @@ def build_tiny_hf_model(architecture: str, directory: Path, *, seed: int = 0,
     config = config_class(**settings)
     config.architectures = [architecture]
     torch.manual_seed(seed)
+    # Mixture-of-experts models: the modeling code's own experts loop ("eager"), whose
+    # rounding ours follows, not the grouped matmul transformers would pick by default.
+    experts = {"experts_implementation": "eager"} if "num_experts_per_tok" in settings else {}
     model = getattr(transformers, architecture)._from_config(
-        config, attn_implementation=attn_implementation, dtype=torch.float32)
+        config, attn_implementation=attn_implementation, dtype=torch.float32, **experts)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if param.dim() == 1:

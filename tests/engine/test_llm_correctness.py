@@ -7,7 +7,7 @@ import random
 import pytest
 
 from common.sampling_params import SamplingParams
-from tiny_models import build_tiny_hf_model, hf_greedy
+from tiny_models import MOE_SIZES, build_tiny_hf_model, hf_greedy
 from pagedserve.offline.llm import LLM
 
 NEW_TOKENS = 32
@@ -45,6 +45,9 @@ PHI3_LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary
     # Phi-4-mini's partial rotary with LongRoPE (short factors: max_model_len 128 = the original length).
     ("Phi3ForCausalLM", {"rope_parameters": PHI3_LONGROPE, "max_position_embeddings": 128,
                          "original_max_position_embeddings": 128, "sliding_window": 16}),
+    ("MixtralForCausalLM", MOE_SIZES["MixtralForCausalLM"]),
+    ("Qwen2MoeForCausalLM", {**MOE_SIZES["Qwen2MoeForCausalLM"], "mlp_only_layers": [1]}),
+    ("Qwen3MoeForCausalLM", {**MOE_SIZES["Qwen3MoeForCausalLM"], "decoder_sparse_step": 2, "num_hidden_layers": 3}),
 ])
 def test_greedy_matches_transformers_with_chunked_prefill(tmp_path, architecture, overrides):
     hf_model = build_tiny_hf_model(architecture, tmp_path / "model", **overrides)
@@ -55,6 +58,9 @@ def test_greedy_matches_transformers_with_chunked_prefill(tmp_path, architecture
               num_gpu_blocks_override=256, skip_tokenizer_init=True)
     assert generate_ids(llm, prompts) == expected
     assert_no_leaked_blocks(llm)
+    if architecture in MOE_SIZES:  # the experts' dispatch compiles as one opaque op, not eager fallback
+        from worker.compiled_forward import inductor_available
+        assert llm.worker.forward.compiled == inductor_available()
 
 
 def test_phi3_longrope_factors_follow_max_model_len(tmp_path):

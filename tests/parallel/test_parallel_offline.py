@@ -14,7 +14,7 @@ import gc
 import pytest
 
 from pagedserve import LLM, SamplingParams
-from tiny_models import build_tiny_hf_model
+from tiny_models import MOE_SIZES, build_tiny_hf_model
 
 PROMPTS = [[1, 5, 9, 33, 70, 100], [3, 4, 200], list(range(10, 60)), [7] * 13]
 GREEDY = SamplingParams(temperature=0, max_tokens=24, logprobs=1)
@@ -29,10 +29,12 @@ MODELS = {
     # Fused qkv / gate_up checkpoint tensors, each rank taking its rows of every part.
     "phi3": ("Phi3ForCausalLM", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                                                      "partial_rotary_factor": 0.75}}),
+    # Experts' and shared expert's columns split over the ranks; layer 1 dense.
+    "qwen2_moe": ("Qwen2MoeForCausalLM", {**MOE_SIZES["Qwen2MoeForCausalLM"], "mlp_only_layers": [1]}),
 }
 # (model, tensor, pipeline, data parallel sizes)
 LAYOUTS = [("llama", 2, 1, 1), ("llama", 1, 2, 1), ("llama", 2, 2, 1), ("llama", 1, 1, 2), ("mistral", 2, 1, 1),
-           ("qwen2", 2, 1, 1), ("phi3", 2, 1, 1)]
+           ("qwen2", 2, 1, 1), ("phi3", 2, 1, 1), ("qwen2_moe", 2, 1, 1), ("qwen2_moe", 1, 2, 1)]
 
 
 def run(model_dir, tp: int, pp: int, dp: int = 1):

@@ -27,6 +27,7 @@ from worker.kv_cache import allocate_kv_caches, kv_cache_spec, num_blocks_for
 from worker.lm_head.plain_logits import PlainLogitsLmHead
 from worker.model_loader import load_model
 from worker.models import get_model_class
+from tiny_models import MOE_SIZES, routing_margins
 
 BLOCK_SIZE = 4
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
@@ -69,7 +70,19 @@ VARIANTS = {
     # than original_max_position_embeddings (16): the long factors at every position, in both.
     "phi3_partial_rotary_longrope_long": ("Phi3ForCausalLM", {
         "rope_parameters": longrope(12, partial_rotary_factor=0.75), "original_max_position_embeddings": 16}),
+    # Mixtures of experts (4 experts, top-2): Mixtral's float32 routing weights, Qwen2-MoE's
+    # shared expert with a dense layer 1 (`mlp_only_layers`), Qwen3-MoE's renormalised
+    # weights with only layer 1 of 3 sparse (`decoder_sparse_step`).
+    "mixtral_window_8": ("MixtralForCausalLM", {**MOE_SIZES["MixtralForCausalLM"], "sliding_window": 8}),
+    "qwen2_moe_shared_dense_layer": ("Qwen2MoeForCausalLM", {**MOE_SIZES["Qwen2MoeForCausalLM"],
+                                                             "mlp_only_layers": [1]}),
+    "qwen3_moe_sparse_step_norm": ("Qwen3MoeForCausalLM", {**MOE_SIZES["Qwen3MoeForCausalLM"],
+                                                           "decoder_sparse_step": 2, "num_hidden_layers": 3,
+                                                           "norm_topk_prob": True}),
 }
+# Least gap between a token's k-th and (k+1)-th router probability: float32 router
+# probabilities of ours and transformers agree to ~1e-7, so no expert choice can differ.
+MOE_MARGIN = 1e-5
 
 
 def load_ours(model_dir, dtype=torch.float32):
@@ -132,6 +145,8 @@ def test_logits_match_transformers(variant, tiny_hf_model, make_metadata, make_b
     ours = run_paged(model, hf_config, sequences, make_metadata, make_block_tables)
     with torch.no_grad():
         for tokens, logits in zip(sequences, ours):
+            if architecture in MOE_SIZES:
+                assert routing_margins(hf_model, tokens[None]).min() > MOE_MARGIN
             assert_logits_match(logits, hf_model(tokens[None]).logits[0])
 
 
@@ -286,6 +301,40 @@ def test_phi3_pre_quantized_checkpoint_is_refused(tiny_hf_model) -> None:
     hf_model.config.quantization_config = {"quant_method": "compressed-tensors"}
     with pytest.raises(ValueError, match="pre-quantized .* Phi3ForCausalLM checkpoints are not supported"):
         get_model_class(hf_model.config)(hf_model.config)
+# Seeds whose bfloat16 routing has no near tie on `random_sequences` (most seeds have
+# a gap of one bfloat16 step of a router logit, ~1e-3 in probability, somewhere).
+MOE_BF16_SEEDS = {"MixtralForCausalLM": 0, "Qwen2MoeForCausalLM": 4, "Qwen3MoeForCausalLM": 4}
+
+
+@pytest.mark.parametrize("architecture", list(MOE_BF16_SEEDS))
+def test_moe_bfloat16_matches_transformers_bfloat16(architecture, tmp_path, make_metadata,
+                                                    make_block_tables) -> None:
+    """As test_bfloat16_matches_transformers_bfloat16 for the mixtures of experts: the routing
+    weights' dtype and the order of the experts' bf16 sums follow transformers' eager experts."""
+    from transformers import AutoModelForCausalLM
+
+    from tiny_models import build_tiny_hf_model
+
+    build_tiny_hf_model(architecture, tmp_path, seed=MOE_BF16_SEEDS[architecture], **MOE_SIZES[architecture])
+    hf_model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16, attn_implementation="sdpa",
+                                                    experts_implementation="eager")
+    model, hf_config = load_ours(tmp_path, dtype=torch.bfloat16)
+    sequences = random_sequences(hf_config.vocab_size)
+    whole_prompt = tuple(([len(tokens)], 0, 0) for tokens in sequences)
+    single_pass = run_paged(model, hf_config, sequences, make_metadata, make_block_tables,
+                            whole_prompt, dtype=torch.bfloat16, backend=TorchAttentionBackend(use_cpu_kernel=False))
+    chunked = run_paged(model, hf_config, sequences, make_metadata, make_block_tables, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for tokens, ours_single, ours_chunked in zip(sequences, single_pass, chunked):
+            assert routing_margins(hf_model, tokens[None]).min() > 1e-3
+            reference = hf_model(tokens[None]).logits[0].float()
+            scale = reference.abs().max()
+            assert (ours_single - reference).abs().max() <= 2e-3 * scale
+            # Chunked steps take other kernels: a one-step difference of a bf16 router logit
+            # can flip a close routing choice (moving that token's output by a fraction of an
+            # expert's); most positions must still be as close as the dense models' are.
+            close = (ours_chunked - reference).abs().amax(-1) <= 5e-2 * scale
+            assert close.float().mean() >= 0.9
 
 
 def test_unknown_architecture_is_rejected() -> None:

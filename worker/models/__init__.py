@@ -5,16 +5,22 @@ from typing import Any
 
 from worker.models.llama import LlamaForCausalLM
 from worker.models.mistral import MistralForCausalLM
+from worker.models.mixtral import MixtralForCausalLM
 from worker.models.phi3 import Phi3ForCausalLM
 from worker.models.qwen2 import Qwen2ForCausalLM
+from worker.models.qwen2_moe import Qwen2MoeForCausalLM
 from worker.models.qwen3 import Qwen3ForCausalLM
+from worker.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 

@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3, and via small subclasses Mistral and Qwen2) over a
+"""Llama-family decoder (Llama 2/3, and via small subclasses Mistral, Qwen2/3 and the
+mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE, whose layers hold an MLP module) over a
 flattened, unpadded token batch with a paged KV cache: token ids in, final-norm hidden
 states out. The model holds the lm_head weight (`lm_head`, or the tied embeddings); what
 turns hidden states into logits and greedy tokens is `worker.lm_head`.
@@ -47,7 +48,9 @@ PACKED_WEIGHTS = ("qkv", "o", "gate_up", "down")  # a layer's matmul weights: <n
 
 class DecoderLayer(nn.Module):
     def __init__(self, sizes: "ModelSizes", biases: dict[str, bool], sliding_window: int | None,
-                 dtype: torch.dtype | None, device: Any, layer_index: int = 0, qk_norm: bool = False):
+                 dtype: torch.dtype | None, device: Any, layer_index: int = 0, qk_norm: bool = False,
+                 mlp: nn.Module | None = None):
+        """`mlp`: a module taking the place of the dense SiLU MLP (a mixture of experts), or None."""
         super().__init__()
         s = sizes
         self.sizes = s
@@ -68,10 +71,13 @@ class DecoderLayer(nn.Module):
         self.q_norm = _param(s.head_dim, dtype=dtype, device=device) if qk_norm else None
         self.k_norm = _param(s.head_dim, dtype=dtype, device=device) if qk_norm else None
         self.post_norm = _param(s.hidden, dtype=dtype, device=device)
-        self.gate_up_weight = _param(2 * s.intermediate, s.hidden, dtype=dtype, device=device)
-        self.gate_up_bias = _param(2 * s.intermediate, dtype=dtype, device=device) if biases["mlp"] else None
-        self.down_weight = _param(s.hidden, s.intermediate, dtype=dtype, device=device)
-        self.down_bias = _param(s.hidden, dtype=dtype, device=device) if biases["mlp"] else None
+        self.mlp = mlp
+        dense = mlp is None
+        self.gate_up_weight = _param(2 * s.intermediate, s.hidden, dtype=dtype, device=device) if dense else None
+        self.gate_up_bias = (_param(2 * s.intermediate, dtype=dtype, device=device)
+                             if dense and biases["mlp"] else None)
+        self.down_weight = _param(s.hidden, s.intermediate, dtype=dtype, device=device) if dense else None
+        self.down_bias = _param(s.hidden, dtype=dtype, device=device) if dense and biases["mlp"] else None
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return decoder_layer(self, hidden, cos, sin, self.layer_index)
@@ -103,6 +109,8 @@ def decoder_layer(layer: DecoderLayer, hidden: torch.Tensor, cos: torch.Tensor, 
     hidden = hidden + row_parallel(layer, attn.reshape(num_tokens, -1), layer.o_weight, layer.o_bias, layer.o_packed)
 
     x = rms_norm(hidden, layer.post_norm, s.eps)
+    if layer.mlp is not None:  # the layer's own MLP (worker.models.moe_mlp), all-reduced by it
+        return hidden + layer.mlp(x)
     activated = linear_silu(x, layer.gate_up_weight, layer.gate_up_bias, layer.gate_up_packed)
     return hidden + row_parallel(layer, activated, layer.down_weight, layer.down_bias, layer.down_packed)
 
@@ -171,7 +179,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = _param(vocab_rows, s.hidden, dtype=dtype, device=device) if holds_embeddings else None
         self.layers = nn.ModuleList(
             DecoderLayer(s, biases, self.sliding_windows[i], dtype, device, layer_index=i - self.first_layer,
-                         qk_norm=self.qk_norm)
+                         qk_norm=self.qk_norm, mlp=self.layer_mlp(hf_config, i, shard, dtype, device))
             for i in range(self.first_layer, self.end_layer))
         self.norm = _param(s.hidden, dtype=dtype, device=device) if self.is_last_stage else None
         self.lm_head = None
@@ -192,6 +200,11 @@ class LlamaForCausalLM(nn.Module):
     @classmethod
     def layer_sliding_windows(cls, hf_config: Any) -> list[int | None]:
         return [None] * hf_config.num_hidden_layers
+
+    def layer_mlp(self, hf_config: Any, layer: int, shard: TensorShard, dtype: torch.dtype | None,
+                  device: Any) -> nn.Module | None:
+        """The MLP module of (global) layer `layer` in place of the dense one; None: dense."""
+        return None
 
     # --- forward ---------------------------------------------------------------------
     @torch.no_grad()
@@ -237,7 +250,11 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             for name in PACKED_WEIGHTS:
                 pack = pack_gated if name == "gate_up" else pack_weight
-                setattr(layer, name + "_packed", pack(getattr(layer, name + "_weight")))
+                weight = getattr(layer, name + "_weight")
+                if weight is not None:  # (no dense MLP weights in a layer with its own MLP)
+                    setattr(layer, name + "_packed", pack(weight))
+            if layer.mlp is not None:
+                layer.mlp.pack_weights()
             layer.fused_rotary = self.rotary_kernel_fits()
         return True
 
@@ -280,9 +297,12 @@ class LlamaForCausalLM(nn.Module):
             # (slice of the fused tensor, rows of the checkpoint tensor this rank holds)
             fused = {"self_attn.q_proj": ((0, q_rows), s.q_head_start * hd),
                      "self_attn.k_proj": ((q_rows, q_rows + kv_rows), s.kv_head_start * hd),
-                     "self_attn.v_proj": ((q_rows + kv_rows, q_rows + 2 * kv_rows), s.kv_head_start * hd),
-                     "mlp.gate_proj": ((0, s.intermediate), s.intermediate_start),
-                     "mlp.up_proj": ((s.intermediate, 2 * s.intermediate), s.intermediate_start)}
+                     "self_attn.v_proj": ((q_rows + kv_rows, q_rows + 2 * kv_rows), s.kv_head_start * hd)}
+            if layer.mlp is None:
+                fused.update({"mlp.gate_proj": ((0, s.intermediate), s.intermediate_start),
+                              "mlp.up_proj": ((s.intermediate, 2 * s.intermediate), s.intermediate_start)})
+            else:
+                targets.update(layer.mlp.weight_targets(p))
             for name, ((lo, hi), start) in fused.items():
                 weight, bias = ((layer.qkv_weight, layer.qkv_bias) if name.startswith("self_attn")
                                 else (layer.gate_up_weight, layer.gate_up_bias))
@@ -291,9 +311,11 @@ class LlamaForCausalLM(nn.Module):
                 if bias is not None:
                     targets[p + name + ".bias"] = (bias[lo:hi], part)
             # Row-parallel: a rank takes the input columns of its heads / MLP columns; the bias is whole.
-            for name, weight, bias, start in (("self_attn.o_proj", layer.o_weight, layer.o_bias, s.q_head_start * hd),
-                                              ("mlp.down_proj", layer.down_weight, layer.down_bias,
-                                               s.intermediate_start)):
+            row_parallel_weights = [("self_attn.o_proj", layer.o_weight, layer.o_bias, s.q_head_start * hd)]
+            if layer.mlp is None:
+                row_parallel_weights.append(("mlp.down_proj", layer.down_weight, layer.down_bias,
+                                             s.intermediate_start))
+            for name, weight, bias, start in row_parallel_weights:
                 targets[p + name + ".weight"] = (weight, (1, start, weight.shape[1]) if s.tp_size > 1 else None)
                 if bias is not None:
                     targets[p + name + ".bias"] = (bias, None)
