@@ -200,7 +200,8 @@ class SchedulerService:
                                _name(peer), hello.block_size, config.block_size, hello.block_size)
                 config = config.replace(block_size=hello.block_size)
             self.scheduler = Scheduler(config, num_blocks=hello.num_blocks, max_model_len=hello.max_model_len,
-                                       eos_token_ids=list(hello.eos_token_ids), vocab_size=hello.vocab_size or None)
+                                       eos_token_ids=list(hello.eos_token_ids), vocab_size=hello.vocab_size or None,
+                                       pooler=hello.pooler)
             logger.info("worker %s registered: %s, %d KV blocks of %d tokens, max_model_len %d", _name(peer),
                         hello.model_name, hello.num_blocks, hello.block_size, hello.max_model_len)
         self.registry.register(peer, hello)
