@@ -1,8 +1,8 @@
 """Embeddings as a user gets them: `pagedserve serve --runner pooling` (the real process split)
 on a tiny random Llama that carries sentence-transformers files (mean pooling + Normalize)
-answers the openai client's `embeddings.create` and gRPC Embed with the vectors
-sentence-transformers computes from the same local modules (cosine >= 0.9999, float32), as
-does the offline LLM.embed; bad input is a 400 in OpenAI's error shape."""
+answers the openai client's `embeddings.create` and gRPC Embed with transformers' hidden
+states pooled the same way (cosine >= 0.9999, float32), as does the offline LLM.embed; bad input is a 400 in OpenAI's error shape. A tiny random BERT
+served the same way (the encoder worker) matches sentence-transformers too."""
 from __future__ import annotations
 
 import base64
@@ -16,6 +16,7 @@ import pytest
 from common.grpc_gen import pagedserve_pb2 as pb
 from common.grpc_gen import pagedserve_pb2_grpc as pb_grpc
 from serve_helpers import metric_samples, running_server
+from tiny_encoders import BERT_HIDDEN, add_sentence_transformers_files, build_tiny_bert, sentence_transformer
 from tiny_models import build_tiny_llama_with_smollm2_tokenizer
 
 TEXTS = ["Hello world", "Paged attention keeps the KV cache in blocks.", "a",
@@ -23,38 +24,30 @@ TEXTS = ["Hello world", "Paged attention keeps the KV cache in blocks.", "a",
 HIDDEN = 64
 
 
-def add_sentence_transformers_files(directory, pooling: str = "mean") -> None:
-    """modules.json (Transformer, Pooling, Normalize) and the Pooling module's config."""
-    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-               {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]
-    (directory / "modules.json").write_text(json.dumps(modules))
-    (directory / "1_Pooling").mkdir()
-    (directory / "2_Normalize").mkdir()
-    (directory / "1_Pooling" / "config.json").write_text(json.dumps(
-        {"word_embedding_dimension": HIDDEN, "pooling_mode_cls_token": pooling == "cls",
-         "pooling_mode_mean_tokens": pooling == "mean", "pooling_mode_lasttoken": pooling == "lasttoken"}))
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     directory = tmp_path_factory.mktemp("tiny-embed")
     build_tiny_llama_with_smollm2_tokenizer(directory)
-    add_sentence_transformers_files(directory)
+    add_sentence_transformers_files(directory, HIDDEN)
     return directory
 
 
 @pytest.fixture(scope="module")
 def reference(model_dir):
-    """sentence-transformers over the same directory, built from its modules."""
-    from sentence_transformers import SentenceTransformer
-    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
+    """transformers' LlamaModel over the same directory: last_hidden_state, mean-pooled and
+    L2-normalised, as its modules.json says. (sentence-transformers 6 would wrap a decoder's
+    text in its chat template first; the BERT test below uses sentence-transformers itself.)"""
+    import torch
+    from transformers import AutoModel, AutoTokenizer
 
-    st = SentenceTransformer(modules=[Transformer(str(model_dir)), Pooling(HIDDEN, "mean"), Normalize()], device="cpu")
+    model = AutoModel.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
 
     def embed(text: str) -> tuple[np.ndarray, int]:
-        ids = st.tokenize([text])["input_ids"][0].tolist()
-        return st.encode([text], convert_to_numpy=True, normalize_embeddings=False)[0].astype(np.float32), len(ids)
+        ids = tokenizer(text)["input_ids"]
+        with torch.no_grad():
+            hidden = model(torch.tensor([ids])).last_hidden_state[0]
+        return torch.nn.functional.normalize(hidden.mean(0), dim=-1).numpy(), len(ids)
     return embed
 
 
@@ -71,7 +64,7 @@ def cosine(a, b) -> float:
     return float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))
 
 
-def test_openai_client_embeddings_equal_sentence_transformers(embed_server, reference):
+def test_openai_client_embeddings_equal_transformers_pooling(embed_server, reference):
     client = openai.OpenAI(base_url=embed_server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
     reply = client.embeddings.create(model=client.models.list().data[0].id, input=TEXTS, encoding_format="float")
     assert [d.index for d in reply.data] == list(range(len(TEXTS)))
@@ -120,7 +113,7 @@ def test_pooling_server_refuses_generation(embed_server):
     assert response.status_code == 400 and "does not generate" in response.json()["error"]["message"]
 
 
-def test_grpc_embed_equals_sentence_transformers(embed_server, reference):
+def test_grpc_embed_equals_transformers_pooling(embed_server, reference):
     stub = pb_grpc.PagedServeStub(grpc.insecure_channel(f"127.0.0.1:{embed_server.grpc_port}"))
     reply = stub.Embed(pb.EmbedRequest(texts=TEXTS[:2]), timeout=120)
     assert [e.index for e in reply.embeddings] == [0, 1]
@@ -135,10 +128,27 @@ def test_grpc_embed_equals_sentence_transformers(embed_server, reference):
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "Matryoshka" in error.value.details()
 
 
-def test_offline_embed_equals_sentence_transformers(model_dir, reference):
+def test_offline_embed_equals_transformers_pooling(model_dir, reference):
     from pagedserve.offline.llm import LLM
 
     llm = LLM(model=str(model_dir), runner="pooling", dtype="float32", kv_cache_memory=1 << 28, enforce_eager=True)
     for text, out in zip(TEXTS, llm.embed(TEXTS)):
         want, num_tokens = reference(text)
         assert cosine(out.outputs.embedding, want) >= 0.9999 and len(out.prompt_token_ids) == num_tokens
+
+
+def test_served_bert_equals_sentence_transformers(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tiny-bert-serve")
+    build_tiny_bert(directory)
+    add_sentence_transformers_files(directory, BERT_HIDDEN)
+    texts = ["hello world", "the paged attention cache is in blocks", "bert"]
+    want = sentence_transformer(directory, BERT_HIDDEN).encode(texts, convert_to_numpy=True)
+    with running_server(tmp_path_factory.mktemp("serve-bert"), [  # BertModel: --runner auto pools
+            "--model", str(directory), "--disable-log-stats"]) as server:
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        reply = client.embeddings.create(model=client.models.list().data[0].id, input=texts)
+        for item, expected in zip(reply.data, want):
+            assert cosine(item.embedding, expected) >= 0.9999
+        stub = pb_grpc.PagedServeStub(grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}"))
+        by_grpc = stub.Embed(pb.EmbedRequest(texts=texts[:1]), timeout=120)
+        assert cosine(list(by_grpc.embeddings[0].values), want[0]) >= 0.9999

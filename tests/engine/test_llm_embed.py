@@ -46,37 +46,33 @@ def assert_close(got: list[float], want: torch.Tensor) -> None:
     assert torch.allclose(got_t, want, atol=1e-4, rtol=1e-3)
 
 
-@pytest.mark.parametrize("pooling,normalize", [("LAST", True), ("MEAN", False), ("CLS", True), ("MEAN", True)])
-def test_embed_equals_transformers_pooling(hf_model, pooling, normalize):
+@pytest.mark.parametrize("pooling", ["LAST", "MEAN", "CLS"])
+def test_embed_equals_transformers_pooling(hf_model, pooling):
     directory, model = hf_model
-    # A small token budget chunks the longer prompts over several steps.
-    llm = LLM(model=str(directory), max_num_batched_tokens=8,
-              pooler_config={"pooling_type": pooling, "normalize": normalize}, **SETTINGS)
+    # A small token budget chunks the longer prompts over several steps. LAST is the default of a
+    # decoder without sentence-transformers files; the others come from --pooler-config.
+    overrides = {} if pooling == "LAST" else {"pooler_config": {"pooling_type": pooling}}
+    llm = LLM(model=str(directory), max_num_batched_tokens=8, **overrides, **SETTINGS)
     batch = prompts(9)
     shared = batch[3][:] + [7, 8, 9]  # a prefix-cache hit for LAST (its blocks are cached by then)
     outputs = llm.embed(batch + [{"prompt_token_ids": shared}])
     assert [o.prompt_token_ids for o in outputs] == batch + [shared]
     for prompt, out in zip(batch + [shared], outputs):
-        assert_close(out.outputs.embedding, reference(model, prompt, pooling, normalize))
-    again = llm.embed([shared])  # the same prompt again: served partly from the prefix cache under LAST
-    assert_close(again[0].outputs.embedding, reference(model, shared, pooling, normalize))
+        assert_close(out.outputs.embedding, reference(model, prompt, pooling, True))
+    again = llm.embed([shared], PoolingParams(normalize=False))  # the same prompt again
+    assert_close(again[0].outputs.embedding, reference(model, shared, pooling, False))
     if pooling == "LAST":
         assert again[0].num_cached_tokens > 0
     else:
         assert again[0].num_cached_tokens == 0  # MEAN/CLS need every position's hidden state
     stats = llm.scheduler.stats()
     assert stats.num_free_blocks == stats.num_total_blocks, "KV blocks leaked"
-
-
-def test_embed_defaults_dimensions_and_errors(hf_model, tmp_path):
-    directory, model = hf_model
-    llm = LLM(model=str(directory), **SETTINGS)  # no sentence-transformers files: LAST, normalised
+    if pooling != "LAST":
+        return
     prompt = prompts(1, seed=3)[0]
     out = llm.embed(prompt)[0]  # one prompt as token ids
     assert_close(out.outputs.embedding, reference(model, prompt, "LAST", True))
     assert out.outputs.hidden_size == 64
-    raw = llm.embed([prompt], PoolingParams(normalize=False))[0]
-    assert_close(raw.outputs.embedding, reference(model, prompt, "LAST", False))
     with pytest.raises(InvalidRequestError, match="Matryoshka"):
         llm.embed([prompt], PoolingParams(dimensions=16))
     assert len(llm.embed([prompt], PoolingParams(dimensions=64))[0].outputs.embedding) == 64
@@ -100,8 +96,22 @@ def test_matryoshka_truncates_then_normalises(tmp_path):
         llm.embed([prompt], PoolingParams(dimensions=20))
 
 
-def test_generate_model_refuses_embed(hf_model):
-    directory, _ = hf_model
-    llm = LLM(model=str(directory), **{**SETTINGS, "runner": "generate"})
+def test_generating_scheduler_refuses_pooling_requests():
+    """A generating model's scheduler (no pooler) refuses embeddings, and a pooling one generation."""
+    from common.config import EngineConfig
+    from common.pooling_params import PoolerInfo
+    from common.protocol import EngineRequest
+    from scheduler.scheduler import Scheduler
+
+    config = EngineConfig(device="cpu", block_size=4)
+    embed = EngineRequest(request_id="e", prompt_token_ids=[3, 4], sampling_params=SamplingParams(max_tokens=1),
+                          pooling_params=PoolingParams())
     with pytest.raises(InvalidRequestError, match="does not serve embeddings"):
-        llm.embed([[3, 4, 5]])
+        Scheduler(config, num_blocks=16, max_model_len=32, eos_token_ids=[0]).add_request(embed)
+    pooling = Scheduler(config, num_blocks=16, max_model_len=32, eos_token_ids=[0],
+                        pooler=PoolerInfo(pooling_type="MEAN", normalize=True, hidden_size=8))
+    with pytest.raises(InvalidRequestError, match="does not generate"):
+        pooling.add_request(EngineRequest(request_id="g", prompt_token_ids=[3], sampling_params=SamplingParams()))
+    pooling.add_request(embed)
+    plan = pooling.schedule()
+    assert plan.new_requests[0].pooling_params == PoolingParams(normalize=True, pooling_type="MEAN")
