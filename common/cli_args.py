@@ -204,6 +204,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help='speculative decoding, as vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' or \'{"method": "draft_model", '
                         '"model": PATH, "num_speculative_tokens": 4}\'; optional "disable_by_batch_size"')
+    g.add_argument("--runner", default=env_default("RUNNER", "auto"), choices=["auto", "generate", "pooling"],
+                   help="pooling: serve embeddings (/v1/embeddings, gRPC Embed); auto: pooling for BertModel")
+    g.add_argument("--pooler-config", default=env_setting("POOLER_CONFIG", None),
+                   help='the pooling of a pooling model, as vLLM\'s JSON: \'{"pooling_type": "MEAN", '
+                        '"normalize": true}\' (LAST, MEAN or CLS; default: the model\'s sentence-transformers files)')
     g.add_argument("--model-cache-dir", default=env_default("CACHE_DIR", None),
                    help="where converted GGUF models are kept (default ~/.cache/pagedserve/models)")
     return parser
@@ -225,7 +230,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         greedy_rescore_near_ties=args.greedy_rescore_near_ties,
         tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
         data_parallel_size=args.data_parallel_size, distributed_init_method=args.distributed_init_method,
-        speculative_config=args.speculative_config)
+        speculative_config=args.speculative_config, runner=args.runner, pooler_config=args.pooler_config)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -262,6 +267,10 @@ def engine_argv(config: EngineConfig) -> list[str]:
             argv += [flag, str(value)]
     if config.speculative_config is not None:
         argv += ["--speculative-config", config.speculative_config.to_json()]
+    if config.runner != "auto":
+        argv += ["--runner", config.runner]
+    if config.pooler_config is not None:
+        argv += ["--pooler-config", config.pooler_config.to_json()]
     if config.gpu_memory_utilization != 0.9:
         argv += ["--gpu-memory-utilization", str(config.gpu_memory_utilization)]
     for flag, size in (("--tensor-parallel-size", config.tensor_parallel_size),

@@ -7,6 +7,7 @@ import sys
 from dataclasses import dataclass
 
 from common.errors import ConfigError
+from common.pooling_params import RUNNERS, PoolerConfig
 from common.speculative_config import SpeculativeConfig
 
 GiB = 1 << 30
@@ -92,9 +93,14 @@ class EngineConfig:
     # Draft tokens checked by the model in one pass (common.speculative_config); a dict or the
     # CLI's JSON text is parsed on construction.
     speculative_config: SpeculativeConfig | None = None
+    # vLLM's --runner: "pooling" serves embeddings (common.pooling_params), "generate" text; "auto"
+    # is pooling for encoder-only models (BertModel). `pooler_config` overrides the model's pooling.
+    runner: str = "auto"
+    pooler_config: PoolerConfig | None = None
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        self.pooler_config = PoolerConfig.parse(self.pooler_config)
         if self.block_size is None:
             self.block_size = self.default_block_size()
         self.validate()
@@ -135,6 +141,10 @@ class EngineConfig:
                               f"got {self.distributed_init_method!r}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ConfigError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
+        if self.runner not in RUNNERS:
+            raise ConfigError(f"runner must be one of {RUNNERS}, got {self.runner!r}")
+        if self.runner == "pooling" and self.speculative_config is not None:
+            raise ConfigError("speculative decoding generates tokens; it does not combine with runner 'pooling'")
         if self.speculative_config is not None and self.world_size > 1:
             raise ConfigError("speculative decoding runs on one worker rank; it does not combine with "
                               "tensor_parallel_size or pipeline_parallel_size above 1")

@@ -11,6 +11,7 @@ import enum
 
 import msgspec
 
+from common.pooling_params import PoolerInfo, PoolingParams
 from common.sampling_params import SamplingParams
 
 PROTOCOL_VERSION = 1
@@ -79,6 +80,8 @@ class EngineRequest(msgspec.Struct, **_STRUCT):
     # `resumed` lists the samples that had output tokens or had finished: they carry on from there.
     attempt: int = 0
     resumed: list[ResumedSample] = []
+    # Set: an embedding request (prefill only); its output carries `embedding`, not tokens.
+    pooling_params: PoolingParams | None = None
 
 
 class Abort(msgspec.Struct, **_STRUCT):
@@ -131,6 +134,7 @@ class RequestOutput(msgspec.Struct, **_STRUCT):
     logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked
     prompt_logprobs: list[TokenLogprobs] | None = None  # prompt tokens 1.., once, with the first output
     attempt: int = 0  # the EngineRequest's
+    embedding: list[float] | None = None  # a pooling request's vector (finishes it)
 
     @property
     def request_finished(self) -> bool:
@@ -176,6 +180,7 @@ class WorkerHello(msgspec.Struct, **_STRUCT):
     # Every layer attends to at most this many latest positions (0: some layer sees all):
     # the scheduler frees the blocks that fall out of the window.
     sliding_window: int = 0
+    pooler: PoolerInfo | None = None  # set: a pooling model (embeddings only, no generation)
 
 
 class WorkerReady(msgspec.Struct, **_STRUCT):
@@ -200,6 +205,7 @@ class NewRequestData(msgspec.Struct, **_STRUCT):
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int  # tokens already in the KV cache (prefix hits)
+    pooling_params: PoolingParams | None = None  # resolved (PoolerInfo.resolve): pool, do not sample
 
 
 class CachedRequestData(msgspec.Struct, **_STRUCT):
@@ -243,6 +249,7 @@ class StepResult(msgspec.Struct, **_STRUCT):
     accepted_draft_ids: dict[str, list[int]] = {}
     draft_logprobs: dict[str, list[TokenLogprobs]] = {}
     proposals: dict[str, list[int]] = {}
+    pooled: dict[str, list[float]] = {}  # pooling requests whose prompt ended this step: their vectors
 
 
 class Shutdown(msgspec.Struct, **_STRUCT):

@@ -23,6 +23,7 @@ from common.errors import InvalidRequestError, PagedServeError
 from frontend.http_guards import GuardRefusal, RequestGuard
 from frontend.frontend_options import CorsSettings
 from frontend.openai.request_bodies import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from frontend.openai.embeddings import EmbeddingRequest, create_embedding
 from frontend.openai.serving_chat import create_chat_completion
 from frontend.openai.responses_request import ResponsesRequest
 from frontend.openai.serving_completions import create_completion
@@ -114,6 +115,10 @@ def build_app(state: FrontendState, *, api_key: str | None = None, max_body_byte
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw_request: Request) -> Response:
         return await create_chat_completion(state, body, raw_request)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest, raw_request: Request) -> Response:
+        return await create_embedding(state, body, raw_request)
 
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, raw_request: Request) -> Response:

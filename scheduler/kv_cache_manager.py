@@ -35,8 +35,8 @@ class KVCacheManager:
         and the number of tokens they hold. At most `num_tokens - 1` tokens
         are served from the cache: the last known token must be computed to
         produce the logits the next token is sampled from."""
-        if not self.enable_caching or request.collecting_prompt_logprobs:
-            # Prompt logprobs need the logits of every prompt position.
+        if not self.enable_caching or request.computes_whole_prompt:
+            # Prompt logprobs need the logits of every prompt position, MEAN/CLS pooling its hidden states.
             return [], 0
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVBlock] = []
@@ -60,7 +60,7 @@ class KVCacheManager:
     def next_block_in_flight(self, request: Request, num_hit_blocks: int, in_flight: set) -> bool:
         """Whether the first block `request` would compute itself (after its `num_hit_blocks`
         prefix hits) is one another request is computing now, and could be a hit next step."""
-        if request.collecting_prompt_logprobs:
+        if request.computes_whole_prompt:
             return False  # computes every prompt position anyway
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         return num_hit_blocks < max_hit_blocks and request.block_hashes[num_hit_blocks] in in_flight

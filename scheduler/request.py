@@ -42,6 +42,7 @@ class Request:
         self.output_token_ids: list[int] = list(output_token_ids)
         self.all_token_ids = self.prompt_token_ids + self.output_token_ids
         self.attempt = engine_request.attempt
+        self.pooling_params = engine_request.pooling_params  # set: pool the prompt, never sample
         self.sampling_params: SamplingParams = params.for_sample(sample_index)
         # Logprobs of prompt tokens 1.., gathered over the prefill chunks; sent with the first output.
         self.prompt_logprobs: list[TokenLogprobs] | None = (
@@ -88,6 +89,13 @@ class Request:
         """Prompt logprobs are wanted and not all sent: every prompt position
         must then be computed (no prefix-cache hits)."""
         return self.prompt_logprobs is not None and not self.prompt_logprobs_sent
+
+    @property
+    def computes_whole_prompt(self) -> bool:
+        """Every prompt position must be computed, so no prefix-cache hits: prompt logprobs
+        are being gathered, or the request pools over more than its last token (MEAN, CLS)."""
+        pooling = self.pooling_params
+        return self.collecting_prompt_logprobs or (pooling is not None and pooling.pooling_type != "LAST")
 
     @property
     def worker_params(self) -> SamplingParams:

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import logging
 
+import msgspec
+
 from common.config import window_fits
 from common.errors import InvalidRequestError
+from common.pooling_params import PoolerInfo
 from common.protocol import EngineRequest
 
 logger = logging.getLogger(__name__)
@@ -39,6 +42,12 @@ def check_new_request(engine_request: EngineRequest, vocab_size: int | None, max
         bad = next((t for t in engine_request.prompt_token_ids if not 0 <= t < vocab_size), None)
         if bad is not None:
             raise InvalidRequestError(f"Token id {bad} is out of vocabulary (size {vocab_size})", param="prompt")
+    if engine_request.pooling_params is not None:
+        if num_prompt > max_model_len:  # pooled, not continued: the prompt may fill max_model_len
+            raise InvalidRequestError(
+                f"The input has {num_prompt} tokens, but the maximum context length (max_model_len) is "
+                f"{max_model_len} tokens; shorten the input", param="input", code="context_length_exceeded")
+        return
     if num_prompt + 1 > max_model_len:
         raise InvalidRequestError(
             f"The prompt has {num_prompt} tokens, but the maximum context length (max_model_len) is "
@@ -50,3 +59,28 @@ def check_new_request(engine_request: EngineRequest, vocab_size: int | None, max
             f"min_tokens ({params.min_tokens}) is more than the {max_model_len - num_prompt} tokens "
             f"that fit after the prompt in max_model_len ({max_model_len})", param="min_tokens",
             code="context_length_exceeded")
+
+
+def resolve_pooling(engine_request: EngineRequest, pooler: PoolerInfo | None,
+                    max_num_batched_tokens: int) -> EngineRequest:
+    """The request with its pooling parameters resolved against the worker's pooler. A pooling
+    model serves only pooling requests and a generating one only generation (400 otherwise);
+    an encoder runs whole prompts, so a prompt must fit in one step's token budget."""
+    params = engine_request.pooling_params
+    if pooler is None:
+        if params is not None:
+            raise InvalidRequestError("This model generates text; it does not serve embeddings (start the "
+                                      "server with --runner pooling for an embedding model)", param="model")
+        return engine_request
+    if params is None:
+        raise InvalidRequestError("This model serves embeddings (--runner pooling); it does not generate "
+                                  "text: use /v1/embeddings", param="model")
+    if engine_request.sampling_params.num_samples != 1:
+        raise InvalidRequestError("An embedding request has one result; n and best_of must be 1", param="n")
+    num_prompt = len(engine_request.prompt_token_ids)
+    if pooler.bidirectional and num_prompt > max_num_batched_tokens:
+        raise InvalidRequestError(
+            f"The input has {num_prompt} tokens; an encoder model runs whole inputs, at most "
+            f"max_num_batched_tokens ({max_num_batched_tokens}) in one step", param="input",
+            code="context_length_exceeded")
+    return msgspec.structs.replace(engine_request, pooling_params=pooler.resolve(params))

@@ -5,8 +5,8 @@ the next prefill chunk), then admits waiting requests, all within
 `max_num_batched_tokens` tokens and `max_num_seqs` running requests. When a
 running request cannot get blocks, the most recently admitted running request
 is preempted by recompute. A request with several samples (n > 1, best_of)
-prefills its prompt once and forks (see `scheduler.sample_group`). Drafts of
-speculative decoding ride on decodes (`scheduler.speculation`). Never imports torch.
+prefills its prompt once and forks (see `scheduler.sample_group`); drafts ride on decodes
+(`scheduler.speculation`); a pooling request ends with its prompt. Never imports torch.
 """
 from __future__ import annotations
 
@@ -15,16 +15,17 @@ from collections.abc import Iterable
 
 from common.config import EngineConfig
 from common.errors import InvalidRequestError
+from common.pooling_params import PoolerInfo
 from common.protocol import (CachedRequestData, EngineRequest, FinishReason, NewRequestData, RequestOutput,
                              ResumedSample, StepPlan, StepResult, TokenLogprobs, parent_request_id,
                              sample_request_id)
 from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.queues import WaitingQueue
 from scheduler.request import Request, RequestStatus
-from scheduler.request_checks import check_new_request, servable_max_model_len
+from scheduler.request_checks import check_new_request, resolve_pooling, servable_max_model_len
 from scheduler.resumption import resumed_samples
 from scheduler.sample_group import SampleGroup
-from scheduler.scheduler_stats import SchedulerStats
+from scheduler.scheduler_stats import SchedulerStats, scheduler_stats
 from scheduler.speculation import (SpecDecodeStats, drafts_to_check, lookahead_slots, roll_back_rejected,
                                    speculating)
 
@@ -33,11 +34,12 @@ logger = logging.getLogger(__name__)
 
 class Scheduler:
     def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int, eos_token_ids: list[int],
-                 vocab_size: int | None = None, sliding_window: int = 0):
-        """`vocab_size` (the worker's): prompt and stop/bias token ids must lie in it.
-        `sliding_window`: the window of every layer, when all have one (WorkerHello)."""
+                 vocab_size: int | None = None, sliding_window: int = 0, pooler: PoolerInfo | None = None):
+        """`vocab_size`: prompt and stop/bias ids must lie in it; `pooler`: a pooling model's;
+        `sliding_window`: every layer's window, when all have one (all three the worker's)."""
         self.config = config
         self.vocab_size = vocab_size
+        self.pooler = pooler
         self.block_size = config.block_size
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.resolved_max_num_batched_tokens()  # torch-free
@@ -45,8 +47,9 @@ class Scheduler:
         self.max_model_len = servable_max_model_len(max_model_len, num_blocks, config.block_size, sliding_window,
                                                     config.max_step_tokens())
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
-                                               sliding_window)
+        self.whole_prompts = pooler is not None and pooler.bidirectional  # an encoder: no chunks, no prefix hits
+        self.kv_cache_manager = KVCacheManager(num_blocks, self.block_size,
+                                               config.enable_prefix_caching and not self.whole_prompts, sliding_window)
 
         self._requests: dict[str, Request] = {}  # every unfinished request (each sample of one)
         self._groups: dict[str, SampleGroup] = {}  # requests with several samples, by request id
@@ -65,6 +68,7 @@ class Scheduler:
         """Queue a request; raises InvalidRequestError instead of truncating."""
         request_id = engine_request.request_id
         check_new_request(engine_request, self.vocab_size, self.max_model_len, self.config.max_logprobs)
+        engine_request = resolve_pooling(engine_request, self.pooler, self.max_num_batched_tokens)
         params = engine_request.sampling_params
         num_samples = params.num_samples
         ids = [request_id] + [sample_request_id(request_id, i) for i in range(num_samples if num_samples > 1 else 0)]
@@ -105,9 +109,8 @@ class Scheduler:
                                          for i in range(group.num_samples))
 
     def client_request_id(self, request_id: str) -> str:
-        """The id the client gave for a live request or one of its samples (the id
-        itself when unknown). Looked up, never parsed: a client's own id may look
-        like a sample id ("job#1")."""
+        """The client's id for a live request or sample (the id itself when unknown); looked up,
+        never parsed: a client's own id may look like a sample id ("job#1")."""
         request = self._requests.get(request_id)
         return request.external_id if request is not None else request_id
 
@@ -116,8 +119,7 @@ class Scheduler:
                        self.kv_cache_manager.enable_caching, sample_index)
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[RequestOutput]:
-        """Finish the given requests as ABORT; unknown or finished ids are
-        ignored. A request id aborts all its samples, a sample id just that one."""
+        """Finish requests as ABORT (unknown or finished ids are ignored); a request id ends all its samples."""
         if isinstance(request_ids, str):
             request_ids = [request_ids]
         outputs = []
@@ -204,7 +206,7 @@ class Scheduler:
                     request_id=request.request_id, token_ids=list(request.all_token_ids),
                     num_prompt_tokens=request.num_prompt_tokens, sampling_params=request.worker_params,
                     block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
-                    num_computed_tokens=request.num_computed_tokens))
+                    num_computed_tokens=request.num_computed_tokens, pooling_params=request.pooling_params))
                 request.sent_to_worker = True
             request.blocks_trimmed = False
             num_scheduled_tokens[request.request_id] = num_new
@@ -218,12 +220,10 @@ class Scheduler:
         return plan
 
     def _admit_waiting(self, budget: int, scheduled: list[tuple[Request, int, list[int]]], lookahead: int) -> None:
-        """Admit waiting requests in queue order while budget, sequence slots
-        and blocks last; stop at the first that does not fit (no overtaking).
-
-        Also stop at a request whose next uncached block is one a running request
-        is computing right now (the same prompt prefix, admitted a step earlier or
-        in this step): next step that block is in the prefix cache, instead of
+        """Admit waiting requests in queue order while budget, sequence slots and blocks last; stop
+        at the first that does not fit (no overtaking). Also stop at a request whose next uncached
+        block is one a running request is computing right now (the same prompt prefix, admitted a
+        step earlier or in this step): next step that block is in the prefix cache, instead of
         computed twice (SGLang's in-batch prefix sharing; vLLM computes both)."""
         kv = self.kv_cache_manager
         in_flight = kv.uncached_block_hashes(self.running) if kv.enable_caching else set()
@@ -233,6 +233,8 @@ class Scheduler:
             if in_flight and kv.next_block_in_flight(request, len(hit_blocks), in_flight):
                 break
             num_new = min(request.num_tokens - num_hit_tokens, budget)
+            if self.whole_prompts and num_new < request.num_tokens:
+                break  # waits for a step with room for all of it
             ahead = lookahead_slots(request, num_hit_tokens, num_new, lookahead, self.max_model_len)
             new_block_ids = kv.allocate_slots(request, num_new + ahead, hit_blocks)
             if new_block_ids is None:
@@ -318,15 +320,21 @@ class Scheduler:
             if logprobs is not None:
                 logprobs = (result.draft_logprobs.get(request_id, []) + [logprobs])[:len(new_token_ids)]
             outputs.append(self._output(request, new_token_ids, logprobs, prompt_logprobs))
+        for request_id, embedding in result.pooled.items():  # pooling requests end with their prompt
+            request = self._requests.get(request_id)
+            if request is not None and request.status is RequestStatus.RUNNING:
+                self.num_prompt_tokens += request.num_prompt_tokens
+                self._finish(request, FinishReason.STOP)
+                num_finished += 1
+                outputs.append(self._output(request, [], embedding=embedding))
         if num_finished:
             self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
         return outputs
 
     def _fork(self, group: SampleGroup, parent: Request) -> None:
-        """Create the other samples now that the parent's prompt is computed.
-        Each shares the parent's full prompt blocks and runs right away; when
-        max_num_seqs is reached it waits instead (and finds the prompt in the
-        prefix cache, if enabled, on admission)."""
+        """Create the other samples now that the parent's prompt is computed. Each shares the parent's
+        full prompt blocks and runs right away; when max_num_seqs is reached it waits instead (and
+        finds the prompt in the prefix cache, if enabled, on admission)."""
         kv = self.kv_cache_manager
         for index in range(1, group.num_samples):
             child = self._new_request(group.engine_request, index, parent.arrival_order)
@@ -356,35 +364,26 @@ class Scheduler:
                 del self._groups[request.external_id]
 
     def _output(self, request: Request, new_token_ids: list[int], logprobs: list[TokenLogprobs] | None = None,
-                prompt_logprobs: list[TokenLogprobs] | None = None) -> RequestOutput:
+                prompt_logprobs: list[TokenLogprobs] | None = None, embedding=None) -> RequestOutput:
         group = self._groups.get(request.external_id)
         return RequestOutput(request_id=request.external_id, new_token_ids=new_token_ids,
                              finish_reason=request.finish_reason, num_prompt_tokens=request.num_prompt_tokens,
                              num_cached_tokens=request.num_cached_tokens or 0, index=request.sample_index,
                              more_samples=request.is_finished and group is not None and not group.finished,
-                             logprobs=logprobs, prompt_logprobs=prompt_logprobs, attempt=request.attempt)
+                             logprobs=logprobs, prompt_logprobs=prompt_logprobs, attempt=request.attempt,
+                             embedding=embedding)
 
     # --- introspection and control -------------------------------------------
     def stats(self) -> SchedulerStats:
-        kv = self.kv_cache_manager
-        return SchedulerStats(
-            num_running=len(self.running), num_waiting=len(self.waiting), kv_cache_usage=kv.usage,
-            num_free_blocks=kv.num_free_blocks, num_total_blocks=kv.block_pool.num_usable_blocks,
-            prefix_cache_queries=kv.prefix_cache_queries, prefix_cache_hits=kv.prefix_cache_hits,
-            num_preemptions=self.num_preemptions, num_prompt_tokens=self.num_prompt_tokens,
-            num_generation_tokens=self.num_generation_tokens,
-            **self.spec_stats.stats_fields())
+        return scheduler_stats(self)
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached prefix; False (nothing changed) while requests hold blocks."""
         return self.kv_cache_manager.reset_prefix_cache()
 
-    # --- worker replacement ---------------------------------------------------
     def requeue_running(self) -> int:
-        """The worker (and its KV cache) is gone: every running request goes
-        back to the front of the waiting queue, in admission order, keeping
-        its generated tokens, to be recomputed by the next worker. Not counted
-        as preemptions. Returns how many requests were moved."""
+        """The worker (and its KV cache) is gone: running requests go back to the front of the waiting queue
+        in admission order, keeping their tokens, recomputed by the next worker (not preemptions). Returns how many."""
         moved = self.running
         for request in reversed(moved):  # push_front reverses, so the oldest ends first
             self.kv_cache_manager.free(request)
@@ -396,7 +395,6 @@ class Scheduler:
         return len(moved)
 
     def reset_prefix_cache_for_new_worker(self) -> None:
-        """A fresh worker's KV cache is empty, so no cached hash may survive.
-        Call after `requeue_running`: then no block is in use."""
+        """A fresh worker's KV cache is empty: no cached hash may survive (call after `requeue_running`)."""
         if not self.kv_cache_manager.reset_prefix_cache():
             raise RuntimeError("KV blocks are still in use; call requeue_running first")

@@ -201,7 +201,7 @@ class SchedulerService:
                 config = config.replace(block_size=hello.block_size)
             self.scheduler = Scheduler(config, num_blocks=hello.num_blocks, max_model_len=hello.max_model_len,
                                        eos_token_ids=list(hello.eos_token_ids), vocab_size=hello.vocab_size or None,
-                                       sliding_window=hello.sliding_window)
+                                       sliding_window=hello.sliding_window, pooler=hello.pooler)
             logger.info("worker %s registered: %s, %d KV blocks of %d tokens, max_model_len %d", _name(peer),
                         hello.model_name, hello.num_blocks, hello.block_size, hello.max_model_len)
         self.registry.register(peer, hello)

@@ -26,3 +26,15 @@ class SchedulerStats:
     @property
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+def scheduler_stats(scheduler) -> SchedulerStats:
+    """A `scheduler.scheduler.Scheduler`'s counters and occupancy now."""
+    kv = scheduler.kv_cache_manager
+    return SchedulerStats(
+        num_running=len(scheduler.running), num_waiting=len(scheduler.waiting), kv_cache_usage=kv.usage,
+        num_free_blocks=kv.num_free_blocks, num_total_blocks=kv.block_pool.num_usable_blocks,
+        prefix_cache_queries=kv.prefix_cache_queries, prefix_cache_hits=kv.prefix_cache_hits,
+        num_preemptions=scheduler.num_preemptions, num_prompt_tokens=scheduler.num_prompt_tokens,
+        num_generation_tokens=scheduler.num_generation_tokens,
+        **scheduler.spec_stats.stats_fields())

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from common.protocol import PROTOCOL_VERSION, WorkerHello
 
 # What must match for a new worker to take over the requests of a lost one.
-WORKER_SHAPE = ("model_name", "num_blocks", "block_size", "max_model_len", "vocab_size", "eos_token_ids")
+WORKER_SHAPE = ("model_name", "num_blocks", "block_size", "max_model_len", "vocab_size", "eos_token_ids", "pooler")
 
 
 class Verdict(enum.Enum):

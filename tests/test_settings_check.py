@@ -47,11 +47,13 @@ BAD_VALUES: dict[str, tuple[str, ...]] = {
     "PAGEDSERVE_TENSOR_PARALLEL_SIZE": ("0", "--tensor-parallel-size"),
     "PAGEDSERVE_PIPELINE_PARALLEL_SIZE": ("two", "--pipeline-parallel-size"),
     "PAGEDSERVE_DATA_PARALLEL_SIZE": ("-1", "--data-parallel-size"),
+    "PAGEDSERVE_RUNNER": ("embed", "--runner"),
     # read by serve too, checked after parsing: the message names the setting, not the variable
     "PAGEDSERVE_BLOCK_SIZE": ("12", "block_size must be a positive power of two"),
     "PAGEDSERVE_MAX_LOGPROBS": ("-5", "max_logprobs must be -1"),
     "PAGEDSERVE_DISTRIBUTED_INIT_METHOD": ("udp://x", "distributed_init_method must be"),
     "PAGEDSERVE_SPECULATIVE_CONFIG": ('{"method": "ngram"}', "num_speculative_tokens is required"),
+    "PAGEDSERVE_POOLER_CONFIG": ('{"pooling_type": "MAX"}', "pooling_type must be one of"),
     "PAGEDSERVE_CHAT_TEMPLATE": ("no/such/template.jinja", "the tokenizer would not start", "no such file"),
     # The scheduler reads them too (its control service), and is checked before the frontend.
     "PAGEDSERVE_SSL_KEYFILE": ("/no/such/key.pem", "the scheduler would not start", "--ssl-keyfile and"),

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from common.pooling_params import PoolingParams
 from common.protocol import StepPlan
 from common.sampling_params import SamplingParams
 from worker.attention.metadata import AttentionMetadata
@@ -32,6 +33,8 @@ class RequestState:
     block_ids: list[int]
     num_computed_tokens: int  # tokens whose KV is in the cache
     grammar: GrammarMatcher | None = None  # structured output: where the outputs stand in the grammar
+    pooling_params: PoolingParams | None = None  # a pooling request: pooled (worker.pooler), never sampled
+    pooled_so_far: torch.Tensor | None = None  # MEAN: the float32 sum of its chunks; CLS: the first token's
 
     @property
     def num_tokens(self) -> int:
@@ -58,6 +61,8 @@ class StepBatch:
     # Speculative decoding: each sampling request's drafts to check (empty: none). A request with
     # k drafts has k + 1 rows in logits_indices and in the sampling metadata, one per position.
     drafts: list[list[int]] | None = None
+    # Pooling requests that run this step: (state, index in [T] of its chunk's first token, chunk length).
+    pooling: list[tuple[RequestState, int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -125,7 +130,8 @@ class InputBatch:
                 request_id=new.request_id, token_ids=list(new.token_ids),
                 num_prompt_tokens=new.num_prompt_tokens, sampling_params=new.sampling_params,
                 block_ids=list(new.block_ids), num_computed_tokens=new.num_computed_tokens,
-                grammar=self._grammar(new.request_id, new.sampling_params, new.token_ids[new.num_prompt_tokens:]))
+                grammar=self._grammar(new.request_id, new.sampling_params, new.token_ids[new.num_prompt_tokens:]),
+                pooling_params=new.pooling_params)
         for diff in plan.cached_requests:
             state = self.requests.get(diff.request_id)
             if state is None:
@@ -181,8 +187,8 @@ class InputBatch:
         block_ids = block_tables[seq_of_token, positions // self.block_size].astype(np.int64)
         slot_mapping = block_ids * self.block_size + positions % self.block_size
 
-        samples = np.fromiter((s.num_computed_tokens + n >= s.num_tokens for s, n in scheduled),
-                              dtype=bool, count=num_seqs)
+        samples = np.fromiter((s.num_computed_tokens + n >= s.num_tokens and s.pooling_params is None
+                               for s, n in scheduled), dtype=bool, count=num_seqs)
         sampling_states = [state for (state, _), sample in zip(scheduled, samples.tolist()) if sample]
         if drafts_of:
             drafts = [drafts_of.get(state.request_id, []) for state in sampling_states]
@@ -221,6 +227,8 @@ class InputBatch:
             scheduled=scheduled,
             prompt_logprobs=plan_prompt_logprobs(scheduled, query_start_loc[:-1].tolist()),
             drafts=drafts,
+            pooling=[(state, start, n) for (state, n), start in zip(scheduled, query_start_loc.tolist())
+                     if state.pooling_params is not None],
         )
 
     @staticmethod

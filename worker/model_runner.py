@@ -14,6 +14,7 @@ from worker.input_batch import StepBatch
 from worker.lm_head import LmHead
 from worker.lm_head.bf16_screen_calibration import calibrate_lm_head
 from worker.logprobs import compute_prompt_logprobs
+from worker.pooler import pool_step
 from worker.sampler import Sampler
 from worker.spec_decode.speculator import Speculator
 from worker.spec_decode.verification import verify
@@ -28,6 +29,7 @@ class RunnerOutput:
     accepted_draft_ids: dict[str, list[int]] = field(default_factory=dict)  # speculative decoding (StepResult)
     draft_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     proposals: dict[str, list[int]] = field(default_factory=dict)
+    pooled: dict[str, list[float]] = field(default_factory=dict)  # pooling requests whose prompt ended
 
 
 def runner_output(result: StepResult) -> RunnerOutput:
@@ -65,6 +67,7 @@ class ModelRunner:
         """
         with torch.inference_mode():
             hidden = self.forward(batch.input_ids, batch.positions, batch.attn_metadata)
+            pooled = pool_step(batch.pooling, hidden) if batch.pooling else {}
             if self.speculator is not None:
                 self.speculator.follow(batch)
             if self.lm_head is None:  # an earlier pipeline stage: the last one samples
@@ -91,6 +94,7 @@ class ModelRunner:
                     sampled = sample_output.token_ids.tolist()
                     row_logprobs = sample_output.logprobs
             output = self._outputs(batch, sampled, row_logprobs, prompt_logprobs)
+            output.pooled = pooled
         if self.stage_results is not None:  # every rank commits the same tokens: the result rank's
             output = runner_output(self.stage_results.share(StepResult(
                 step_id=0, request_ids=output.request_ids, sampled_token_ids=output.sampled_token_ids,

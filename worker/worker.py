@@ -27,6 +27,7 @@ from worker.lm_head import LmHead, choose_lm_head
 from worker.lm_head.vocab_parallel import VocabParallelLmHead
 from worker.model_loader import load_model, safetensors_files
 from worker.model_runner import ModelRunner
+from worker.pooler import pooler_info
 from worker.quantization import prepare_linear_weights
 from worker.models.rotary import CONTEXT_STRETCHING_ROPE_TYPES, rope_parameters
 from worker.spec_decode.draft_model_proposer import DraftModelProposer
@@ -104,6 +105,7 @@ class Worker:
         self.runner.warm_up()
         if self.forward.compiled:
             self.forward.compile_seconds += time.perf_counter() - started  # reported with the step's
+        self.pooler = pooler_info(config, self.model_dir, self.hf_config)
         self.input_batch = InputBatch(config.block_size, self.device, eos_token_ids=eos_ids,
                                       grammar_compiler=self.grammar_compiler)
         logger.info("Worker %s ready: %s on %s (%s, quantization %s, %s), %d KV blocks, max_model_len %d, %d threads",
@@ -143,7 +145,8 @@ class Worker:
             block_size=self.config.block_size, max_model_len=self.max_model_len,
             vocab_size=int(self.hf_config.vocab_size), eos_token_ids=eos_token_ids(self.model_dir),
             dtype=self.dtype_name, tensor_parallel_size=self.layout.tp_size,
-            pipeline_parallel_size=self.layout.pp_size, sliding_window=self.shared_sliding_window())
+            pipeline_parallel_size=self.layout.pp_size, sliding_window=self.shared_sliding_window(),
+            pooler=self.pooler)
 
     def shared_sliding_window(self) -> int:
         """The window every layer of every model sharing the KV blocks (a draft model too) keeps
@@ -177,7 +180,7 @@ class Worker:
                           sampled_token_ids=output.sampled_token_ids, execute_ns=time.perf_counter_ns() - started,
                           sampled_logprobs=output.sampled_logprobs, prompt_logprobs=output.prompt_logprobs,
                           accepted_draft_ids=output.accepted_draft_ids, draft_logprobs=output.draft_logprobs,
-                          proposals=output.proposals)
+                          proposals=output.proposals, pooled=output.pooled)
 
 
 def _model_max_len(hf_config: Any) -> int:

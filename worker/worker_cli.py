@@ -38,13 +38,13 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(f"worker {args.rank}", args.log_level)
     set_process_title(f"pagedserve: worker {args.rank}")
     from worker.worker_service import WorkerService
-    from worker.worker import Worker
+    from worker.encoder_worker import make_worker
 
     import zmq
 
     config = engine_config_from_args(args)
     try:
-        worker = Worker(config, rank=args.rank)
+        worker = make_worker(config, rank=args.rank)  # a BERT-style encoder gets the encoder worker
     except ConfigError as e:  # settings this model cannot run with (a KV cache too small): a usage error
         logger.error("cannot start the worker: %s", e)
         return USAGE_ERROR

@@ -59,6 +59,11 @@ class PagedServeStub:
                 request_serializer=pagedserve__pb2.HealthRequest.SerializeToString,
                 response_deserializer=pagedserve__pb2.HealthResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/pagedserve.v1.PagedServe/Embed',
+                request_serializer=pagedserve__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=pagedserve__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class PagedServeServicer:
@@ -94,6 +99,12 @@ class PagedServeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PagedServeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -121,6 +132,11 @@ def add_PagedServeServicer_to_server(servicer, server):
                     servicer.Health,
                     request_deserializer=pagedserve__pb2.HealthRequest.FromString,
                     response_serializer=pagedserve__pb2.HealthResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=pagedserve__pb2.EmbedRequest.FromString,
+                    response_serializer=pagedserve__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -258,6 +274,33 @@ class PagedServe:
             '/pagedserve.v1.PagedServe/Health',
             pagedserve__pb2.HealthRequest.SerializeToString,
             pagedserve__pb2.HealthResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.v1.PagedServe/Embed',
+            pagedserve__pb2.EmbedRequest.SerializeToString,
+            pagedserve__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

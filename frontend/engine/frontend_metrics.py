@@ -121,6 +121,15 @@ class FrontendMetrics:
             PREFIX + "request_resubmissions", "Requests resubmitted, with the tokens they had produced, to a "
             "scheduler that had lost them (restarted, or one that gave up on this frontend).",
             labels, registry=self.registry).labels(model_name)
+        self.embedding_requests = Counter(
+            PREFIX + "embedding_requests", "Embedding (pooling) requests answered, by outcome: success or error "
+            "(rejected or failed); one per input of /v1/embeddings and gRPC Embed.",
+            labels + ["outcome"], registry=self.registry)
+        for outcome in ("success", "error"):
+            self.embedding_requests.labels(model_name, outcome)
+        self.embedding_prompt_tokens = Counter(
+            PREFIX + "embedding_prompt_tokens", "Input tokens of successful embedding requests.",
+            labels, registry=self.registry).labels(model_name)
         self.requests_routed = None
         if num_replicas > 1:  # data parallel: the router's choices
             self.requests_routed = Counter(
@@ -133,6 +142,11 @@ class FrontendMetrics:
 
     def record_finished(self, finished_reason: str) -> None:
         self.request_success.labels(self.model_name, finished_reason).inc()
+
+    def record_embedding(self, success: bool, num_prompt_tokens: int = 0) -> None:
+        self.embedding_requests.labels(self.model_name, "success" if success else "error").inc()
+        if success:
+            self.embedding_prompt_tokens.inc(num_prompt_tokens)
 
     def record_resubmitted(self, count: int) -> None:
         self.requests_resubmitted.inc(count)

@@ -132,7 +132,7 @@ class ReplicaRouter:
     # --- requests -----------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams, *,
                        arrival_time: float | None = None, priority: int = 0,
-                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+                       cache_salt: str | None = None, pooling_params=None) -> AsyncIterator[RequestOutput]:
         """EngineClient.generate on the chosen replica (see the module's docstring)."""
         if request_id in self._owner:
             raise InvalidRequestError(f"request id {request_id!r} is already in flight", param="request_id")
@@ -150,7 +150,8 @@ class ReplicaRouter:
             started = False
             try:
                 outputs = replica.engine.generate(request_id, prompt_token_ids, sampling_params,
-                                                  arrival_time=arrival_time, priority=priority, cache_salt=cache_salt)
+                                                  arrival_time=arrival_time, priority=priority, cache_salt=cache_salt,
+                                                  pooling_params=pooling_params)
                 async with aclosing(outputs):
                     async for output in outputs:
                         started = True

@@ -26,6 +26,7 @@ from common.sample_choices import SampleResult, best_samples
 from frontend.api_errors import AuthenticationError, grpc_code
 from frontend.http_guards import api_key_matches
 from frontend.engine.generation import GenerationDelta
+from frontend.grpc.grpc_embed import embed_response
 from frontend.engine.generation_request import GenerationRequest
 from frontend.engine.token_texts import TokenTexts
 from frontend.prompt_extras import echoed_prompt, encoded_prompt, truncated_prompt, with_bad_words_tokenized
@@ -135,6 +136,12 @@ class PagedServeServicer(pagedserve_pb2_grpc.PagedServeServicer):
         return pb.ListModelsResponse(models=[
             pb.Model(id=name, owned_by="pagedserve", created=self.state.created, root=self.state.model_root,
                      max_model_len=max_model_len) for name in self.state.served_model_names])
+
+    async def Embed(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext) -> pb.EmbedResponse:
+        try:
+            return await embed_response(self.state, request)
+        except PagedServeError as e:
+            await context.abort(grpc_code(e), e.message)
 
     async def Health(self, request, context) -> pb.HealthResponse:
         healthy, reason = await self.state.is_healthy()

@@ -19,6 +19,7 @@ from common.beam_search import BeamSearchParams
 from common.config import EngineConfig
 from common.errors import InvalidRequestError
 from common.generation_defaults import sampling_defaults
+from common.pooling_params import PoolingParams
 from common.prompt_truncation import truncate_prompt
 from common.protocol import EngineRequest
 from common.sampling_params import SamplingParams
@@ -26,13 +27,14 @@ from common.structured_outputs import check_grammar
 from common.tokenizer import apply_chat_template, load_tokenizer
 from scheduler.scheduler import Scheduler
 from pagedserve.offline.offline_beam_search import run_beam_search
+from pagedserve.offline.offline_embed import EmbeddingRequestOutput, run_embed
 from pagedserve.offline.offline_outputs import CompletionOutput, GenerationOutput, OfflineRequest
 from pagedserve.offline.data_parallel import ReplicaProcesses, run_sharded
 from pagedserve.offline.follower_ranks import FollowerRanks
 from worker.distributed.group_leader import GroupLeader
 from worker.distributed.parallel_state import close_worker_group
 from common.parallel_layout import check_model_layout
-from worker.worker import Worker
+from worker.encoder_worker import make_worker
 
 __all__ = ["LLM", "BeamSearchParams", "CompletionOutput", "GenerationOutput"]
 
@@ -75,7 +77,7 @@ class LLM:
             self.followers = FollowerRanks(self.config)
             self.config = self.followers.config
         try:
-            self.worker = Worker(self.config)
+            self.worker = make_worker(self.config)  # a BERT-style encoder gets the encoder worker
         except BaseException:
             if self.followers is not None:
                 self.followers.stop(timeout_s=0)
@@ -93,7 +95,7 @@ class LLM:
         self.eos_token_ids = list(hello.eos_token_ids)
         self.scheduler = Scheduler(self.config, num_blocks=hello.num_blocks, max_model_len=hello.max_model_len,
                                    eos_token_ids=list(hello.eos_token_ids), vocab_size=hello.vocab_size,
-                                   sliding_window=hello.sliding_window)
+                                   sliding_window=hello.sliding_window, pooler=hello.pooler)
         self.tokenizer = None if skip_tokenizer_init else load_tokenizer(self.worker.model_dir)
         self._ids = itertools.count()
         self.loop_stats = EngineLoopStats()
@@ -143,6 +145,13 @@ class LLM:
             chat_template=chat_template)}
             for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def embed(self, prompts: PromptInput | Sequence[PromptInput],
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+              use_tqdm: bool = False) -> list[EmbeddingRequestOutput]:
+        """Each prompt's pooled vector (`outputs.embedding`), as vLLM's; needs a pooling model
+        (runner "pooling", or an encoder). `use_tqdm` is accepted for vLLM's signature."""
+        return run_embed(self, [self._encode(p) for p in _as_prompt_list(prompts)], pooling_params)
 
     def beam_search(self, prompts: PromptInput | Sequence[PromptInput],
                     params: BeamSearchParams) -> list[GenerationOutput]:
