@@ -9,8 +9,9 @@ the whole sequence in one forward.
 Sliding windows: transformers 5 applies `sliding_window` through
 masking_utils.create_sliding_window_causal_mask for both the "sdpa" and the
 "eager" attention implementations (key kept when q - sliding_window < k <= q);
-the reference models use "sdpa", and `test_mistral_window_matters` checks the
-window really changes transformers' output.
+the reference models use "sdpa" (Gemma: "eager", which soft-caps attention logits), and
+`test_mistral_window_matters` checks the window really changes transformers' output;
+`test_gemma_softcaps_matter` does the same for Gemma's two soft-caps.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from common.config import GiB, EngineConfig
 from common.errors import ConfigError
 from worker.attention.torch_backend import TorchAttentionBackend
 from worker.kv_cache import allocate_kv_caches, kv_cache_spec, num_blocks_for
+from worker.lm_head.final_softcap import with_final_softcap
 from worker.lm_head.plain_logits import PlainLogitsLmHead
 from worker.model_loader import load_model
 from worker.models import get_model_class
@@ -28,6 +30,22 @@ from worker.models import get_model_class
 BLOCK_SIZE = 4
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+
+# Gemma: both layer kinds (layer_types), a window of 6, soft-caps that change the output
+# (test_gemma_softcaps_matter), a query_pre_attn_scalar other than head_dim (16).
+GEMMA_COMMON = {"sliding_window": 6, "query_pre_attn_scalar": 24, "final_logit_softcapping": 3.0}
+GEMMA_VARIANTS = {
+    "gemma2_softcaps_tied": ("Gemma2ForCausalLM", {**GEMMA_COMMON, "attn_logit_softcapping": 5.0,
+                                                   "layer_types": ["sliding_attention", "full_attention",
+                                                                   "sliding_attention"], "num_hidden_layers": 3}),
+    "gemma2_no_caps_untied": ("Gemma2ForCausalLM", {**GEMMA_COMMON, "attn_logit_softcapping": None,
+                                                    "final_logit_softcapping": None, "tie_word_embeddings": False}),
+    "gemma3_local_rope": ("Gemma3ForCausalLM", {
+        **GEMMA_COMMON, "num_hidden_layers": 3,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        "rope_parameters": {"full_attention": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+                            "sliding_attention": {"rope_type": "default", "rope_theta": 50.0}}}),
+}
 
 # Two sequences: (prompt chunk sizes, number of decode steps, first step it runs in).
 SCHEDULE = (([7, 9, 8], 6, 0), ([5, 8], 8, 1))
@@ -45,6 +63,7 @@ VARIANTS = {
     "qwen3": ("Qwen3ForCausalLM", {}),
     "qwen3_window_tied": ("Qwen3ForCausalLM", {"use_sliding_window": True, "sliding_window": 6,
                                                "max_window_layers": 1, "tie_word_embeddings": True}),
+    **GEMMA_VARIANTS,
 }
 
 
@@ -77,13 +96,18 @@ def run_paged(model, hf_config, sequences: list[torch.Tensor], make_metadata, ma
                              BLOCK_SIZE, num_decodes=sum(1 for n in lengths if n == 1))
         ids = torch.cat([sequences[s][done[s]:done[s] + n] for s, n in zip(active, lengths)])
         positions = torch.cat([torch.arange(done[s], done[s] + n) for s, n in zip(active, lengths)])
-        out = PlainLogitsLmHead(model.lm_head).logits(model(ids, positions, caches, meta, backend))
+        out = lm_head_of(model).logits(model(ids, positions, caches, meta, backend))
         assert out.dtype == torch.float32
         for s, piece in zip(active, out.split(lengths)):
             logits[s].append(piece)
             done[s] += len(piece)
         step += 1
     return [torch.cat(parts) for parts in logits]
+
+
+def lm_head_of(model):
+    """The plain lm_head, with the model's final logit soft-capping if it has one (Gemma)."""
+    return with_final_softcap(PlainLogitsLmHead(model.lm_head), getattr(model, "final_logit_softcapping", None))
 
 
 def random_sequences(vocab: int) -> list[torch.Tensor]:
@@ -121,6 +145,47 @@ def test_mistral_window_matters(tiny_hf_model) -> None:
         full = hf_model(tokens[None]).logits[0]
     torch.testing.assert_close(windowed[:8], full[:8])
     assert (windowed[8:] - full[8:]).abs().amax(-1).min() > 1e-3
+
+
+def test_gemma_softcaps_matter(tiny_hf_model) -> None:
+    """The soft-capped Gemma variants would pass with a cap ignored if transformers ignored it."""
+    hf_model, _ = tiny_hf_model("Gemma2ForCausalLM", **GEMMA_VARIANTS["gemma2_softcaps_tied"][1])
+    tokens = random_sequences(hf_model.config.vocab_size)[0]
+    with torch.no_grad():
+        capped = hf_model(tokens[None]).logits[0]
+        hf_model.config.final_logit_softcapping = None
+        no_final_cap = hf_model(tokens[None]).logits[0]
+        for layer in hf_model.model.layers:
+            layer.self_attn.attn_logit_softcapping = None
+        no_caps = hf_model(tokens[None]).logits[0]
+    assert capped.abs().max() < 3.0 < no_final_cap.abs().max()
+    # Attention capping alone moves the uncapped logits by far more than test tolerances.
+    assert (no_final_cap - no_caps).abs().max() > 0.05 * no_caps.abs().max()
+
+
+def test_gemma_layer_rules(tiny_hf_model) -> None:
+    _, model_dir = tiny_hf_model("Gemma3ForCausalLM", **GEMMA_VARIANTS["gemma3_local_rope"][1])
+    model = load_ours(model_dir)[0]
+    assert model.sliding_windows == [6, None, 6]
+    assert [layer.local_rope for layer in model.layers] == [True, False, True]
+    assert model.layers[0].attn_scale == 24 ** -0.5 and model.final_logit_softcapping == 3.0
+    assert all(layer.attn_softcap == 0 for layer in model.layers)  # as transformers' Gemma 3
+    _, model_dir = tiny_hf_model("Gemma2ForCausalLM", num_hidden_layers=4, attn_logit_softcapping=5.0)
+    model = load_ours(model_dir)[0]
+    assert model.sliding_windows == [4096, None, 4096, None]  # transformers' default pattern
+    assert all(layer.attn_softcap == 5.0 for layer in model.layers)
+
+
+def test_gemma_rejects_what_it_cannot_run(tiny_hf_model, tmp_path) -> None:
+    hf_model, model_dir = tiny_hf_model("Gemma2ForCausalLM")
+    config = hf_model.config
+    config.hidden_activation = "silu"
+    with pytest.raises(ValueError, match="hidden_activation='gelu_pytorch_tanh' only"):
+        get_model_class(config)(config)
+    from worker.quantization import prepare_linear_weights
+    model, _ = load_ours(model_dir)
+    with pytest.raises(ConfigError, match="--quantization int8 is not supported for Gemma2ForCausalLM"):
+        prepare_linear_weights(model, EngineConfig(model=str(model_dir), device="cpu", quantization="int8"))
 
 
 def test_qwen2_sliding_window_rules(tiny_hf_model) -> None:
@@ -175,6 +240,34 @@ def test_bfloat16_matches_transformers_bfloat16(tiny_hf_model, make_metadata, ma
             scale = reference.abs().max()
             assert (ours_single - reference).abs().max() <= 2e-3 * scale
             assert (ours_chunked - reference).abs().max() <= 5e-2 * scale
+
+
+@pytest.mark.parametrize("variant", ["gemma2_softcaps_tied", "gemma3_local_rope"])
+def test_gemma_bfloat16_matches_transformers_bfloat16(variant, tiny_hf_model, make_metadata,
+                                                      make_block_tables) -> None:
+    """As the Llama check above: Gemma's (1 + w) norms, scaled embeddings and both soft-caps
+    rounded as transformers rounds them in bfloat16. The reference attention is the one our
+    PyTorch path rounds like: SDPA, or with soft-capped scores (which SDPA cannot cap) eager.
+    These tiny random models amplify rounding: transformers' own eager and SDPA bf16 logits
+    differ by ~10% of their scale, so only a model rounding op for op passes."""
+    from transformers import AutoModelForCausalLM
+
+    architecture, overrides = GEMMA_VARIANTS[variant]
+    _, model_dir = tiny_hf_model(architecture, **overrides)
+    attention = "eager" if architecture == "Gemma2ForCausalLM" and overrides.get("attn_logit_softcapping") else "sdpa"
+    hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation=attention)
+    model, hf_config = load_ours(model_dir, dtype=torch.bfloat16)
+    sequences = random_sequences(hf_config.vocab_size)
+    whole_prompt = tuple(([len(tokens)], 0, 0) for tokens in sequences)
+    single_pass = run_paged(model, hf_config, sequences, make_metadata, make_block_tables,
+                            whole_prompt, dtype=torch.bfloat16, backend=TorchAttentionBackend(use_cpu_kernel=False))
+    chunked = run_paged(model, hf_config, sequences, make_metadata, make_block_tables, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for tokens, ours_single, ours_chunked in zip(sequences, single_pass, chunked):
+            reference = hf_model(tokens[None]).logits[0].float()
+            scale = reference.abs().max()
+            assert (ours_single - reference).abs().max() <= 2e-3 * scale
+            assert (ours_chunked - reference).abs().max() <= 0.15 * scale
 
 
 def test_unknown_architecture_is_rejected() -> None:
