@@ -42,11 +42,16 @@ def routing_margins(model, tokens: torch.Tensor) -> torch.Tensor:
     return torch.cat(margins)
 
 
+# Config classes whose names do not follow "<Name>ForCausalLM" -> "<Name>Config".
+CONFIG_CLASSES = {"Gemma3ForCausalLM": "Gemma3TextConfig"}
+
+
 def build_tiny_hf_model(architecture: str, directory: Path, *, seed: int = 0,
-                        attn_implementation: str = "sdpa", **overrides: Any):
-    """A random float32 transformers model (`LlamaForCausalLM`, `MistralForCausalLM`,
-    `Qwen2ForCausalLM`, `Qwen3ForCausalLM`, `Phi3ForCausalLM`, the MoE ones with `MOE_SIZES`) saved to `directory`; returns
-    the model in eval mode.
+                        attn_implementation: str | None = None, **overrides: Any):
+    """A random float32 transformers model (Llama, Mistral, Qwen2, Qwen3, Phi3, Gemma2, Gemma3,
+    the MoE ones with `MOE_SIZES`: `<Name>ForCausalLM`) saved to `directory`; returns the model
+    in eval mode. Attention: "sdpa", except Gemma's "eager" (transformers' only attention that
+    applies Gemma 2's logit soft-capping on CPU).
 
     Weights use initializer_range 0.2 (logits spread over a few units, no argmax
     ties) and norm weights/biases are randomised too (HF initialises them to 1/0,
@@ -54,7 +59,9 @@ def build_tiny_hf_model(architecture: str, directory: Path, *, seed: int = 0,
     """
     import transformers
 
-    config_class = getattr(transformers, architecture.replace("ForCausalLM", "Config"))
+    config_class = getattr(transformers, CONFIG_CLASSES.get(architecture, architecture.replace("ForCausalLM", "Config")))
+    if attn_implementation is None:
+        attn_implementation = "eager" if architecture.startswith("Gemma") else "sdpa"
     settings = {**TINY_SIZES, "initializer_range": 0.2, **overrides}
     if architecture == "Qwen2ForCausalLM":
         settings.pop("head_dim")  # Qwen2 derives it: hidden_size // num_attention_heads

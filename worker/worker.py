@@ -25,6 +25,7 @@ from worker.distributed.cpu_binding import bind_rank_cores
 from worker.distributed.parallel_state import group_minimum, init_worker_group
 from worker.lm_head import LmHead, choose_lm_head
 from worker.lm_head.vocab_parallel import VocabParallelLmHead
+from worker.lm_head.final_softcap import with_final_softcap
 from worker.model_loader import load_model, safetensors_files
 from worker.model_runner import ModelRunner
 from worker.pooler import pooler_info
@@ -134,10 +135,11 @@ class Worker:
             return None
         head = choose_lm_head(self.model.lm_head, rescore_near_ties=self.config.greedy_rescore_near_ties
                               and self.layout.tp_size == 1, compile_scan=compile_step and inductor_available())
-        if self.layout.tp_size == 1:
-            return head
-        s = self.model.sizes
-        return VocabParallelLmHead(head, s.vocab, s.vocab_start, s.vocab_real_rows)
+        if self.layout.tp_size > 1:
+            s = self.model.sizes
+            head = VocabParallelLmHead(head, s.vocab, s.vocab_start, s.vocab_real_rows)
+        # Outermost: the whole (gathered) vocabulary's logits are capped (Gemma).
+        return with_final_softcap(head, getattr(self.model, "final_logit_softcapping", None))
 
     def hello(self) -> WorkerHello:
         return WorkerHello(

@@ -48,6 +48,14 @@ PHI3_LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary
     ("MixtralForCausalLM", MOE_SIZES["MixtralForCausalLM"]),
     ("Qwen2MoeForCausalLM", {**MOE_SIZES["Qwen2MoeForCausalLM"], "mlp_only_layers": [1]}),
     ("Qwen3MoeForCausalLM", {**MOE_SIZES["Qwen3MoeForCausalLM"], "decoder_sparse_step": 2, "num_hidden_layers": 3}),
+    # Both layer kinds, a window of 6, both soft-caps (attention logits on Gemma 2 only, as transformers).
+    ("Gemma2ForCausalLM", {"sliding_window": 6, "attn_logit_softcapping": 5.0, "final_logit_softcapping": 8.0,
+                           "query_pre_attn_scalar": 24, "num_hidden_layers": 3}),
+    ("Gemma3ForCausalLM", {"sliding_window": 6, "final_logit_softcapping": 8.0, "query_pre_attn_scalar": 24,
+                           "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+                           "num_hidden_layers": 3, "rope_parameters": {
+                               "full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                               "sliding_attention": {"rope_type": "default", "rope_theta": 50.0}}}),
 ])
 def test_greedy_matches_transformers_with_chunked_prefill(tmp_path, architecture, overrides):
     hf_model = build_tiny_hf_model(architecture, tmp_path / "model", **overrides)

@@ -9,8 +9,9 @@ the whole sequence in one forward.
 Sliding windows: transformers 5 applies `sliding_window` through
 masking_utils.create_sliding_window_causal_mask for both the "sdpa" and the
 "eager" attention implementations (key kept when q - sliding_window < k <= q);
-the reference models use "sdpa", and `test_mistral_window_matters` checks the
-window really changes transformers' output.
+the reference models use "sdpa" (Gemma: "eager", which soft-caps attention logits), and
+`test_mistral_window_matters` checks the window really changes transformers' output;
+`test_gemma_softcaps_matter` does the same for Gemma's two soft-caps.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from common.errors import ConfigError
 from common.parallel_layout import TensorShard
 from worker.attention.torch_backend import TorchAttentionBackend
 from worker.kv_cache import allocate_kv_caches, kv_cache_spec, num_blocks_for
+from worker.lm_head.final_softcap import with_final_softcap
 from worker.lm_head.plain_logits import PlainLogitsLmHead
 from worker.model_loader import load_model
 from worker.models import get_model_class
@@ -40,6 +42,22 @@ def longrope(rotary_dim: int = 16, **extra) -> dict:
             "short_factor": [1.0 + 0.2 * i for i in range(rotary_dim // 2)],
             "long_factor": [2.0 + 3.0 * i for i in range(rotary_dim // 2)]}
 
+
+# Gemma: both layer kinds (layer_types), a window of 6, soft-caps that change the output
+# (test_gemma_softcaps_matter), a query_pre_attn_scalar other than head_dim (16).
+GEMMA_COMMON = {"sliding_window": 6, "query_pre_attn_scalar": 24, "final_logit_softcapping": 3.0}
+GEMMA_VARIANTS = {
+    "gemma2_softcaps_tied": ("Gemma2ForCausalLM", {**GEMMA_COMMON, "attn_logit_softcapping": 5.0,
+                                                   "layer_types": ["sliding_attention", "full_attention",
+                                                                   "sliding_attention"], "num_hidden_layers": 3}),
+    "gemma2_no_caps_untied": ("Gemma2ForCausalLM", {**GEMMA_COMMON, "attn_logit_softcapping": None,
+                                                    "final_logit_softcapping": None, "tie_word_embeddings": False}),
+    "gemma3_local_rope": ("Gemma3ForCausalLM", {
+        **GEMMA_COMMON, "num_hidden_layers": 3,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        "rope_parameters": {"full_attention": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+                            "sliding_attention": {"rope_type": "default", "rope_theta": 50.0}}}),
+}
 
 # Two sequences: (prompt chunk sizes, number of decode steps, first step it runs in).
 SCHEDULE = (([7, 9, 8], 6, 0), ([5, 8], 8, 1))
@@ -79,6 +97,7 @@ VARIANTS = {
     "qwen3_moe_sparse_step_norm": ("Qwen3MoeForCausalLM", {**MOE_SIZES["Qwen3MoeForCausalLM"],
                                                            "decoder_sparse_step": 2, "num_hidden_layers": 3,
                                                            "norm_topk_prob": True}),
+    **GEMMA_VARIANTS,
 }
 # Least gap between a token's k-th and (k+1)-th router probability: float32 router
 # probabilities of ours and transformers agree to ~1e-7, so no expert choice can differ.
@@ -114,13 +133,18 @@ def run_paged(model, hf_config, sequences: list[torch.Tensor], make_metadata, ma
                              BLOCK_SIZE, num_decodes=sum(1 for n in lengths if n == 1))
         ids = torch.cat([sequences[s][done[s]:done[s] + n] for s, n in zip(active, lengths)])
         positions = torch.cat([torch.arange(done[s], done[s] + n) for s, n in zip(active, lengths)])
-        out = PlainLogitsLmHead(model.lm_head).logits(model(ids, positions, caches, meta, backend))
+        out = lm_head_of(model).logits(model(ids, positions, caches, meta, backend))
         assert out.dtype == torch.float32
         for s, piece in zip(active, out.split(lengths)):
             logits[s].append(piece)
             done[s] += len(piece)
         step += 1
     return [torch.cat(parts) for parts in logits]
+
+
+def lm_head_of(model):
+    """The plain lm_head, with the model's final logit soft-capping if it has one (Gemma)."""
+    return with_final_softcap(PlainLogitsLmHead(model.lm_head), getattr(model, "final_logit_softcapping", None))
 
 
 def random_sequences(vocab: int) -> list[torch.Tensor]:
@@ -160,6 +184,47 @@ def test_mistral_window_matters(tiny_hf_model) -> None:
         full = hf_model(tokens[None]).logits[0]
     torch.testing.assert_close(windowed[:8], full[:8])
     assert (windowed[8:] - full[8:]).abs().amax(-1).min() > 1e-3
+
+
+def test_gemma_softcaps_matter(tiny_hf_model) -> None:
+    """The soft-capped Gemma variants would pass with a cap ignored if transformers ignored it."""
+    hf_model, _ = tiny_hf_model("Gemma2ForCausalLM", **GEMMA_VARIANTS["gemma2_softcaps_tied"][1])
+    tokens = random_sequences(hf_model.config.vocab_size)[0]
+    with torch.no_grad():
+        capped = hf_model(tokens[None]).logits[0]
+        hf_model.config.final_logit_softcapping = None
+        no_final_cap = hf_model(tokens[None]).logits[0]
+        for layer in hf_model.model.layers:
+            layer.self_attn.attn_logit_softcapping = None
+        no_caps = hf_model(tokens[None]).logits[0]
+    assert capped.abs().max() < 3.0 < no_final_cap.abs().max()
+    # Attention capping alone moves the uncapped logits by far more than test tolerances.
+    assert (no_final_cap - no_caps).abs().max() > 0.05 * no_caps.abs().max()
+
+
+def test_gemma_layer_rules(tiny_hf_model) -> None:
+    _, model_dir = tiny_hf_model("Gemma3ForCausalLM", **GEMMA_VARIANTS["gemma3_local_rope"][1])
+    model = load_ours(model_dir)[0]
+    assert model.sliding_windows == [6, None, 6]
+    assert [layer.local_rope for layer in model.layers] == [True, False, True]
+    assert model.layers[0].attn_scale == 24 ** -0.5 and model.final_logit_softcapping == 3.0
+    assert all(layer.attn_softcap == 0 for layer in model.layers)  # as transformers' Gemma 3
+    _, model_dir = tiny_hf_model("Gemma2ForCausalLM", num_hidden_layers=4, attn_logit_softcapping=5.0)
+    model = load_ours(model_dir)[0]
+    assert model.sliding_windows == [4096, None, 4096, None]  # transformers' default pattern
+    assert all(layer.attn_softcap == 5.0 for layer in model.layers)
+
+
+def test_gemma_rejects_what_it_cannot_run(tiny_hf_model, tmp_path) -> None:
+    hf_model, model_dir = tiny_hf_model("Gemma2ForCausalLM")
+    config = hf_model.config
+    config.hidden_activation = "silu"
+    with pytest.raises(ValueError, match="hidden_activation='gelu_pytorch_tanh' only"):
+        get_model_class(config)(config)
+    from worker.quantization import prepare_linear_weights
+    model, _ = load_ours(model_dir)
+    with pytest.raises(ConfigError, match="--quantization int8 is not supported for Gemma2ForCausalLM"):
+        prepare_linear_weights(model, EngineConfig(model=str(model_dir), device="cpu", quantization="int8"))
 
 
 def test_qwen2_sliding_window_rules(tiny_hf_model) -> None:
@@ -335,6 +400,34 @@ def test_moe_bfloat16_matches_transformers_bfloat16(architecture, tmp_path, make
             # expert's); most positions must still be as close as the dense models' are.
             close = (ours_chunked - reference).abs().amax(-1) <= 5e-2 * scale
             assert close.float().mean() >= 0.9
+
+
+@pytest.mark.parametrize("variant", ["gemma2_softcaps_tied", "gemma3_local_rope"])
+def test_gemma_bfloat16_matches_transformers_bfloat16(variant, tiny_hf_model, make_metadata,
+                                                      make_block_tables) -> None:
+    """As the Llama check above: Gemma's (1 + w) norms, scaled embeddings and both soft-caps
+    rounded as transformers rounds them in bfloat16. The reference attention is the one our
+    PyTorch path rounds like: SDPA, or with soft-capped scores (which SDPA cannot cap) eager.
+    These tiny random models amplify rounding: transformers' own eager and SDPA bf16 logits
+    differ by ~10% of their scale, so only a model rounding op for op passes."""
+    from transformers import AutoModelForCausalLM
+
+    architecture, overrides = GEMMA_VARIANTS[variant]
+    _, model_dir = tiny_hf_model(architecture, **overrides)
+    attention = "eager" if architecture == "Gemma2ForCausalLM" and overrides.get("attn_logit_softcapping") else "sdpa"
+    hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation=attention)
+    model, hf_config = load_ours(model_dir, dtype=torch.bfloat16)
+    sequences = random_sequences(hf_config.vocab_size)
+    whole_prompt = tuple(([len(tokens)], 0, 0) for tokens in sequences)
+    single_pass = run_paged(model, hf_config, sequences, make_metadata, make_block_tables,
+                            whole_prompt, dtype=torch.bfloat16, backend=TorchAttentionBackend(use_cpu_kernel=False))
+    chunked = run_paged(model, hf_config, sequences, make_metadata, make_block_tables, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for tokens, ours_single, ours_chunked in zip(sequences, single_pass, chunked):
+            reference = hf_model(tokens[None]).logits[0].float()
+            scale = reference.abs().max()
+            assert (ours_single - reference).abs().max() <= 2e-3 * scale
+            assert (ours_chunked - reference).abs().max() <= 0.15 * scale
 
 
 def test_unknown_architecture_is_rejected() -> None:

@@ -24,6 +24,8 @@ class Case:
     sliding_window: int | None = None
     dtype: torch.dtype = torch.float32
     cache_dtype: torch.dtype | None = None  # the KV cache's, when not `dtype` (--kv-cache-dtype)
+    softcap: float | None = None  # attention logit soft-capping (Gemma 2)
+    scale: float | None = None  # the scores' scale; None: head_dim ** -0.5
 
 
 def run_case(case: Case, make_metadata, make_block_tables, seed: int = 0,
@@ -46,13 +48,14 @@ def run_case(case: Case, make_metadata, make_block_tables, seed: int = 0,
     # key/value as column slices of one fused projection, the way the model passes them
     fused = torch.randn(tokens, 2 * case.num_kv_heads * case.head_dim, generator=g).to(case.dtype)
     key, value = (t.view(tokens, case.num_kv_heads, case.head_dim) for t in fused.chunk(2, dim=-1))
-    scale = case.head_dim ** -0.5
+    scale = case.scale or case.head_dim ** -0.5
 
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    capped = {} if case.softcap is None else {"softcap": case.softcap}
     expected = reference_attention(query, key, value, ref_k, ref_v, meta,
-                                   scale=scale, sliding_window=case.sliding_window)
+                                   scale=scale, sliding_window=case.sliding_window, **capped)
     actual = (backend or TorchAttentionBackend()).forward(query, key, value, k_cache, v_cache, meta,
-                                             scale=scale, sliding_window=case.sliding_window)
+                                             scale=scale, sliding_window=case.sliding_window, **capped)
     return actual, expected, (k_cache, v_cache), (ref_k, ref_v)
 
 
@@ -149,6 +152,40 @@ def test_split_sends_long_chunks_to_sdpa(make_metadata, make_block_tables) -> No
     assert sdpa_sequences(meta) == [4, 5, 7]
     runs = [(first, end, a, b, rel.tolist()) for first, end, a, b, rel in KernelSplit(meta, [4, 5, 7]).kernel_runs]
     assert runs == [(0, 4, 0, 8, [0, 1, 2, 3, 8]), (6, 7, 72, 75, [0, 3])]
+
+
+SOFTCAP_CASES = ["mixed", "only_extends", "window_3", "long_prefills_window", "many_decodes"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", SOFTCAP_CASES)
+def test_softcap_matches_reference(name: str, dtype: torch.dtype, make_metadata, make_block_tables) -> None:
+    """Soft-capped scores (Gemma 2) take the PyTorch path, even where the C++ kernel would run."""
+    # Scale 1: scores of a few units, which a cap of 1.5 changes a lot.
+    case = Case(**{**CASES[name].__dict__, "softcap": 1.5, "scale": 1.0, "dtype": dtype})
+    actual, expected, caches, ref_caches = run_case(case, make_metadata, make_block_tables)
+    tolerance = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(actual.float(), expected.float(), atol=tolerance, rtol=tolerance)
+    for cache, ref_cache in zip(caches, ref_caches):
+        assert torch.equal(cache, ref_cache)
+    # The cap matters: the uncapped reference is far from the capped one.
+    uncapped, _, _, _ = run_case(Case(**{**case.__dict__, "softcap": None}), make_metadata, make_block_tables)
+    assert (uncapped.float() - expected.float()).abs().max() > 0.1
+
+
+def test_backend_without_softcap_is_refused() -> None:
+    from worker.attention.step_context import paged_attention, step_context
+
+    class PlainBackend:
+        name = "plain"
+
+        def forward(self, *args, **kwargs):
+            raise AssertionError("must not be called with a softcap it cannot apply")
+
+    q = torch.zeros(1, 2, 4)
+    with step_context(PlainBackend(), None, [(None, None)]):
+        with pytest.raises(ValueError, match="cannot apply attention logit soft-capping"):
+            paged_attention(q, q, q, 0, 1.0, None, softcap=5.0)
 
 
 def test_window_changes_the_result(make_metadata, make_block_tables) -> None:

@@ -46,6 +46,7 @@ class Case:
     cache_dtype: torch.dtype | None = None  # the KV cache's, when not `dtype` (--kv-cache-dtype)
     strided_inputs: bool = False  # q/k/v as column slices of one fused projection
     kv_scales: tuple[float, float] = (1.0, 1.0)  # an 8-bit cache's (k_scale, v_scale)
+    softcap: float | None = None  # attention logit soft-capping (Gemma 2)
 
 
 Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]
@@ -118,7 +119,13 @@ CASES = {
                                           cache_dtype=torch.float8_e5m2, kv_scales=(2.0, 0.5)),
     "float32_fp8_e4m3_cache_gqa3": Case(decode_context_lens=(9,), chunks=((5, 12),), num_heads=6, num_kv_heads=2,
                                         cache_dtype=torch.float8_e4m3fn, kv_scales=(1.0, 1.0)),
+    # Scores of a few units (scale 1.0) capped at 1.5: far from the uncapped output (checked below).
+    "softcap": Case(decode_context_lens=(0, 7, 21), chunks=((6, 5), (0, 11), (13, 19)), softcap=1.5),
+    "softcap_window_gqa3": Case(decode_context_lens=(2, 37), chunks=((21, 18),), num_heads=6, num_kv_heads=2,
+                                sliding_window=5, softcap=1.5),
+    "softcap_bfloat16": Case(decode_context_lens=(5, 18), chunks=((7, 10),), dtype=torch.bfloat16, softcap=1.5),
 }
+SOFTCAP_SCALE = 1.0  # the softcap cases' score scale: large scores, so that the cap matters
 # An 8-bit cache: the reference reads the cache the reference wrote; the interpreter may round the
 # new K/V one step differently (see same_cache).
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2, torch.float8_e4m3fn: 0.1,
@@ -144,11 +151,15 @@ def compare_with_reference(case: Case, seed: int, scale: float, **tiles: int) ->
     ref_k_cache, ref_v_cache = k_cache.clone(), v_cache.clone()
     k_scale, v_scale = case.kv_scales
     expected = reference_attention(query, key, value, ref_k_cache, ref_v_cache, meta, scale=scale,
-                                   sliding_window=case.sliding_window, k_scale=k_scale, v_scale=v_scale)
+                                   sliding_window=case.sliding_window, k_scale=k_scale, v_scale=v_scale,
+                                   softcap=case.softcap)
     output = TritonAttentionBackend(**tiles).forward(query, key, value, k_cache, v_cache, meta, scale=scale,
                                                      sliding_window=case.sliding_window, k_scale=k_scale,
-                                                     v_scale=v_scale)
+                                                     v_scale=v_scale, softcap=case.softcap)
+    uncapped = reference_attention(query, key, value, k_cache.clone(), v_cache.clone(), meta, scale=scale,
+                                   sliding_window=case.sliding_window, k_scale=k_scale, v_scale=v_scale)
     return {
+        "cap_effect": (uncapped.float() - expected.float()).abs().max().item(),
         "same_shape_and_dtype": output.shape == query.shape and output.dtype == query.dtype,
         "caches_equal": all(same_cache(case, a, b) for a, b in ((k_cache, ref_k_cache), (v_cache, ref_v_cache))),
         "max_error": (output.float() - expected.float()).abs().max().item(),
@@ -221,7 +232,7 @@ def run_all_in_interpreter() -> dict[str, Any]:
     for name, case in CASES.items():
         # Small tiles so these tiny batches still span several query and key tiles.
         jobs[name] = lambda case=case, seed=len(name): compare_with_reference(
-            case, seed, case.head_dim ** -0.5, block_m=16, block_n=16)
+            case, seed, SOFTCAP_SCALE if case.softcap else case.head_dim ** -0.5, block_m=16, block_n=16)
     jobs["default_tiles"] = lambda: compare_with_reference(CASES["mixed_with_context"], 3, 0.3)
     jobs["context_edit"] = rows_changed_by_context_edit
     jobs["fp8_write"] = fp8_write_mismatches
@@ -259,10 +270,11 @@ def compile_for_sm80() -> list[str]:
                                              "FP8_MAX": {"fp8e4nv": 448.0, "fp8e5": 57344.0}.get(cache_dtype, 0.0),
                                              "FP8_MANTISSA": 3 if cache_dtype == "fp8e4nv" else 2,
                                              "FP8_BIAS": 7 if cache_dtype == "fp8e4nv" else 15}),
+            # The soft-capped variant for 16-bit caches (Gemma 2 runs in bfloat16), plain for the others.
             (kernels.paged_decode_kernel, {"GROUP_PAD": 16, "HEAD_DIM_PAD": 64, "BLOCK_N": 32, "UPCAST_DOT": False,
-                                           "KV_FP8": fp8}),
+                                           "KV_FP8": fp8, "USE_SOFTCAP": cache_dtype == "bf16"}),
             (kernels.paged_prefill_kernel, {"BLOCK_Q": 21, "BLOCK_M": 64, "HEAD_DIM_PAD": 64, "BLOCK_N": 32,
-                                            "UPCAST_DOT": False, "KV_FP8": fp8}),
+                                            "UPCAST_DOT": False, "KV_FP8": fp8, "USE_SOFTCAP": cache_dtype == "bf16"}),
         ]
         for kernel, constexprs in launches:
             signature = {}
@@ -276,7 +288,7 @@ def compile_for_sm80() -> list[str]:
                 elif arg.endswith("_ptr"):
                     signature[arg] = "*i32" if arg in INT32_POINTERS else f"*{dtype}"
                 else:
-                    signature[arg] = "fp32" if arg.endswith("scale") else "i32"
+                    signature[arg] = "fp32" if arg.endswith("scale") or arg == "softcap" else "i32"
             source = ASTSource(fn=kernel, signature=signature,
                                constexprs={(kernel.arg_names.index(k),): v for k, v in constexprs.items()})
             binary = triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
@@ -316,6 +328,8 @@ def test_matches_reference(name: str, interpreted) -> None:
     assert result["caches_equal"]
     assert result["max_magnitude"] > 0.1  # a zero output would make the error check vacuous
     assert result["max_error"] <= TOLERANCE[CASES[name].cache_dtype or CASES[name].dtype]
+    if CASES[name].softcap:  # the cap really changes the output: an ignored cap would fail above
+        assert result["cap_effect"] > 10 * TOLERANCE[CASES[name].dtype]
 
 
 @needs_triton

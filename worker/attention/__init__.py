@@ -14,7 +14,9 @@ class AttentionBackend(Protocol):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 *, scale: float, sliding_window: int | None) -> torch.Tensor:
-        """Write key/value at meta.slot_mapping, then return attention output [T, H, D]."""
+        """Write key/value at meta.slot_mapping, then return attention output [T, H, D].
+        Backends with `supports_softcap` also take `softcap` (attention logit soft-capping);
+        the step context refuses a soft-capped model on any other backend."""
         ...
 
 

@@ -15,11 +15,13 @@ from worker.attention.metadata import AttentionMetadata
 def reference_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                         k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                         *, scale: float, sliding_window: int | None, k_scale: float = 1.0,
-                        v_scale: float = 1.0) -> torch.Tensor:
+                        v_scale: float = 1.0, softcap: float | None = None) -> torch.Tensor:
     """query [T, H, D], key/value [T, KVH, D], caches [num_blocks, block_size, KVH, D].
 
     Writes key/value into the caches at meta.slot_mapping, then returns [T, H, D]
     in query's dtype. An 8-bit cache holds K / k_scale and V / v_scale (worker.attention.fp8_kv).
+    `softcap` (Gemma 2's attention logit soft-capping): scores become tanh(s / cap) * cap
+    before the mask and softmax; None or 0: no capping.
     """
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     num_heads = query.shape[1]
@@ -47,6 +49,8 @@ def reference_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
             for head in range(num_heads):
                 kv_head = head // group
                 scores = keys[:, kv_head] @ query[token, head].float() * scale
+                if softcap:
+                    scores = torch.tanh(scores / softcap) * softcap
                 weights = torch.softmax(scores, dim=0)
                 output[token, head] = (weights @ values[:, kv_head]).to(query.dtype)
     return output

@@ -44,28 +44,34 @@ def step_context(backend: Any, meta: AttentionMetadata, kv_caches: list[tuple[to
 
 
 def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scale: float,
-            sliding_window: int) -> torch.Tensor:
+            sliding_window: int, softcap: float = 0.0) -> torch.Tensor:
     ctx = _current
     if ctx is None:
         raise RuntimeError("attention called outside a step context (use the model's forward)")
     k_cache, v_cache = ctx.kv_caches[layer]
     window = sliding_window if sliding_window > 0 else None
-    # Only 8-bit caches have scales: other backends' calls stay as they were.
-    scales = {} if ctx.kv_scales is None else dict(zip(("k_scale", "v_scale"), ctx.kv_scales[layer]))
+    # Only 8-bit caches have scales, only soft-capped models a softcap: other calls stay as they were.
+    extra = {} if ctx.kv_scales is None else dict(zip(("k_scale", "v_scale"), ctx.kv_scales[layer]))
+    if softcap > 0:
+        if not getattr(ctx.backend, "supports_softcap", False):
+            raise ValueError(f"attention backend {getattr(ctx.backend, 'name', type(ctx.backend).__name__)!r} "
+                             "cannot apply attention logit soft-capping (attn_logit_softcapping); "
+                             "use the torch or triton backend")
+        extra["softcap"] = softcap
     return ctx.backend.forward(query, key, value, k_cache, v_cache, ctx.meta, scale=scale, sliding_window=window,
-                               **scales)
+                               **extra)
 
 
 # Defined through torch.library.Library rather than the `custom_op` decorator: a call then costs
 # about 2 µs instead of 12 (no autograd wrapper, no aliasing check), once per layer and step.
 _library = torch.library.Library("pagedserve", "FRAGMENT")
 _library.define("paged_attention(Tensor query, Tensor key, Tensor value, SymInt layer, float scale, "
-                "SymInt sliding_window) -> Tensor")
+                "SymInt sliding_window, float softcap=0.0) -> Tensor")
 
 
 def _attend_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scale: float,
-               sliding_window: int) -> torch.Tensor:
-    return _attend(query, key, value, layer, scale, sliding_window).contiguous()
+               sliding_window: int, softcap: float = 0.0) -> torch.Tensor:
+    return _attend(query, key, value, layer, scale, sliding_window, softcap).contiguous()
 
 
 _library.impl("paged_attention", _attend_op, "CompositeExplicitAutograd")
@@ -73,7 +79,7 @@ _library.impl("paged_attention", _attend_op, "CompositeExplicitAutograd")
 
 @torch.library.register_fake("pagedserve::paged_attention")
 def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scale: float,
-      sliding_window: int) -> torch.Tensor:
+      sliding_window: int, softcap: float = 0.0) -> torch.Tensor:
     return query.new_empty(query.shape)
 
 
@@ -81,9 +87,10 @@ paged_attention_op = torch.ops.pagedserve.paged_attention.default
 
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scale: float,
-                    sliding_window: int | None) -> torch.Tensor:
-    """query [T, H, D], key/value [T, KVH, D] -> [T, H, D]; writes key/value into layer `layer`'s cache."""
+                    sliding_window: int | None, softcap: float = 0.0) -> torch.Tensor:
+    """query [T, H, D], key/value [T, KVH, D] -> [T, H, D]; writes key/value into layer `layer`'s cache.
+    `softcap` > 0: attention scores soft-capped to tanh(s / softcap) * softcap (Gemma 2)."""
     window = sliding_window or 0
     if torch.compiler.is_compiling():
-        return paged_attention_op(query, key, value, layer, scale, window)
-    return _attend(query, key, value, layer, scale, window)
+        return paged_attention_op(query, key, value, layer, scale, window, softcap)
+    return _attend(query, key, value, layer, scale, window, softcap)

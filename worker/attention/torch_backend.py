@@ -10,6 +10,9 @@ one SDPA call per sequence with a causal mask shifted by its context length.
 On CPU decode attention is memory-bound: the gather costs about as much as the
 matmuls, which is the price of staying in plain PyTorch (a fused C++ kernel
 reading blocks in place would avoid it).
+
+Attention logit soft-capping (`softcap`, Gemma 2) runs on the PyTorch path only, prefill
+chunks through explicit matmuls instead of SDPA: neither the C++ kernel nor SDPA can cap.
 """
 from __future__ import annotations
 
@@ -35,6 +38,7 @@ class TorchAttentionBackend:
     tile kernel (bfloat16 caches) rather than SDPA; None (default): where it runs."""
 
     name = "torch"
+    supports_softcap = True
 
     def __init__(self, use_cpu_kernel: bool | None = None, sdpa_prefill: bool | None = None,
                  amx_attention: bool | None = None) -> None:
@@ -56,10 +60,13 @@ class TorchAttentionBackend:
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 *, scale: float, sliding_window: int | None, k_scale: float = 1.0,
-                v_scale: float = 1.0) -> torch.Tensor:
+                v_scale: float = 1.0, softcap: float | None = None) -> torch.Tensor:
         """query [T, H, D], key/value [T, KVH, D], caches [num_blocks, block_size, KVH, D] -> [T, H, D].
-        k_scale/v_scale: an 8-bit cache's per-tensor scales (see worker.attention.fp8_kv)."""
-        use_kernel = self.use_cpu_kernel and query.device.type == "cpu" and kernel_dtypes(query.dtype, k_cache.dtype)
+        k_scale/v_scale: an 8-bit cache's per-tensor scales (see worker.attention.fp8_kv);
+        softcap: scores capped to tanh(s / softcap) * softcap before the softmax (None: not)."""
+        softcap = softcap or None
+        use_kernel = (self.use_cpu_kernel and softcap is None and query.device.type == "cpu"
+                      and kernel_dtypes(query.dtype, k_cache.dtype))
         if use_kernel and _rows_contiguous(key) and _rows_contiguous(value) and key.dtype == query.dtype:
             cpu_ops.write_kv_cache(key, value, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         else:
@@ -98,22 +105,22 @@ class TorchAttentionBackend:
         scales = (k_scale, v_scale)
         if num_decodes:
             plan = self._decode_plan(meta, k_cache, sliding_window)
-            output[:num_decodes] = plan.attend(query[:num_decodes], k_cache, v_cache, scale, scales)
+            output[:num_decodes] = plan.attend(query[:num_decodes], k_cache, v_cache, scale, scales, softcap)
         self._sdpa_chunks(range(num_decodes, meta.num_seqs), output, query, key, value, k_cache, v_cache, meta,
-                          scale, sliding_window, scales)
+                          scale, sliding_window, scales, softcap)
         return output
 
     @staticmethod
     def _sdpa_chunks(seqs, output: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                     sliding_window: int | None, scales: tuple[float, float]) -> None:
+                     sliding_window: int | None, scales: tuple[float, float], softcap: float | None = None) -> None:
         """Fill the output rows of prefill/extend chunks `seqs`, one SDPA call each."""
         starts = meta.query_start_loc_cpu
         for seq in seqs:
             start, end = starts[seq], starts[seq + 1]
             output[start:end] = _prefill_attention(
                 query[start:end], key[start:end], value[start:end], k_cache, v_cache,
-                meta.block_tables[seq], meta.seq_lens_cpu[seq], scale, sliding_window, scales)
+                meta.block_tables[seq], meta.seq_lens_cpu[seq], scale, sliding_window, scales, softcap)
 
     def _decode_plan(self, meta: AttentionMetadata, k_cache: torch.Tensor,
                      sliding_window: int | None) -> "DecodePlan":
@@ -206,13 +213,14 @@ class DecodePlan:
                 block_size, num_kv_heads, sliding_window))
 
     def attend(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               scale: float, kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
+               scale: float, kv_scales: tuple[float, float] = (1.0, 1.0),
+               softcap: float | None = None) -> torch.Tensor:
         """query [B, H, D] -> [B, H, D]."""
         if self.in_order:
-            return self.buckets[0].attend(query, k_cache, v_cache, scale, kv_scales)
+            return self.buckets[0].attend(query, k_cache, v_cache, scale, kv_scales, softcap)
         output = torch.empty_like(query)
         for bucket in self.buckets:
-            out = bucket.attend(query.index_select(0, bucket.index), k_cache, v_cache, scale, kv_scales)
+            out = bucket.attend(query.index_select(0, bucket.index), k_cache, v_cache, scale, kv_scales, softcap)
             output.index_copy_(0, bucket.index, out)
         return output
 
@@ -251,7 +259,8 @@ class DecodeBucket:
             ~visible[:, None, None, :], float("-inf"))
 
     def attend(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               scale: float, kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
+               scale: float, kv_scales: tuple[float, float] = (1.0, 1.0),
+               softcap: float | None = None) -> torch.Tensor:
         """query [b, H, D] -> [b, H, D]. Scores and softmax in float32."""
         batch, num_heads, head_dim = query.shape
         shape = (batch, self.num_kv_heads, self.context, head_dim)
@@ -259,7 +268,11 @@ class DecodeBucket:
         values = from_cache(_gather_rows(v_cache, self.rows, head_dim), query.dtype, kv_scales[1]).view(shape)
         # GQA without copying K/V: the query heads sharing a KV head are rows of one matmul.
         queries = query.view(batch, self.num_kv_heads, num_heads // self.num_kv_heads, head_dim)
-        scores = torch.add(self.bias, torch.matmul(queries, keys.transpose(-1, -2)), alpha=scale)
+        products = torch.matmul(queries, keys.transpose(-1, -2))
+        if softcap is None:
+            scores = torch.add(self.bias, products, alpha=scale)
+        else:
+            scores = self.bias + soft_cap(products.float() * scale, softcap)
         probs = torch.softmax(scores, dim=-1).to(query.dtype)
         return torch.matmul(probs, values).view(batch, num_heads, head_dim)
 
@@ -272,7 +285,7 @@ def _gather_rows(cache: torch.Tensor, rows: torch.Tensor, head_dim: int) -> torc
 def _prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                        k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                        seq_len: int, scale: float, sliding_window: int | None,
-                       kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
+                       kv_scales: tuple[float, float] = (1.0, 1.0), softcap: float | None = None) -> torch.Tensor:
     """One prefill/extend chunk: query [Q, H, D] at positions [seq_len - Q, seq_len)."""
     query_len, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -300,7 +313,14 @@ def _prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     k = from_cache(keys, query.dtype, kv_scales[0]).transpose(0, 1).unsqueeze(0)  # [1, KVH, K, D]
     v = from_cache(values, query.dtype, kv_scales[1]).transpose(0, 1).unsqueeze(0)
     gqa = num_heads != num_kv_heads
-    if first_pos == context_len and (sliding_window is None or sliding_window >= query_len):
+    if softcap is not None:  # SDPA cannot cap: scores, cap, mask, softmax by hand
+        q_pos = torch.arange(context_len, seq_len, device=query.device)[:, None]
+        k_pos = torch.arange(first_pos, seq_len, device=query.device)[None, :]
+        mask = k_pos <= q_pos
+        if sliding_window is not None:
+            mask &= k_pos > q_pos - sliding_window
+        out = _capped_attention(q, k, v, mask, scale, softcap)
+    elif first_pos == context_len and (sliding_window is None or sliding_window >= query_len):
         # Keys start exactly at the first query: plain top-left causal mask.
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     else:
@@ -311,3 +331,22 @@ def _prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
             mask &= k_pos > q_pos - sliding_window
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
     return out.squeeze(0).transpose(0, 1)
+
+
+def soft_cap(scores: torch.Tensor, softcap: float) -> torch.Tensor:
+    """tanh(scores / softcap) * softcap, as transformers' Gemma 2 attention caps its scores."""
+    return torch.tanh(scores / softcap) * softcap
+
+
+def _capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                      scale: float, softcap: float) -> torch.Tensor:
+    """q [1, H, Q, D], k/v [1, KVH, K, D], mask [Q, K] (True: visible) -> [1, H, Q, D], rounded as
+    transformers' eager attention rounds (scores and their cap in q's dtype, the softmax in float32);
+    the query heads sharing a KV head are rows of one matmul."""
+    _, num_heads, query_len, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    queries = q.reshape(num_kv_heads, num_heads // num_kv_heads * query_len, head_dim)
+    scores = soft_cap(torch.matmul(queries, k[0].transpose(-1, -2)) * scale, softcap)
+    scores = scores.view(num_kv_heads, num_heads // num_kv_heads, query_len, -1).masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
+    return torch.matmul(probs.view(num_kv_heads, -1, probs.shape[-1]), v[0]).view(1, num_heads, query_len, head_dim)

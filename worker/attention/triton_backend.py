@@ -54,6 +54,7 @@ class TritonAttentionBackend:
     """
 
     name = "triton"
+    supports_softcap = True
 
     def __init__(self, block_m: int = 64, block_n: int = 32, num_warps: int = 4) -> None:
         for label, size in (("block_m", block_m), ("block_n", block_n)):
@@ -77,8 +78,10 @@ class TritonAttentionBackend:
         sliding_window: int | None = None,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
+        softcap: float | None = None,
     ) -> torch.Tensor:
-        """k_scale/v_scale: an 8-bit cache's per-tensor scales (worker.attention.fp8_kv)."""
+        """k_scale/v_scale: an 8-bit cache's per-tensor scales (worker.attention.fp8_kv);
+        softcap: scores capped to tanh(s / softcap) * softcap before the softmax (None: not)."""
         self._check_inputs(query, key, value, k_cache, v_cache)
         query, key, value = (_last_dim_contiguous(t) for t in (query, key, value))
         output = torch.empty_like(query)
@@ -87,10 +90,11 @@ class TritonAttentionBackend:
         self._write_kv_cache(key, value, k_cache, v_cache, meta, k_scale, v_scale)
         window = sliding_window if sliding_window and sliding_window > 0 else self._kernels.NO_WINDOW
         scales = (scale * k_scale, v_scale)  # the K scale scales every score; the V scale the output
+        cap = float(softcap or 0.0)
         if meta.num_decodes > 0:
-            self._decode(output, query, k_cache, v_cache, meta, scales, window)
+            self._decode(output, query, k_cache, v_cache, meta, scales, window, cap)
         if meta.num_seqs > meta.num_decodes:
-            self._prefill(output, query, k_cache, v_cache, meta, scales, window)
+            self._prefill(output, query, k_cache, v_cache, meta, scales, window, cap)
         return output
 
     def _check_inputs(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -134,18 +138,21 @@ class TritonAttentionBackend:
         )
 
     def _decode(self, output: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scales: tuple[float, float], window: int) -> None:
+                v_cache: torch.Tensor, meta: AttentionMetadata, scales: tuple[float, float], window: int,
+                softcap: float) -> None:
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         queries_per_kv = query.shape[1] // num_kv_heads
         self._kernels.paged_decode_kernel[(meta.num_decodes, num_kv_heads)](
             *self._common_args(output, query, k_cache, v_cache, meta),
-            float(scales[0]), window, k_cache.shape[1], queries_per_kv, head_dim, float(scales[1]),
+            float(scales[0]), window, k_cache.shape[1], queries_per_kv, head_dim, float(scales[1]), softcap,
             GROUP_PAD=_dot_size(queries_per_kv), HEAD_DIM_PAD=_dot_size(head_dim), BLOCK_N=self.block_n,
-            UPCAST_DOT=self._kernels.RUNS_INTERPRETED, KV_FP8=is_fp8(k_cache.dtype), num_warps=self.num_warps,
+            UPCAST_DOT=self._kernels.RUNS_INTERPRETED, KV_FP8=is_fp8(k_cache.dtype), USE_SOFTCAP=softcap > 0,
+            num_warps=self.num_warps,
         )
 
     def _prefill(self, output: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, meta: AttentionMetadata, scales: tuple[float, float], window: int) -> None:
+                 v_cache: torch.Tensor, meta: AttentionMetadata, scales: tuple[float, float], window: int,
+                 softcap: float) -> None:
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         queries_per_kv = query.shape[1] // num_kv_heads
         block_m = max(self.block_m, _dot_size(queries_per_kv))
@@ -156,6 +163,7 @@ class TritonAttentionBackend:
         self._kernels.paged_prefill_kernel[grid](
             *self._common_args(output, query, k_cache, v_cache, meta),
             float(scales[0]), window, k_cache.shape[1], queries_per_kv, head_dim, meta.num_decodes, float(scales[1]),
-            BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM_PAD=_dot_size(head_dim), BLOCK_N=self.block_n,
-            UPCAST_DOT=self._kernels.RUNS_INTERPRETED, KV_FP8=is_fp8(k_cache.dtype), num_warps=self.num_warps,
+            softcap, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM_PAD=_dot_size(head_dim), BLOCK_N=self.block_n,
+            UPCAST_DOT=self._kernels.RUNS_INTERPRETED, KV_FP8=is_fp8(k_cache.dtype), USE_SOFTCAP=softcap > 0,
+            num_warps=self.num_warps,
         )

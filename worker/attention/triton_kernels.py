@@ -11,7 +11,8 @@ rows of one tile (GQA), so every K/V tile is loaded once per kv head.
 `sliding_window` is always applied: callers pass NO_WINDOW when there is none.
 An 8-bit float cache (KV_FP8) holds K / k_scale and V / v_scale: writes divide,
 saturate and round; reads widen the tiles to the query's dtype, the K scale
-folded into `scale` and the V scale into `out_scale`.
+folded into `scale` and the V scale into `out_scale`. With USE_SOFTCAP the scores are
+soft-capped, tanh(s / softcap) * softcap, before the mask (Gemma 2's attention logits).
 """
 from __future__ import annotations
 
@@ -86,12 +87,18 @@ def _dot(a, b, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _tanh(x):
+    """tanh in float32 from exp (triton.language has none): +-1 at the extremes, no NaN."""
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
 def _attend_rows(
     query, positions, k_cache_ptr, v_cache_ptr, block_table_row_ptr, kv_head,
-    seq_len, key_start, key_end, scale, sliding_window,
+    seq_len, key_start, key_end, scale, sliding_window, softcap,
     cache_stride_b, cache_stride_o, cache_stride_h, block_size, head_dim,
     ROWS: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-    UPCAST_DOT: tl.constexpr, KV_FP8: tl.constexpr,
+    UPCAST_DOT: tl.constexpr, KV_FP8: tl.constexpr, USE_SOFTCAP: tl.constexpr,
 ):
     """Online-softmax attention of `query` rows [ROWS, HEAD_DIM_PAD] at `positions`
     over cached keys in [key_start, key_end); returns float32 [ROWS, HEAD_DIM_PAD]
@@ -114,6 +121,8 @@ def _attend_rows(
         if KV_FP8:
             k_tile = k_tile.to(query.dtype)
         scores = _dot(query, tl.trans(k_tile), UPCAST_DOT) * scale
+        if USE_SOFTCAP:
+            scores = _tanh(scores / softcap) * softcap
         visible = ((keys[None, :] <= positions[:, None]) & (keys[None, :] > positions[:, None] - sliding_window)
                    & key_mask[None, :])
         scores = tl.where(visible, scores, float("-inf"))
@@ -135,9 +144,9 @@ def paged_decode_kernel(
     out_ptr, query_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     query_stride_t, query_stride_h, out_stride_t, out_stride_h, block_table_stride,
     cache_stride_b, cache_stride_o, cache_stride_h,
-    scale, sliding_window, block_size, queries_per_kv, head_dim, out_scale,
+    scale, sliding_window, block_size, queries_per_kv, head_dim, out_scale, softcap,
     GROUP_PAD: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-    UPCAST_DOT: tl.constexpr, KV_FP8: tl.constexpr,
+    UPCAST_DOT: tl.constexpr, KV_FP8: tl.constexpr, USE_SOFTCAP: tl.constexpr,
 ):
     """Grid (num_decodes, num_kv_heads): the one query token of a decode
     sequence, all query heads of one kv head as rows."""
@@ -159,9 +168,9 @@ def paged_decode_kernel(
     key_start = tl.maximum(position - sliding_window + 1, 0)
     out = _attend_rows(
         query, positions, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq.to(tl.int64) * block_table_stride,
-        kv_head, seq_len, key_start, seq_len, scale, sliding_window,
+        kv_head, seq_len, key_start, seq_len, scale, sliding_window, softcap,
         cache_stride_b, cache_stride_o, cache_stride_h, block_size, head_dim,
-        GROUP_PAD, HEAD_DIM_PAD, BLOCK_N, UPCAST_DOT, KV_FP8) * out_scale
+        GROUP_PAD, HEAD_DIM_PAD, BLOCK_N, UPCAST_DOT, KV_FP8, USE_SOFTCAP) * out_scale
     tl.store(out_ptr + token * out_stride_t + heads[:, None] * out_stride_h + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -171,9 +180,9 @@ def paged_prefill_kernel(
     out_ptr, query_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     query_stride_t, query_stride_h, out_stride_t, out_stride_h, block_table_stride,
     cache_stride_b, cache_stride_o, cache_stride_h,
-    scale, sliding_window, block_size, queries_per_kv, head_dim, first_seq, out_scale,
+    scale, sliding_window, block_size, queries_per_kv, head_dim, first_seq, out_scale, softcap,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-    UPCAST_DOT: tl.constexpr, KV_FP8: tl.constexpr,
+    UPCAST_DOT: tl.constexpr, KV_FP8: tl.constexpr, USE_SOFTCAP: tl.constexpr,
 ):
     """Grid (num_prefills, num_kv_heads, query tiles): BLOCK_Q query tokens of a
     chunk times the query heads of one kv head form the BLOCK_M rows of a tile.
@@ -206,8 +215,8 @@ def paged_prefill_kernel(
     key_start = tl.maximum(first_position - sliding_window + 1, 0)
     out = _attend_rows(
         query, positions, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq.to(tl.int64) * block_table_stride,
-        kv_head, seq_len, key_start, key_end, scale, sliding_window,
+        kv_head, seq_len, key_start, key_end, scale, sliding_window, softcap,
         cache_stride_b, cache_stride_o, cache_stride_h, block_size, head_dim,
-        BLOCK_M, HEAD_DIM_PAD, BLOCK_N, UPCAST_DOT, KV_FP8) * out_scale
+        BLOCK_M, HEAD_DIM_PAD, BLOCK_N, UPCAST_DOT, KV_FP8, USE_SOFTCAP) * out_scale
     tl.store(out_ptr + tokens[:, None] * out_stride_t + heads[:, None] * out_stride_h + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=mask)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from worker.models.gemma import Gemma2ForCausalLM
+from worker.models.gemma3 import Gemma3ForCausalLM
 from worker.models.llama import LlamaForCausalLM
 from worker.models.mistral import MistralForCausalLM
 from worker.models.mixtral import MixtralForCausalLM
@@ -13,6 +15,8 @@ from worker.models.qwen3 import Qwen3ForCausalLM
 from worker.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,

@@ -40,6 +40,9 @@ def prepare_linear_weights(model: Any, config: EngineConfig) -> str:
     """Pack or quantize `model`'s matmul weights as `config` asks (after load_weights); returns
     the method used."""
     method = resolved_quantization(config, model.config)
+    if method != "none" and not getattr(model, "quantizable", True):
+        raise ConfigError(f"--quantization {method} is not supported for {type(model).__name__} "
+                          "(its kernels fuse a SiLU MLP); run it unquantized")
     if method in ("int8", "gguf") and any(layer.mlp is not None for layer in model.layers):
         raise ConfigError(f"--quantization {method} does not support mixture-of-experts models "
                           f"({type(model).__name__}): leave --quantization unset")

@@ -23,6 +23,7 @@ from common.errors import ConfigError
 from worker.attention.metadata import AttentionMetadata
 from worker.compiled_forward import ModelForward
 from worker.kv_cache import KVCacheSpec, allocate_kv_caches, kv_cache_spec
+from worker.lm_head.final_softcap import with_final_softcap
 from worker.lm_head.plain_logits import PlainLogitsLmHead
 from worker.model_loader import load_model
 from worker.models.packed_linear import pack_weight
@@ -47,7 +48,8 @@ class DraftModelProposer:
                               f"{target_vocab_size}: a draft model must share the model's tokenizer")
         prepare_linear_weights(self.model, draft_config)
         weight = self.model.lm_head
-        self.lm_head = PlainLogitsLmHead(weight, pack_weight(weight))
+        self.lm_head = with_final_softcap(PlainLogitsLmHead(weight, pack_weight(weight)),
+                                          getattr(self.model, "final_logit_softcapping", None))
         self.kv_dtype = kv_dtype
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.forward: ModelForward | None = None
