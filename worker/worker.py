@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from common.config import EngineConfig
+from common.model_files import local_model_source
 from common.parallel_layout import check_model_layout
 from common.protocol import StepPlan, StepResult, WorkerHello
 from common.tokenizer import eos_token_ids
@@ -46,6 +47,8 @@ def available_cpu_count() -> int:
 
 class Worker:
     def __init__(self, config: EngineConfig, rank: int = 0):
+        self.model_name = config.model  # as given (a Hub id stays one in what we report)
+        config = local_model_source(config)  # a Hub model: its local snapshot from here on
         self.config = config
         self.rank = rank
         self.device = torch.device(config.resolved_device())
@@ -138,7 +141,7 @@ class Worker:
 
     def hello(self) -> WorkerHello:
         return WorkerHello(
-            rank=self.rank, model_name=self.config.model, num_blocks=self.num_blocks,
+            rank=self.rank, model_name=self.model_name, num_blocks=self.num_blocks,
             block_size=self.config.block_size, max_model_len=self.max_model_len,
             vocab_size=int(self.hf_config.vocab_size), eos_token_ids=eos_token_ids(self.model_dir),
             dtype=self.dtype_name, tensor_parallel_size=self.layout.tp_size,

@@ -19,6 +19,7 @@ from common.beam_search import BeamSearchParams
 from common.config import EngineConfig
 from common.errors import InvalidRequestError
 from common.generation_defaults import sampling_defaults
+from common.model_files import local_model_source
 from common.prompt_truncation import truncate_prompt
 from common.protocol import EngineRequest
 from common.sampling_params import SamplingParams
@@ -62,8 +63,10 @@ class LLM:
         """`skip_tokenizer_init=True` serves models without tokenizer files:
         prompts must then be token ids and outputs carry ids but no text.
         `generation_config`: where `get_default_sampling_params` (used when
-        generate gets none) finds the model's sampling defaults, as vLLM's."""
-        self.config = EngineConfig(model=model, **engine_args)
+        generate gets none) finds the model's sampling defaults, as vLLM's.
+        `model` may be a Hub id, ORG/NAME[@REVISION] (with `revision=`, `gguf_file=`):
+        fetched once here, and every rank and replica loads that snapshot."""
+        self.config = local_model_source(EngineConfig(model=model, **engine_args))
         self.replicas = None  # data-parallel replicas 1.., as child processes
         if self.config.data_parallel_size > 1:
             check_model_layout(self.config)
