@@ -51,6 +51,7 @@ BAD_VALUES: dict[str, tuple[str, ...]] = {
     "PAGEDSERVE_BLOCK_SIZE": ("12", "block_size must be a positive power of two"),
     "PAGEDSERVE_MAX_LOGPROBS": ("-5", "max_logprobs must be -1"),
     "PAGEDSERVE_DISTRIBUTED_INIT_METHOD": ("udp://x", "distributed_init_method must be"),
+    "PAGEDSERVE_GGUF_FILE": ("model.bin", "gguf_file must name a .gguf file"),
     "PAGEDSERVE_SPECULATIVE_CONFIG": ('{"method": "ngram"}', "num_speculative_tokens is required"),
     "PAGEDSERVE_CHAT_TEMPLATE": ("no/such/template.jinja", "the tokenizer would not start", "no such file"),
     # The scheduler reads them too (its control service), and is checked before the frontend.
@@ -59,7 +60,7 @@ BAD_VALUES: dict[str, tuple[str, ...]] = {
 }
 # Any text is a valid value of these (or one serve always overrides on the command line).
 ANY_TEXT = {"PAGEDSERVE_MODEL", "PAGEDSERVE_HOST", "PAGEDSERVE_SERVED_MODEL_NAME", "PAGEDSERVE_CACHE_DIR",
-            "PAGEDSERVE_API_KEY", "PAGEDSERVE_RESPONSE_ROLE", "PAGEDSERVE_TOKENIZER_JOIN"}
+            "PAGEDSERVE_API_KEY", "PAGEDSERVE_RESPONSE_ROLE", "PAGEDSERVE_TOKENIZER_JOIN", "PAGEDSERVE_REVISION"}
 # Read outside any parser: serve checks them itself.
 SHARED_BAD_VALUES = {"PAGEDSERVE_CURVE_SECRET_KEY": "not-a-key"}
 
