@@ -88,7 +88,8 @@ def test_serve_a_hub_id(hub, tmp_path):
         assert f"models--{REPO_ID.replace('/', '--')}/snapshots/" in server.log()
 
 
-@pytest.mark.parametrize("command", [["generate", "--prompt", "hi"], ["serve", "--port", "0", "--grpc-port", "0"]])
+@pytest.mark.parametrize("command", [["generate", "--prompt", "hi"], ["serve", "--port", "0", "--grpc-port", "0"],
+                                     ["bench", "throughput"], ["frontend", "--port", "0", "--grpc-port", "0"]])
 def test_an_uncached_model_offline_is_one_line_and_exit_2(hub, command):
     code, output = run_cli([*command, "--model", "nobody/not-cached@v1"], offline_env(hub[0]))
     assert code == 2, output
