@@ -172,6 +172,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--model", default=env_default("MODEL", d["model"].default),
                    help=MODEL_HELP + " (default: smollm2-135m-instruct)")
     add_model_source_args(g)
+    g.add_argument("--tokenizer", default=env_setting("TOKENIZER", None),
+                   help="read and write text with this tokenizer (a directory or Hub id) instead of the model's "
+                        "(env PAGEDSERVE_TOKENIZER)")
+    g.add_argument("--tokenizer-revision", default=None, help="the branch, tag or commit of a Hub --tokenizer")
     g.add_argument("--trust-remote-code", action="store_true", default=env_switch("TRUST_REMOTE_CODE"),
                    help="accepted as in vLLM; no code from a model repository is ever run (an architecture "
                         "pagedserve does not implement is refused with the list of those it does)")
@@ -231,8 +235,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The engine flags as a config; ConfigError for a combination that cannot run."""
     kv = args.kv_cache_memory
     return EngineConfig(
-        model=args.model, revision=args.revision, gguf_file=args.gguf_file,
-        trust_remote_code=args.trust_remote_code, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, device=args.device,
+        model=args.model, revision=args.revision, gguf_file=args.gguf_file, tokenizer=args.tokenizer,
+        tokenizer_revision=args.tokenizer_revision, trust_remote_code=args.trust_remote_code,
+        dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, device=args.device,
         quantization=args.quantization,
         attention_backend=args.attention_backend,
         block_size=args.block_size, kv_cache_memory=kv if isinstance(kv, int) else parse_size(kv),
@@ -261,6 +266,7 @@ def use_local_model(args: argparse.Namespace) -> None:
 
     config = local_model_source(engine_config(args))
     args.model, args.revision, args.gguf_file = config.model, config.revision, config.gguf_file
+    args.tokenizer, args.tokenizer_revision = config.tokenizer, config.tokenizer_revision
 
 
 def parse_engine_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
@@ -285,7 +291,8 @@ def engine_argv(config: EngineConfig) -> list[str]:
                 "--num-gpu-blocks-override": config.num_gpu_blocks_override,
                 "--model-cache-dir": config.model_cache_dir, "--quantization": config.quantization,
                 "--distributed-init-method": config.distributed_init_method,
-                "--revision": config.revision, "--gguf-file": config.gguf_file}
+                "--revision": config.revision, "--gguf-file": config.gguf_file, "--tokenizer": config.tokenizer,
+                "--tokenizer-revision": config.tokenizer_revision}
     for flag, value in optional.items():
         if value is not None:
             argv += [flag, str(value)]

@@ -53,7 +53,8 @@ class EngineConfig:
     are resolved by `resolve_max_model_len` once the model's shape is known."""
 
     model: str = "smollm2-135m-instruct"
-    tokenizer: str | None = None  # defaults to the model's own
+    tokenizer: str | None = None  # defaults to the model's own; a directory or a Hub id
+    tokenizer_revision: str | None = None  # of a Hub id `tokenizer`
     # A Hub model's branch, tag or commit (common.hub_models; `model` may carry it as ORG/NAME@REV
     # too), and the one .gguf of a Hub repository (or local directory) to serve.
     revision: str | None = None

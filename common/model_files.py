@@ -217,8 +217,12 @@ def model_display_name(name_or_path: str) -> str:
 def local_model_source(config):
     """`config` (an EngineConfig) with `model` a local path: a Hub model fetched now (the
     snapshot directory, or its --gguf-file in the Hub cache) and revision / gguf_file
-    cleared. Resolved once this way, the processes and ranks started with the result never
-    ask the Hub again, and all of them serve the same snapshot."""
+    cleared; a `tokenizer` likewise a local directory. Resolved once this way, the processes
+    and ranks started with the result never ask the Hub again, and all serve one snapshot."""
+    if config.tokenizer:  # only its tokenizer files
+        config = config.replace(tokenizer=resolve_tokenizer_dir(config.tokenizer, config.model_cache_dir,
+                                                                revision=config.tokenizer_revision),
+                                tokenizer_revision=None)
     name = config.model.strip()
     if os.path.exists(os.path.expanduser(name)) or is_alias(name) or parse_hub_id(name) is None:
         if config.gguf_file and os.path.isdir(os.path.expanduser(name)):  # one .gguf of a local directory

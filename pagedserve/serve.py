@@ -73,8 +73,9 @@ def component_commands(args: argparse.Namespace, runtime_dir: str) -> list[Compo
     addresses = {"tokenizer": ipc("tokenizer"), "tokenizer_backend": ipc("tokenizer-backend")}
     replicas = replica_addresses(config, runtime_dir)
     engine = engine_argv(config)
-    model = ["--model", config.model] + (["--model-cache-dir", config.model_cache_dir]
-                                         if config.model_cache_dir else [])
+    # The tokenizer pool and the frontend need only the tokenizer (--tokenizer, else the model's).
+    model = ["--model", config.tokenizer or config.model] + (["--model-cache-dir", config.model_cache_dir]
+                                                             if config.model_cache_dir else [])
     stats = ["--disable-log-stats"] if args.disable_log_stats else []
     chat_template = [] if args.chat_template is None else ["--chat-template", _absolute_if_file(args.chat_template)]
     frontend = ["--host", args.host, "--port", str(args.port), "--grpc-port", str(args.grpc_port),
@@ -82,7 +83,7 @@ def component_commands(args: argparse.Namespace, runtime_dir: str) -> list[Compo
                 "--scheduler-control-address", ",".join(r.control_address for r in replicas),
                 "--tokenizer-address", addresses["tokenizer"],
                 "--served-model-name", *served_model_names(args, config.model),
-                "--generation-config", args.generation_config]
+                "--generation-config", _generation_config(args.generation_config, config)]
     if args.enable_auto_tool_choice:
         frontend += ["--enable-auto-tool-choice"]
     if args.tool_call_parser:
@@ -176,6 +177,14 @@ def worker_group(config, engine: list[str], worker_address: str, name: str = "wo
 
 def served_model_names(args: argparse.Namespace, model: str) -> list[str]:
     return args.served_model_name or [args.model_tag or model]
+
+
+def _generation_config(source: str, config) -> str:
+    """The frontend reads the model's sampling defaults beside its tokenizer: with a --tokenizer
+    of its own, point it at the model's generation config instead."""
+    if source == "auto" and config.tokenizer and os.path.isfile(os.path.join(config.model, "generation_config.json")):
+        return config.model
+    return source
 
 
 def _absolute_if_file(value: str) -> str:
@@ -294,7 +303,7 @@ def _prepare_model(args: argparse.Namespace) -> None:
     given = args.model
     use_local_model(args)
     if args.model != given and not args.served_model_name:
-        args.served_model_name = [args.model_tag or model_display_name(given)]
+        args.served_model_name = [model_display_name(given)]
     try:
         model_dir = resolve_model_dir(args.model, args.model_cache_dir)
     except ConfigError:

@@ -60,7 +60,8 @@ BAD_VALUES: dict[str, tuple[str, ...]] = {
 }
 # Any text is a valid value of these (or one serve always overrides on the command line).
 ANY_TEXT = {"PAGEDSERVE_MODEL", "PAGEDSERVE_HOST", "PAGEDSERVE_SERVED_MODEL_NAME", "PAGEDSERVE_CACHE_DIR",
-            "PAGEDSERVE_API_KEY", "PAGEDSERVE_RESPONSE_ROLE", "PAGEDSERVE_TOKENIZER_JOIN", "PAGEDSERVE_REVISION"}
+            "PAGEDSERVE_API_KEY", "PAGEDSERVE_RESPONSE_ROLE", "PAGEDSERVE_TOKENIZER_JOIN", "PAGEDSERVE_REVISION",
+            "PAGEDSERVE_TOKENIZER"}
 # Read outside any parser: serve checks them itself.
 SHARED_BAD_VALUES = {"PAGEDSERVE_CURVE_SECRET_KEY": "not-a-key"}
 

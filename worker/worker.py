@@ -91,7 +91,8 @@ class Worker:
             self.model.first_layer, self.model.end_layer)) if is_fp8(self.kv_cache_dtype) else None
         self.backend = get_attention_backend(config.resolved_attention_backend())
         eos_ids = eos_token_ids(self.model_dir)
-        self.grammar_compiler = GrammarCompiler(self.model_dir, int(self.hf_config.vocab_size), eos_ids)
+        self.grammar_compiler = GrammarCompiler(config.tokenizer or self.model_dir, int(self.hf_config.vocab_size),
+                                                eos_ids)
         self.grammar_compiler.start_warm_up()  # alongside the model's warm-up, which leaves a core mostly idle
         self.forward = ModelForward(self.model, self.kv_caches, self.backend, max_model_len=self.max_model_len,
                                     compile=compile_step, kv_scales=self.kv_scales)

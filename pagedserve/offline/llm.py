@@ -96,7 +96,7 @@ class LLM:
         self.eos_token_ids = list(hello.eos_token_ids)
         self.scheduler = Scheduler(self.config, num_blocks=hello.num_blocks, max_model_len=hello.max_model_len,
                                    eos_token_ids=list(hello.eos_token_ids), vocab_size=hello.vocab_size)
-        self.tokenizer = None if skip_tokenizer_init else load_tokenizer(self.worker.model_dir)
+        self.tokenizer = None if skip_tokenizer_init else load_tokenizer(self.config.tokenizer or self.worker.model_dir)
         self._ids = itertools.count()
         self.loop_stats = EngineLoopStats()
         self.record_itl = False  # benchmarks: gather loop_stats.itl_s during generate

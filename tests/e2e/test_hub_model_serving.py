@@ -18,6 +18,7 @@ from serve_helpers import REPO, running_server
 from tiny_models import build_tiny_llama_with_smollm2_tokenizer, hf_greedy
 
 REPO_ID = "tiny-org/chat-llama"
+WEIGHTS_ONLY_ID = "tiny-org/weights-only"  # REPO_ID's main weights without tokenizer files
 CUSTOM_ID = "tiny-org/custom-code-llm"
 PROMPT = "The capital of France is"
 NEW_TOKENS = 8
@@ -25,12 +26,12 @@ NEW_TOKENS = 8
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory):
-    """HF_HOME with REPO_ID at main and at tag v2 (other weights), and CUSTOM_ID, a model
-    whose architecture only its own (remote) code would implement."""
+    """HF_HOME with REPO_ID at main and at tag v2 (other weights), WEIGHTS_ONLY_ID, and
+    CUSTOM_ID, a model whose architecture only its own (remote) code would implement."""
     home = tmp_path_factory.mktemp("hf-home")
-    models = {}
+    models, sources = {}, {}
     for ref, seed in (("main", 0), ("v2", 1)):
-        source = tmp_path_factory.mktemp(f"chat-llama-{ref}")
+        source = sources[ref] = tmp_path_factory.mktemp(f"chat-llama-{ref}")
         models[ref] = build_tiny_llama_with_smollm2_tokenizer(source, seed=seed)
         add_hub_model_dir(home, REPO_ID, source, refs=(ref,))
     custom = tmp_path_factory.mktemp("custom")
@@ -40,6 +41,10 @@ def hub(tmp_path_factory):
                   auto_map={"AutoModelForCausalLM": "modeling_custom.MyCustomForCausalLM"})
     (custom / "config.json").write_text(json.dumps(config))
     add_hub_model_dir(home, CUSTOM_ID, custom)
+    weights = tmp_path_factory.mktemp("weights-only")
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        shutil.copy(sources["main"] / name, weights / name)
+    add_hub_model_dir(home, WEIGHTS_ONLY_ID, weights)
     from transformers import PreTrainedTokenizerFast
 
     tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(source / "tokenizer.json"))
@@ -73,19 +78,37 @@ def test_offline_llm_generates_from_a_hub_id_at_each_revision(hub, monkeypatch):
     assert hf_greedy(models["main"], prompt_ids, NEW_TOKENS) != hf_greedy(models["v2"], prompt_ids, NEW_TOKENS)
 
 
-def test_serve_a_hub_id(hub, tmp_path):
+def test_a_tokenizer_from_another_hub_repository(hub, monkeypatch):
+    from common.sampling_params import SamplingParams
+    from pagedserve.offline.llm import LLM
+
     home, models, prompt_ids = hub
-    args = ["--model", f"{REPO_ID}@v2", "--enforce-eager", "--tokenizer-pool-size", "1"]
+    for name, value in offline_env(home).items():
+        monkeypatch.setenv(name, value)
+    llm = LLM(model=WEIGHTS_ONLY_ID, tokenizer=REPO_ID, tokenizer_revision="v2", dtype="float32", device="cpu",
+              attention_backend="torch", enforce_eager=True, kv_cache_memory=64 << 20)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    output = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0]
+    # The prompt text was encoded by REPO_ID's tokenizer (the weights-only repository has none).
+    assert list(output.token_ids) == hf_greedy(models["main"], prompt_ids, NEW_TOKENS)
+
+
+@pytest.mark.parametrize("model, tokenizer, ref", [(f"{REPO_ID}@v2", [], "v2"),
+                                                   (WEIGHTS_ONLY_ID, ["--tokenizer", REPO_ID], "main")])
+def test_serve_a_hub_id(hub, tmp_path, model, tokenizer, ref):
+    home, models, prompt_ids = hub
+    args = ["--model", model, *tokenizer, "--enforce-eager", "--tokenizer-pool-size", "1"]
+    served = model.split("@")[0]  # vLLM's name: the id without @revision
     with running_server(tmp_path, args, env=offline_env(home)) as server:
         client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
-        assert [m.id for m in client.models.list().data] == [REPO_ID]  # vLLM's name: the id without @revision
-        reply = client.completions.create(model=REPO_ID, prompt=PROMPT, temperature=0, max_tokens=NEW_TOKENS,
+        assert [m.id for m in client.models.list().data] == [served]
+        reply = client.completions.create(model=served, prompt=PROMPT, temperature=0, max_tokens=NEW_TOKENS,
                                           extra_body={"ignore_eos": True, "return_token_ids": True})
         choice = reply.choices[0]
         assert choice.model_extra["prompt_token_ids"] == prompt_ids
-        assert choice.model_extra["token_ids"] == hf_greedy(models["v2"], prompt_ids, NEW_TOKENS)
+        assert choice.model_extra["token_ids"] == hf_greedy(models[ref], prompt_ids, NEW_TOKENS)
         # Every component loaded the snapshot the launcher resolved; none asked the Hub.
-        assert f"models--{REPO_ID.replace('/', '--')}/snapshots/" in server.log()
+        assert f"models--{served.replace('/', '--')}/snapshots/" in server.log()
 
 
 @pytest.mark.parametrize("command", [["generate", "--prompt", "hi"], ["serve", "--port", "0", "--grpc-port", "0"],
