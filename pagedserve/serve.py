@@ -22,7 +22,7 @@ import urllib.request
 from dataclasses import dataclass
 
 from common.cli_args import (SettingsParser, add_engine_args, add_log_level_arg, engine_argv, engine_config,
-                             env_default, non_negative_int, positive_float)
+                             env_default, non_negative_int, positive_float, use_local_model)
 from common.errors import USAGE_ERROR, ConfigError
 from common.logging_setup import setup_logging
 from common.model_files import check_quantization_source
@@ -73,8 +73,9 @@ def component_commands(args: argparse.Namespace, runtime_dir: str) -> list[Compo
     addresses = {"tokenizer": ipc("tokenizer"), "tokenizer_backend": ipc("tokenizer-backend")}
     replicas = replica_addresses(config, runtime_dir)
     engine = engine_argv(config)
-    model = ["--model", config.model] + (["--model-cache-dir", config.model_cache_dir]
-                                         if config.model_cache_dir else [])
+    # The tokenizer pool and the frontend need only the tokenizer (--tokenizer, else the model's).
+    model = ["--model", config.tokenizer or config.model] + (["--model-cache-dir", config.model_cache_dir]
+                                                             if config.model_cache_dir else [])
     stats = ["--disable-log-stats"] if args.disable_log_stats else []
     chat_template = [] if args.chat_template is None else ["--chat-template", _absolute_if_file(args.chat_template)]
     frontend = ["--host", args.host, "--port", str(args.port), "--grpc-port", str(args.grpc_port),
@@ -82,7 +83,7 @@ def component_commands(args: argparse.Namespace, runtime_dir: str) -> list[Compo
                 "--scheduler-control-address", ",".join(r.control_address for r in replicas),
                 "--tokenizer-address", addresses["tokenizer"],
                 "--served-model-name", *served_model_names(args, config.model),
-                "--generation-config", args.generation_config]
+                "--generation-config", _generation_config(args.generation_config, config)]
     if args.enable_auto_tool_choice:
         frontend += ["--enable-auto-tool-choice"]
     if args.tool_call_parser:
@@ -178,6 +179,14 @@ def served_model_names(args: argparse.Namespace, model: str) -> list[str]:
     return args.served_model_name or [args.model_tag or model]
 
 
+def _generation_config(source: str, config) -> str:
+    """The frontend reads the model's sampling defaults beside its tokenizer: with a --tokenizer
+    of its own, point it at the model's generation config instead."""
+    if source == "auto" and config.tokenizer and os.path.isfile(os.path.join(config.model, "generation_config.json")):
+        return config.model
+    return source
+
+
 def _absolute_if_file(value: str) -> str:
     """A file is handed on by absolute path: a component need not share our working directory."""
     path = os.path.expanduser(value)
@@ -248,18 +257,18 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         logger.error("%s", e)
         return 1
-    owns_runtime_dir = args.runtime_dir is None
-    if owns_runtime_dir:
-        remove_stale_runtime_dirs()
-    runtime_dir = args.runtime_dir or create_runtime_dir()
-    os.makedirs(runtime_dir, mode=0o700, exist_ok=True)  # the internal sockets: this user only
-    _prepare_model(args)
     try:  # a group size the model cannot be split by: say so now, not in every rank's restart loop
+        _prepare_model(args)
         check_model_layout(engine_config(args))
         check_quantization_source(args.model, args.quantization)
     except ConfigError as e:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
         return USAGE_ERROR
+    owns_runtime_dir = args.runtime_dir is None
+    if owns_runtime_dir:
+        remove_stale_runtime_dirs()
+    runtime_dir = args.runtime_dir or create_runtime_dir()
+    os.makedirs(runtime_dir, mode=0o700, exist_ok=True)  # the internal sockets: this user only
     supervisor = Supervisor(component_commands(args, runtime_dir))
     signal.signal(signal.SIGTERM, lambda *_: supervisor.request_stop())
     signal.signal(signal.SIGINT, lambda *_: supervisor.request_stop())
@@ -284,10 +293,21 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _prepare_model(args: argparse.Namespace) -> None:
-    """Convert a GGUF model once, up front, instead of in four processes at once."""
-    from common.model_files import resolve_model_dir
+    """Resolve the model once, up front, before any component starts: a Hub model fetched (or
+    found in the cache), a GGUF converted, its architecture checked. The components then get
+    the local path (all four serve that one snapshot and never ask the Hub), and the served
+    name stays what the user gave (ORG/NAME for a Hub id, as vLLM). ConfigError on failure."""
+    from common.model_files import model_display_name, resolve_model_dir
+    from worker.models import check_architecture
+
+    given = args.model
+    use_local_model(args)
+    if args.model != given and not args.served_model_name:
+        args.served_model_name = [model_display_name(given)]
     try:
-        resolve_model_dir(args.model, args.model_cache_dir)
-    except Exception as e:
-        logger.error("cannot load model %r: %s", args.model, e)
-        sys.exit(2)
+        model_dir = resolve_model_dir(args.model, args.model_cache_dir)
+    except ConfigError:
+        raise
+    except Exception as e:  # a conversion that failed on a file it could not read
+        raise ConfigError(f"cannot load model {given!r}: {e}") from None
+    check_architecture(model_dir)

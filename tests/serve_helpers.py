@@ -38,13 +38,14 @@ class Server(LoggedProcess):
     """`pagedserve serve` on free ports. `dtype`: float32 (the exact reference most
     tests compare with), or None for the default a user gets."""
 
-    def __init__(self, tmp: Path, extra_args: list[str], *, dtype: str | None = "float32"):
+    def __init__(self, tmp: Path, extra_args: list[str], *, dtype: str | None = "float32",
+                 env: dict[str, str] | None = None):
         self.port, self.grpc_port = free_port(), free_port()
         self.runtime_dir = tmp / "run"
         dtype_args = [] if dtype is None else ["--dtype", dtype]
         super().__init__([sys.executable, "-m", "pagedserve.cli", "serve", *dtype_args, "--port", str(self.port),
                           "--grpc-port", str(self.grpc_port), "--runtime-dir", str(self.runtime_dir),
-                          "--kv-cache-memory", "1GiB", *extra_args], tmp / "serve.log", name="serve")
+                          "--kv-cache-memory", "1GiB", *extra_args], tmp / "serve.log", env=env, name="serve")
         self.base_url = f"http://127.0.0.1:{self.port}"
 
     def wait_ready(self, timeout: float = 300.0) -> None:

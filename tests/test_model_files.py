@@ -368,8 +368,13 @@ def test_two_processes_converting_at_once_share_one_result(tiny_gguf, tmp_path):
     assert sorted(p for p in os.listdir(cache) if not p.endswith(".lock")) == [os.path.basename(outputs.pop())]
 
 
-def test_unknown_or_broken_models_are_config_errors(tmp_path):
-    with pytest.raises(ConfigError, match="never downloads") as info:
+def test_unknown_or_broken_models_are_config_errors(tmp_path, monkeypatch):
+    with pytest.raises(ConfigError, match="not a known alias") as info:
+        resolve_model_dir("no-such-model", str(tmp_path))
+    assert "'no-such-model'" in str(info.value)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # a Hub id: looked up in the (empty) Hub cache only
+    with pytest.raises(ConfigError, match="HF_HUB_OFFLINE is set and it is not in the cache") as info:
         resolve_model_dir("meta-llama/Llama-3-8B", str(tmp_path))
     assert "meta-llama/Llama-3-8B" in str(info.value)
     with pytest.raises(ConfigError, match="does not exist"):

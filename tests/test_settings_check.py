@@ -52,6 +52,7 @@ BAD_VALUES: dict[str, tuple[str, ...]] = {
     "PAGEDSERVE_BLOCK_SIZE": ("12", "block_size must be a positive power of two"),
     "PAGEDSERVE_MAX_LOGPROBS": ("-5", "max_logprobs must be -1"),
     "PAGEDSERVE_DISTRIBUTED_INIT_METHOD": ("udp://x", "distributed_init_method must be"),
+    "PAGEDSERVE_GGUF_FILE": ("model.bin", "gguf_file must name a .gguf file"),
     "PAGEDSERVE_SPECULATIVE_CONFIG": ('{"method": "ngram"}', "num_speculative_tokens is required"),
     "PAGEDSERVE_POOLER_CONFIG": ('{"pooling_type": "MAX"}', "pooling_type must be one of"),
     "PAGEDSERVE_CHAT_TEMPLATE": ("no/such/template.jinja", "the tokenizer would not start", "no such file"),
@@ -61,7 +62,8 @@ BAD_VALUES: dict[str, tuple[str, ...]] = {
 }
 # Any text is a valid value of these (or one serve always overrides on the command line).
 ANY_TEXT = {"PAGEDSERVE_MODEL", "PAGEDSERVE_HOST", "PAGEDSERVE_SERVED_MODEL_NAME", "PAGEDSERVE_CACHE_DIR",
-            "PAGEDSERVE_API_KEY", "PAGEDSERVE_RESPONSE_ROLE", "PAGEDSERVE_TOKENIZER_JOIN"}
+            "PAGEDSERVE_API_KEY", "PAGEDSERVE_RESPONSE_ROLE", "PAGEDSERVE_TOKENIZER_JOIN", "PAGEDSERVE_REVISION",
+            "PAGEDSERVE_TOKENIZER"}
 # Read outside any parser: serve checks them itself.
 SHARED_BAD_VALUES = {"PAGEDSERVE_CURVE_SECRET_KEY": "not-a-key"}
 

@@ -18,7 +18,8 @@ import zmq
 
 from common.errors import USAGE_ERROR, ConfigError
 from common.addresses import default_address
-from common.cli_args import SettingsParser, add_log_level_arg, env_default, env_setting
+from common.cli_args import (MODEL_HELP, SettingsParser, add_log_level_arg, add_model_source_args, env_default,
+                             env_setting)
 from common.logging_setup import setup_logging
 from common.tokenizer import load_chat_template
 from tokenizer_pool.pool import DEFAULT_LIVENESS_TIMEOUT, run_join_workers, run_tokenizer_pool
@@ -37,8 +38,9 @@ def add_chat_template_arg(parser: argparse.ArgumentParser | argparse._ArgumentGr
 def add_tokenizer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("tokenizer pool")
     g.add_argument("--model", default=env_default("MODEL", "smollm2-135m-instruct"),
-                   help="HF model directory, .gguf file, or alias whose tokenizer to load "
-                        "(default: smollm2-135m-instruct)")
+                   help="whose tokenizer to load: a tokenizer directory or " + MODEL_HELP +
+                        " (default: smollm2-135m-instruct)")
+    add_model_source_args(g)
     g.add_argument("--tokenizer-pool-size", type=int, default=env_default("TOKENIZER_POOL_SIZE", 2),
                    help="tokenizer worker processes on this host (default 2; 0 = router only)")
     g.add_argument("--frontend-address", default=default_address("TOKENIZER_ADDRESS"),
@@ -62,7 +64,13 @@ def add_tokenizer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
 
 def run(args: argparse.Namespace) -> int:
     setup_logging("tokenizer", args.log_level)
+    from common.model_files import resolve_tokenizer_dir
+
     try:
+        # Resolved once here (a Hub model: its tokenizer files fetched now), so that every
+        # tokenizer process loads the same local directory.
+        args.model = resolve_tokenizer_dir(args.model, args.model_cache_dir, revision=args.revision,
+                                           gguf_file=args.gguf_file)
         if args.join:
             run_join_workers(args.model, args.join, args.tokenizer_pool_size, model_cache_dir=args.model_cache_dir,
                              heartbeat_interval=args.heartbeat_interval, log_level=args.log_level,

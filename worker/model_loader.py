@@ -14,7 +14,7 @@ from common.config import EngineConfig
 from common.model_files import resolve_model_dir
 from common.parallel_layout import TensorShard
 from worker.distributed.parallel_state import ParallelLayout
-from worker.models import get_model_class
+from worker.models import check_architecture, get_model_class
 from worker.models.llama import LlamaForCausalLM
 from worker.quantization import checkpoint_weights
 
@@ -53,7 +53,9 @@ def load_hf_config(config: EngineConfig) -> tuple[Any, str]:
     """(the transformers config, the model directory) of `config.model`."""
     from transformers import AutoConfig
 
-    model_dir = resolve_model_dir(config.model, config.model_cache_dir)
+    model_dir = resolve_model_dir(config.model, config.model_cache_dir, revision=config.revision,
+                                  gguf_file=config.gguf_file)
+    check_architecture(model_dir)
     return AutoConfig.from_pretrained(model_dir, local_files_only=True), model_dir
 
 

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from common.config import EngineConfig
+from common.model_files import local_model_source
 from common.parallel_layout import check_model_layout
 from common.protocol import StepPlan, StepResult, WorkerHello
 from common.tokenizer import eos_token_ids
@@ -48,6 +49,8 @@ def available_cpu_count() -> int:
 
 class Worker:
     def __init__(self, config: EngineConfig, rank: int = 0):
+        self.model_name = config.model  # as given (a Hub id stays one in what we report)
+        config = local_model_source(config)  # a Hub model: its local snapshot from here on
         self.config = config
         self.rank = rank
         self.device = torch.device(config.resolved_device())
@@ -91,7 +94,8 @@ class Worker:
             self.model.first_layer, self.model.end_layer)) if is_fp8(self.kv_cache_dtype) else None
         self.backend = get_attention_backend(config.resolved_attention_backend())
         eos_ids = eos_token_ids(self.model_dir)
-        self.grammar_compiler = GrammarCompiler(self.model_dir, int(self.hf_config.vocab_size), eos_ids)
+        self.grammar_compiler = GrammarCompiler(config.tokenizer or self.model_dir, int(self.hf_config.vocab_size),
+                                                eos_ids)
         self.grammar_compiler.start_warm_up()  # alongside the model's warm-up, which leaves a core mostly idle
         self.forward = ModelForward(self.model, self.kv_caches, self.backend, max_model_len=self.max_model_len,
                                     compile=compile_step, kv_scales=self.kv_scales)
@@ -143,7 +147,7 @@ class Worker:
 
     def hello(self) -> WorkerHello:
         return WorkerHello(
-            rank=self.rank, model_name=self.config.model, num_blocks=self.num_blocks,
+            rank=self.rank, model_name=self.model_name, num_blocks=self.num_blocks,
             block_size=self.config.block_size, max_model_len=self.max_model_len,
             vocab_size=int(self.hf_config.vocab_size), eos_token_ids=eos_token_ids(self.model_dir),
             dtype=self.dtype_name, tensor_parallel_size=self.layout.tp_size,

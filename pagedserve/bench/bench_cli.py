@@ -30,8 +30,8 @@ from pagedserve.bench.chaos_cli import add_chaos_parser
 from pagedserve.bench.make_gguf_cli import add_make_gguf_parser
 from pagedserve.bench.perplexity_cli import add_perplexity_parser
 from pagedserve.bench.workloads import DEFAULT_SEED, NAMED_WORKLOADS, resolve_workload, save_workload
-from common.cli_args import add_engine_args, engine_argv, engine_config_from_args
-from common.errors import InvalidRequestError
+from common.cli_args import add_engine_args, engine_argv, engine_config_from_args, use_local_model
+from common.errors import USAGE_ERROR, ConfigError, InvalidRequestError
 from common.logging_setup import setup_logging
 
 SMOLLM2_VOCAB = 49152
@@ -390,4 +390,10 @@ def main(argv: list[str] | None = None) -> int:
         args.vllm_script = args.vllm_script or str(DEFAULT_VLLM_SCRIPT)
         if args.vllm_python and not os.path.exists(args.vllm_script):
             raise SystemExit(f"error: vLLM script {args.vllm_script} not found (--vllm-script)")
-    return int(args.handler(args) or 0)
+    try:
+        if hasattr(args, "trust_remote_code"):  # the engine flags: a Hub model fetched once, up front
+            use_local_model(args)
+        return int(args.handler(args) or 0)
+    except ConfigError as e:  # a model that cannot be had (not on the Hub, offline) or run: one line
+        print(f"pagedserve bench: error: {e}", file=sys.stderr)
+        return USAGE_ERROR

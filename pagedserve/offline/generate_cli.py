@@ -4,7 +4,7 @@ from __future__ import annotations
 import sys
 
 from common.cli_args import SettingsParser, add_engine_args, engine_config_from_args, parse_engine_args
-from common.errors import InvalidRequestError
+from common.errors import USAGE_ERROR, ConfigError, InvalidRequestError
 from common.logging_setup import setup_logging
 
 
@@ -46,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     except InvalidRequestError as e:
         print(f"error: {e.message}", file=sys.stderr)
         return 2
+    except ConfigError as e:  # a model that cannot be had (not on the Hub, offline) or run: one line
+        print(f"pagedserve generate: error: {e}", file=sys.stderr)
+        return USAGE_ERROR
     for out in outputs:
         print(out.outputs[0].text)
     return 0

@@ -19,6 +19,7 @@ from common.beam_search import BeamSearchParams
 from common.config import EngineConfig
 from common.errors import InvalidRequestError
 from common.generation_defaults import sampling_defaults
+from common.model_files import local_model_source
 from common.pooling_params import PoolingParams
 from common.prompt_truncation import truncate_prompt
 from common.protocol import EngineRequest
@@ -64,8 +65,10 @@ class LLM:
         """`skip_tokenizer_init=True` serves models without tokenizer files:
         prompts must then be token ids and outputs carry ids but no text.
         `generation_config`: where `get_default_sampling_params` (used when
-        generate gets none) finds the model's sampling defaults, as vLLM's."""
-        self.config = EngineConfig(model=model, **engine_args)
+        generate gets none) finds the model's sampling defaults, as vLLM's.
+        `model` may be a Hub id, ORG/NAME[@REVISION] (with `revision=`, `gguf_file=`):
+        fetched once here, and every rank and replica loads that snapshot."""
+        self.config = local_model_source(EngineConfig(model=model, **engine_args))
         self.replicas = None  # data-parallel replicas 1.., as child processes
         if self.config.data_parallel_size > 1:
             check_model_layout(self.config)
@@ -96,7 +99,7 @@ class LLM:
         self.scheduler = Scheduler(self.config, num_blocks=hello.num_blocks, max_model_len=hello.max_model_len,
                                    eos_token_ids=list(hello.eos_token_ids), vocab_size=hello.vocab_size,
                                    sliding_window=hello.sliding_window, pooler=hello.pooler)
-        self.tokenizer = None if skip_tokenizer_init else load_tokenizer(self.worker.model_dir)
+        self.tokenizer = None if skip_tokenizer_init else load_tokenizer(self.config.tokenizer or self.worker.model_dir)
         self._ids = itertools.count()
         self.loop_stats = EngineLoopStats()
         self.record_itl = False  # benchmarks: gather loop_stats.itl_s during generate

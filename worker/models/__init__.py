@@ -1,8 +1,12 @@
 """Our model implementations, looked up by the checkpoint's `architectures[0]`."""
 from __future__ import annotations
 
+import json
+import os
+from types import SimpleNamespace
 from typing import Any
 
+from common.errors import ConfigError
 from worker.models.gemma import Gemma2ForCausalLM
 from worker.models.gemma3 import Gemma3ForCausalLM
 from worker.models.llama import LlamaForCausalLM
@@ -28,13 +32,38 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
 }
 
 
+def supported() -> str:
+    return ", ".join(sorted([*MODEL_REGISTRY, *ENCODER_ARCHITECTURES]))
+
+
 def get_model_class(hf_config: Any) -> type[LlamaForCausalLM]:
-    """The class implementing `hf_config.architectures[0]`; ValueError for anything unsupported."""
+    """The class implementing `hf_config.architectures[0]`; ConfigError (a ValueError) naming
+    the supported ones for anything else. No model code from a checkpoint is ever run, so
+    --trust-remote-code cannot add one."""
     architectures = getattr(hf_config, "architectures", None) or []
     if not architectures:
-        raise ValueError("the model's config.json names no architecture (`architectures` is empty); "
-                         f"supported: {sorted(MODEL_REGISTRY)}")
+        raise ConfigError("the model's config.json names no architecture (`architectures` is empty); "
+                          f"supported: {supported()}")
     name = architectures[0]
     if name not in MODEL_REGISTRY:
-        raise ValueError(f"unsupported model architecture {name!r}; supported: {sorted(MODEL_REGISTRY)}")
+        raise ConfigError(f"unsupported model architecture {name!r}; supported: {supported()} "
+                          "(pagedserve never runs a model repository's own code, --trust-remote-code or not)")
     return MODEL_REGISTRY[name]
+
+
+ENCODER_ARCHITECTURES = ("BertModel",)  # served by worker.encoder_worker (embeddings only)
+
+
+def check_architecture(model_dir: str) -> type[LlamaForCausalLM] | None:
+    """get_model_class for the config.json in `model_dir`, read as plain JSON: checked before
+    transformers parses it (which fails less clearly on a model type it does not know).
+    None for a BERT-style encoder."""
+    try:
+        with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot read {model_dir}/config.json: {e}") from None
+    architectures = config.get("architectures") if isinstance(config, dict) else None
+    if architectures and architectures[0] in ENCODER_ARCHITECTURES:
+        return None
+    return get_model_class(SimpleNamespace(architectures=architectures))
