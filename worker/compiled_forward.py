@@ -95,7 +95,7 @@ class ModelForward:
             from worker.models.llama import decoder_layers
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
             # A model with its own layer function (Gemma) names it `layers_function`.
-            layers_function = getattr(model, "layers_function", None) or decoder_layers
+            layers_function = getattr(type(model), "layers_function", None) or decoder_layers
             self._compiled = torch.compile(layers_function, dynamic=True, fullgraph=True,
                                            options=compile_options(self.dtype, self.device))
             self.group_size = layers_per_graph(len(model.layers))

@@ -14,7 +14,7 @@ Quantized layers (int8, GGUF) are not supported: their kernels fuse SiLU into th
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -23,8 +23,6 @@ from torch import nn
 
 from common.parallel_layout import TensorShard, stage_layers
 from worker.attention.step_context import paged_attention
-from worker.distributed import pipeline_parallel
-from worker.distributed.tensor_parallel import vocab_parallel_embedding
 from worker.models.llama import DecoderLayer, LlamaForCausalLM, ModelSizes, _param, row_parallel
 from worker.models.packed_linear import linear, pack_weight, packing_supported
 from worker.models.rotary import RotaryEmbedding, apply_rotary
@@ -167,28 +165,13 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
     def rotary_for(cls, hf_config: Any, head_dim: int) -> Any:
         return RotaryEmbedding(hf_config, head_dim)
 
-    def forward_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                       layers_fn: Callable[..., torch.Tensor] | None = None, group_size: int = 1) -> torch.Tensor:
-        """As LlamaForCausalLM.forward_tokens, with embeddings scaled by sqrt(hidden_size) (in the
-        model dtype, as transformers rounds it) and the Gemma final norm."""
-        s = self.sizes
-        layers_fn = layers_fn or gemma_decoder_layers
-        if not self.is_first_stage:  # the previous pipeline stage's output
-            hidden = pipeline_parallel.receive_hidden(int(input_ids.shape[0]), s.hidden, self.dtype, self.device)
-        else:
-            if s.tp_size > 1:
-                hidden = vocab_parallel_embedding(input_ids, self.embed_tokens, s.vocab_start)
-            else:
-                hidden = F.embedding(input_ids, self.embed_tokens)
-            hidden = hidden * torch.tensor(s.hidden ** 0.5, dtype=hidden.dtype, device=hidden.device)
-        cos, sin = self.rotary.lookup(positions)
-        for first in range(0, len(self.layers), group_size):
-            group = list(self.layers[first:first + group_size])
-            hidden = layers_fn(group, hidden, cos, sin, [layer.layer_index for layer in group])
-        if not self.is_last_stage:
-            pipeline_parallel.send_hidden(hidden)
-            return hidden
-        return gemma_rms_norm(hidden, self.norm, s.eps)
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Embeddings scaled by sqrt(hidden_size), in the model dtype as transformers rounds it."""
+        hidden = super().embed(input_ids)
+        return hidden * torch.tensor(self.sizes.hidden ** 0.5, dtype=hidden.dtype, device=hidden.device)
+
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        return gemma_rms_norm(hidden, self.norm, self.sizes.eps)
 
     def pack_weights(self) -> bool:
         """Pack the four matmul weights for the CPU kernel's plain matmul (gate/up too: the gated

@@ -46,6 +46,10 @@ class LayerTypeRotary:
                                        head_dim)
                        for kind in LAYER_TYPES]
 
+    def set_max_model_len(self, max_model_len: int) -> None:
+        for table in self.tables:
+            table.set_max_model_len(max_model_len)
+
     def reserve(self, length: int, dtype: torch.dtype, device: torch.device | str) -> None:
         for table in self.tables:
             table.reserve(length, dtype, device)

@@ -190,6 +190,7 @@ class LlamaForCausalLM(nn.Module):
 
     # --- architecture rules (overridden by Mistral / Qwen2 / Qwen3) ------------------
     qk_norm = False  # per-head RMSNorm of q and k (q_norm / k_norm weights of head_dim)
+    layers_function = staticmethod(decoder_layers)  # runs a group of layers; compiled by worker.compiled_forward
     partial_rotary = False  # honours partial_rotary_factor < 1 (rotates part of each head)
 
     @classmethod
@@ -219,17 +220,16 @@ class LlamaForCausalLM(nn.Module):
             return self.forward_tokens(input_ids, positions)
 
     def forward_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                       layers_fn: Callable[..., torch.Tensor] = decoder_layers, group_size: int = 1) -> torch.Tensor:
+                       layers_fn: Callable[..., torch.Tensor] | None = None, group_size: int = 1) -> torch.Tensor:
         """The pure tensor part of `forward`: needs an open step context and a rotary
         table covering every position (`rotary.reserve`). `layers_fn` runs the layers
-        `group_size` at a time (`decoder_layers`, or a compiled version of it)."""
+        `group_size` at a time (`layers_function`, or a compiled version of it)."""
         s = self.sizes
+        layers_fn = layers_fn or type(self).layers_function
         if not self.is_first_stage:  # the previous pipeline stage's output
             hidden = pipeline_parallel.receive_hidden(int(input_ids.shape[0]), s.hidden, self.dtype, self.device)
-        elif s.tp_size > 1:
-            hidden = vocab_parallel_embedding(input_ids, self.embed_tokens, s.vocab_start)
         else:
-            hidden = F.embedding(input_ids, self.embed_tokens)
+            hidden = self.embed(input_ids)
         cos, sin = self.rotary.lookup(positions)
         for first in range(0, len(self.layers), group_size):
             group = list(self.layers[first:first + group_size])
@@ -237,7 +237,16 @@ class LlamaForCausalLM(nn.Module):
         if not self.is_last_stage:
             pipeline_parallel.send_hidden(hidden)
             return hidden
-        return rms_norm(hidden, self.norm, s.eps)
+        return self.final_norm(hidden)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        s = self.sizes
+        if s.tp_size > 1:
+            return vocab_parallel_embedding(input_ids, self.embed_tokens, s.vocab_start)
+        return F.embedding(input_ids, self.embed_tokens)
+
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        return rms_norm(hidden, self.norm, self.sizes.eps)
 
     def pack_weights(self) -> bool:
         """Pre-pack the layers' matmul weights for the CPU kernel's matmul (bfloat16 on CPUs with
