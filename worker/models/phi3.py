@@ -9,14 +9,14 @@ from typing import Any
 
 import torch
 
-from worker.models.llama import LlamaForCausalLM
+from worker.models.mistral import MistralForCausalLM
 
 # A fused checkpoint tensor -> the per-part names the Llama loader places (TP slicing included).
 FUSED_PARTS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
                "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
 
 
-class Phi3ForCausalLM(LlamaForCausalLM):
+class Phi3ForCausalLM(MistralForCausalLM):
     partial_rotary = True
 
     def __init__(self, hf_config: Any, **kwargs: Any):
@@ -25,15 +25,6 @@ class Phi3ForCausalLM(LlamaForCausalLM):
             raise ValueError("pre-quantized (compressed-tensors) Phi3ForCausalLM checkpoints are not supported; "
                              "load the float checkpoint (--quantization int8 quantizes it at load time)")
         super().__init__(hf_config, **kwargs)
-
-    @classmethod
-    def biases(cls, hf_config: Any) -> dict[str, bool]:
-        return {"qkv": False, "o": False, "mlp": False}
-
-    @classmethod
-    def layer_sliding_windows(cls, hf_config: Any) -> list[int | None]:
-        # transformers' Phi3 masks every layer with `sliding_window` when it is set (None: full).
-        return [getattr(hf_config, "sliding_window", None)] * hf_config.num_hidden_layers
 
     def fused_row_splits(self, part: str) -> list[int]:
         """Rows of each piece of a whole (unsharded) fused checkpoint tensor, in order."""
