@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from common.parallel_layout import TensorShard, stage_layers
+from common.pooling_params import is_bare_decoder_config
 from worker.attention.step_context import paged_attention
 from worker.distributed import pipeline_parallel
 from worker.distributed.tensor_parallel import vocab_parallel_embedding
@@ -154,7 +155,7 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
             for i in range(self.first_layer, self.end_layer))
         self.norm = _param(s.hidden, dtype=dtype, device=device) if self.is_last_stage else None
         self.lm_head = None
-        if self.is_last_stage:
+        if self.is_last_stage and not is_bare_decoder_config(hf_config):  # a bare model has none: it pools
             self.lm_head = self.embed_tokens if self.tie_word_embeddings else _param(
                 vocab_rows, s.hidden, dtype=dtype, device=device)
         self.rotary = self.rotary_for(hf_config, s.head_dim)
