@@ -141,6 +141,34 @@ def is_encoder_config(hf_config: Any) -> bool:
     return "BertModel" in (getattr(hf_config, "architectures", None) or [])
 
 
+# Decoder checkpoints saved as the bare transformer (no LM head, tensor names without the
+# `model.` prefix), as embedding models are (Qwen3-Embedding): the causal-LM class that runs
+# them. They can only pool.
+BARE_DECODER_ARCHITECTURES = {
+    "Gemma2Model": "Gemma2ForCausalLM",
+    "Gemma3TextModel": "Gemma3ForCausalLM",
+    "LlamaModel": "LlamaForCausalLM",
+    "MistralModel": "MistralForCausalLM",
+    "MixtralModel": "MixtralForCausalLM",
+    "Phi3Model": "Phi3ForCausalLM",
+    "Qwen2Model": "Qwen2ForCausalLM",
+    "Qwen2MoeModel": "Qwen2MoeForCausalLM",
+    "Qwen3Model": "Qwen3ForCausalLM",
+    "Qwen3MoeModel": "Qwen3MoeForCausalLM",
+}
+
+
+def is_bare_decoder_config(hf_config: Any) -> bool:
+    """A decoder without its LM head (BARE_DECODER_ARCHITECTURES): pooling only."""
+    architectures = getattr(hf_config, "architectures", None) or []
+    return bool(architectures) and architectures[0] in BARE_DECODER_ARCHITECTURES
+
+
+def pooling_only_config(hf_config: Any) -> bool:
+    """Whether the model can only pool (`--runner auto` resolves to pooling for it)."""
+    return is_encoder_config(hf_config) or is_bare_decoder_config(hf_config)
+
+
 def matryoshka_info(hf_config: Any) -> tuple[bool, list[int] | None]:
     """vLLM's config keys: `is_matryoshka` or `matryoshka_dimensions` (the allowed sizes)."""
     dims = getattr(hf_config, "matryoshka_dimensions", None)

@@ -14,7 +14,8 @@ from common.config import EngineConfig
 from common.model_files import resolve_model_dir
 from common.parallel_layout import TensorShard
 from worker.distributed.parallel_state import ParallelLayout
-from worker.models import check_architecture, get_model_class
+from common.pooling_params import is_bare_decoder_config
+from worker.models import bare_checkpoint_names, check_architecture, get_model_class
 from worker.models.llama import LlamaForCausalLM
 from worker.quantization import checkpoint_weights
 
@@ -68,7 +69,10 @@ def load_model(config: EngineConfig, device: str | torch.device, dtype: torch.dt
     model_class = get_model_class(hf_config)
     model = model_class(hf_config, dtype=dtype, device=device, shard=TensorShard(layout.tp_rank, layout.tp_size),
                         stage=(layout.pp_rank, layout.pp_size))
-    model.load_weights(checkpoint_weights(model, iterate_weights(safetensors_files(model_dir))))
+    weights = iterate_weights(safetensors_files(model_dir))
+    if is_bare_decoder_config(hf_config):  # saved without the LM head and the `model.` prefix
+        weights = bare_checkpoint_names(weights)
+    model.load_weights(checkpoint_weights(model, weights))
     model.eval()
     logger.info("Loaded %s from %s (%s, %s, %.1fM parameters)", model_class.__name__, model_dir, dtype,
                 device, sum(p.numel() for p in model.parameters()) / 1e6)

@@ -70,7 +70,7 @@ class ModelRunner:
             pooled = pool_step(batch.pooling, hidden) if batch.pooling else {}
             if self.speculator is not None:
                 self.speculator.follow(batch)
-            if self.lm_head is None:  # an earlier pipeline stage: the last one samples
+            if self.lm_head is None and self.stage_results is not None:  # an earlier stage: the last samples
                 output = runner_output(self.stage_results.receive())
                 batch.commit(output.sampled_token_ids)
                 return output

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from common.errors import ConfigError
-from common.pooling_params import (PoolerInfo, PoolingParams, is_encoder_config, matryoshka_info,
-                                   model_pooler_defaults)
+from common.pooling_params import (PoolerInfo, PoolingParams, is_bare_decoder_config, is_encoder_config,
+                                   matryoshka_info, model_pooler_defaults, pooling_only_config)
 
 
 def finish_vector(vector: torch.Tensor, params: PoolingParams) -> list[float]:
@@ -64,10 +64,13 @@ def pool_step(pooling: list, hidden: torch.Tensor) -> dict[str, list[float]]:
 
 def pooler_info(config, model_dir: str, hf_config) -> PoolerInfo | None:
     """What this worker pools with (None: it generates). `--runner auto` pools for encoder-only
-    models; `--pooler-config` overrides the model files' pooling type and normalisation."""
+    models and decoders saved without their LM head; `--pooler-config` overrides the model files' pooling type and normalisation."""
     runner = config.runner
     if runner == "auto":
-        runner = "pooling" if is_encoder_config(hf_config) else "generate"
+        runner = "pooling" if pooling_only_config(hf_config) else "generate"
+    if runner == "generate" and is_bare_decoder_config(hf_config):
+        raise ConfigError(f"{hf_config.architectures[0]} has no LM head (an embedding model's checkpoint): "
+                          "it cannot generate; serve it with --runner pooling (or auto)")
     if runner != "pooling":
         return None
     if config.pipeline_parallel_size > 1:

@@ -67,6 +67,7 @@ class Worker:
         self.kv_cache_dtype: torch.dtype = kv_cache_torch_dtype(self.kv_cache_dtype_name)
 
         self.model, self.hf_config, self.model_dir = load_model(config, self.device, self.dtype, self.layout)
+        self.pooler = pooler_info(config, self.model_dir, self.hf_config)  # refuses a runner the model cannot run
         self.quantization = prepare_linear_weights(self.model, config)
         # Compiled on CPU unless --enforce-eager (CUDA runs eager: its compile path is untested).
         compile_step = not config.enforce_eager and self.device.type == "cpu"
@@ -110,7 +111,6 @@ class Worker:
         self.runner.warm_up()
         if self.forward.compiled:
             self.forward.compile_seconds += time.perf_counter() - started  # reported with the step's
-        self.pooler = pooler_info(config, self.model_dir, self.hf_config)
         self.input_batch = InputBatch(config.block_size, self.device, eos_token_ids=eos_ids,
                                       grammar_compiler=self.grammar_compiler)
         logger.info("Worker %s ready: %s on %s (%s, quantization %s, %s), %d KV blocks, max_model_len %d, %d threads",

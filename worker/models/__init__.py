@@ -4,9 +4,11 @@ from __future__ import annotations
 import json
 import os
 from types import SimpleNamespace
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from common.errors import ConfigError
+from common.pooling_params import BARE_DECODER_ARCHITECTURES
 from worker.models.gemma import Gemma2ForCausalLM
 from worker.models.gemma3 import Gemma3ForCausalLM
 from worker.models.llama import LlamaForCausalLM
@@ -33,7 +35,7 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
 
 
 def supported() -> str:
-    return ", ".join(sorted([*MODEL_REGISTRY, *ENCODER_ARCHITECTURES]))
+    return ", ".join(sorted([*MODEL_REGISTRY, *BARE_DECODER_ARCHITECTURES, *ENCODER_ARCHITECTURES]))
 
 
 def get_model_class(hf_config: Any) -> type[LlamaForCausalLM]:
@@ -44,9 +46,9 @@ def get_model_class(hf_config: Any) -> type[LlamaForCausalLM]:
     if not architectures:
         raise ConfigError("the model's config.json names no architecture (`architectures` is empty); "
                           f"supported: {supported()}")
-    name = architectures[0]
+    name = BARE_DECODER_ARCHITECTURES.get(architectures[0], architectures[0])  # a bare decoder: same class
     if name not in MODEL_REGISTRY:
-        raise ConfigError(f"unsupported model architecture {name!r}; supported: {supported()} "
+        raise ConfigError(f"unsupported model architecture {architectures[0]!r}; supported: {supported()} "
                           "(pagedserve never runs a model repository's own code, --trust-remote-code or not)")
     return MODEL_REGISTRY[name]
 
@@ -67,3 +69,13 @@ def check_architecture(model_dir: str) -> type[LlamaForCausalLM] | None:
     if architectures and architectures[0] in ENCODER_ARCHITECTURES:
         return None
     return get_model_class(SimpleNamespace(architectures=architectures))
+
+
+def bare_checkpoint_names(weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+    """A bare decoder's tensors (`embed_tokens.weight`, `layers.0...`, `norm.weight`) under the
+    causal-LM names our models load (`model.` prefixed; already prefixed names stay). Any
+    `lm_head.weight` is dropped: a bare model only pools, so it has no LM head to load."""
+    for name, tensor in weights:
+        if name == "lm_head.weight":
+            continue
+        yield (name if name.startswith("model.") else "model." + name), tensor

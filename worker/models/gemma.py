@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from common.parallel_layout import TensorShard, stage_layers
+from common.pooling_params import is_bare_decoder_config
 from worker.attention.step_context import paged_attention
 from worker.models.llama import DecoderLayer, LlamaForCausalLM, ModelSizes, _param, row_parallel
 from worker.models.packed_linear import linear, pack_weight, packing_supported
@@ -152,7 +153,7 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
             for i in range(self.first_layer, self.end_layer))
         self.norm = _param(s.hidden, dtype=dtype, device=device) if self.is_last_stage else None
         self.lm_head = None
-        if self.is_last_stage:
+        if self.is_last_stage and not is_bare_decoder_config(hf_config):  # a bare model has none: it pools
             self.lm_head = self.embed_tokens if self.tie_word_embeddings else _param(
                 vocab_rows, s.hidden, dtype=dtype, device=device)
         self.rotary = self.rotary_for(hf_config, s.head_dim)

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from common.parallel_layout import TensorShard, stage_layers
+from common.pooling_params import is_bare_decoder_config
 from worker.distributed import pipeline_parallel
 from worker.distributed.tensor_parallel import tp_all_reduce, vocab_parallel_embedding
 from worker.kernels import cpu_ops
@@ -183,7 +184,7 @@ class LlamaForCausalLM(nn.Module):
             for i in range(self.first_layer, self.end_layer))
         self.norm = _param(s.hidden, dtype=dtype, device=device) if self.is_last_stage else None
         self.lm_head = None
-        if self.is_last_stage:
+        if self.is_last_stage and not is_bare_decoder_config(hf_config):  # a bare model has none: it pools
             self.lm_head = self.embed_tokens if self.tie_word_embeddings else _param(
                 vocab_rows, s.hidden, dtype=dtype, device=device)
         self.rotary = RotaryEmbedding(hf_config, s.head_dim, partial_rotary=self.partial_rotary)
@@ -294,7 +295,7 @@ class LlamaForCausalLM(nn.Module):
             targets["model.embed_tokens.weight"] = (self.embed_tokens[:real], vocab_part)
         if self.is_last_stage:
             targets["model.norm.weight"] = (self.norm, None)
-            if not self.tie_word_embeddings:
+            if not self.tie_word_embeddings and self.lm_head is not None:
                 targets["lm_head.weight"] = (self.lm_head[:real], vocab_part)
         for layer, i in zip(self.layers, range(self.first_layer, self.end_layer)):
             p = f"model.layers.{i}."
