@@ -37,7 +37,8 @@ def last_token_reference(bare, prompt: list[int]) -> torch.Tensor:
     return F.normalize(hidden, dim=-1)
 
 
-@pytest.mark.parametrize("architecture,bare_name", [("Qwen3ForCausalLM", "Qwen3Model")])
+@pytest.mark.parametrize("architecture,bare_name", [("Qwen3ForCausalLM", "Qwen3Model"),
+                                                    ("Gemma3ForCausalLM", "Gemma3TextModel")])
 def test_bare_decoder_embeds_like_transformers(tmp_path, architecture, bare_name):
     bare = save_bare(architecture, tmp_path)
     directory = tmp_path / "bare"
