@@ -1,4 +1,5 @@
-"""Convert a llama-family GGUF file (llama, mistral-style, qwen2, qwen3, phi3) into a plain
+"""Convert a GGUF file (llama, mistral-style, qwen2, qwen3, phi3; gemma2, gemma3 and the
+MoE ones, Mixtral, qwen2moe, qwen3moe, by the rules of common/gguf_arch_rules.py) into a plain
 Hugging Face model directory: config.json, float32 safetensors, tokenizer
 files and generation_config.json.
 
@@ -21,18 +22,20 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from common import gguf_arch_rules as rules
 from common.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
 # Bumped whenever the output of the conversion changes, so caches keyed on it
 # are rebuilt instead of silently reused.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2
 MARKER_FILE = "pagedserve_conversion.json"
 DEFAULT_MAX_SHARD_BYTES = 4 << 30
 
 SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                           "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
+                           "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM",
+                           **{v: cls for v, (cls, _) in rules.VARIANTS.items() if v != "mixtral"}}
 
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_TENSORS = {
@@ -58,10 +61,12 @@ _GLOBAL_NAME = re.compile(r"(\w+)\.(weight|bias)")
 
 
 def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str:
-    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`."""
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; `arch`: the variant
+    (gguf_arch_rules.variant_of). Stacked experts get an "{e}" placeholder for the expert index."""
     if m := _LAYER_NAME.fullmatch(gguf_name):
         layer, part, kind = m.groups()
-        names = {**_LAYER_TENSORS, **_ARCH_LAYER_TENSORS.get(arch, {})}
+        names = {**_LAYER_TENSORS, **_ARCH_LAYER_TENSORS.get(arch, {}), **rules.LAYER_TENSORS.get(arch, {}),
+                 **rules.EXPERT_TENSORS.get(arch, {})}
         if part in names:
             return f"model.layers.{layer}.{names[part]}.{kind}"
     elif (m := _GLOBAL_NAME.fullmatch(gguf_name)) and m.group(1) in _GLOBAL_TENSORS:
@@ -101,14 +106,15 @@ class GGUFModel:
         if self.arch not in SUPPORTED_ARCHITECTURES:
             raise ConfigError(
                 f"GGUF architecture {self.arch!r} in {path} is not supported; "
-                f"supported: {sorted(SUPPORTED_ARCHITECTURES)}")
+                f"supported: {sorted(SUPPORTED_ARCHITECTURES)} (llama with experts: Mixtral)")
+        self.variant = rules.variant_of(self.arch, self.arch_field("expert_count"))
         rope_factors = ROPE_FACTOR_TENSORS if self.arch == "phi3" else {}
         self.rope_factors = {rope_factors[t.name]: [_shortest_float(x) for x in np.asarray(t.data, np.float32)]
                              for t in self.reader.tensors if t.name in rope_factors}
         self.weights = [t for t in self.reader.tensors if t.name not in rope_factors]
         self.tensor_names = [t.name for t in self.weights]
         for name in self.tensor_names:  # fail before any work on an unknown tensor
-            hf_tensor_name(name, self.arch)
+            hf_tensor_name(name, self.variant)
 
     def field(self, key: str, default=None):
         f = self.reader.fields.get(key)
@@ -125,7 +131,7 @@ class GGUFModel:
             raise ConfigError(f"{self.path} lacks the {self.arch}.* shape metadata")
         embed_rows = next((t.data.shape[0] for t in self.reader.tensors if t.name == "token_embd.weight"), None)
         fields = {
-            "architectures": [SUPPORTED_ARCHITECTURES[self.arch]],
+            "architectures": [rules.VARIANTS.get(self.variant, (SUPPORTED_ARCHITECTURES[self.arch],))[0]],
             "hidden_size": hidden,
             "intermediate_size": self.arch_field("feed_forward_length"),
             "num_hidden_layers": self.arch_field("block_count"),
@@ -145,12 +151,19 @@ class GGUFModel:
         rotary_dim = self.arch_field("rope.dimension_count", head_dim)
         if rotary_dim != head_dim and self.arch != "phi3":
             raise ConfigError(f"{self.path}: partial rotary embeddings are not supported for {self.arch}")
-        if self.arch in ("llama", "qwen3"):
+        if self.variant in rules.GEMMA:
+            fields.update(rules.gemma_fields(self, self.variant, fields, self._rope_scaling()))
+            return fields
+        if self.variant in rules.EXPERT_TENSORS:
+            fields.update(rules.moe_fields(self, self.variant, fields))
+        if self.variant == "mixtral":
+            fields["head_dim"] = head_dim
+        elif self.arch in ("llama", "qwen3", "qwen3moe"):
             fields["head_dim"] = head_dim
             fields["attention_bias"] = "blk.0.attn_q.bias" in self.tensor_names
         elif head_dim != hidden // heads:
             raise ConfigError(f"{self.path}: head_dim {head_dim} != hidden_size / heads, unsupported for {self.arch}")
-        if self.arch == "llama":
+        if self.variant == "llama":
             fields["mlp_bias"] = "blk.0.ffn_up.bias" in self.tensor_names
         if self.arch == "phi3":
             fields.update(self._phi3_fields(fields, rotary_dim / head_dim))
@@ -198,22 +211,32 @@ class GGUFModel:
         return ids
 
     def hf_tensors(self, num_heads: int, num_kv_heads: int) -> Iterator[tuple[str, np.ndarray]]:
-        """(hf_name, float32 array) for every tensor, dequantized and un-permuted."""
+        """(hf_name, float32 array) for every tensor, dequantized and un-permuted (Gemma's norms
+        shifted back, stacked experts split: see gguf_arch_rules)."""
         from gguf.quants import dequantize
 
         # Only llama-arch files get the rotary permutation in convert_hf_to_gguf;
         # qwen2/qwen3/phi3 use NEOX-style rope in llama.cpp and store HF order.
         permuted = {"attn_q": num_heads, "attn_k": num_kv_heads} if self.arch == "llama" else {}
         for tensor in self.weights:
-            hf_name = hf_tensor_name(tensor.name, self.arch)
+            hf_name = hf_tensor_name(tensor.name, self.variant)
             weight = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
             part = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else ""
             if part in permuted:  # llama.cpp permutes q/k biases exactly like the weights
                 weight = unpermute_rotary_rows(weight, permuted[part])
-            yield hf_name, np.ascontiguousarray(weight)
+            weight = rules.shift_back(self.variant, part or tensor.name.split(".")[0], weight)
+            if "{e}" in hf_name:
+                yield from rules.split_experts(hf_name, weight)
+            else:
+                yield hf_name, np.ascontiguousarray(weight)
 
     def tensor_nbytes_f32(self) -> list[int]:
-        return [int(t.n_elements) * 4 for t in self.weights]
+        """Bytes of each HF tensor hf_tensors yields, in its order (an expert stack: one per expert)."""
+        sizes = []
+        for t in self.weights:
+            experts = int(t.shape[-1]) if "{e}" in hf_tensor_name(t.name, self.variant) else 1
+            sizes += [int(t.n_elements) * 4 // experts] * experts
+        return sizes
 
 
 def _shard_sizes(nbytes: list[int], max_shard_bytes: int) -> list[int]:
@@ -238,7 +261,7 @@ def _write_weights(model: GGUFModel, out_dir: str, fields: dict, *, progress: bo
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
     weight_map: dict[str, str] = {}
     tensors = model.hf_tensors(fields["num_attention_heads"], fields["num_key_value_heads"])
-    bar = tqdm(total=len(model.tensor_names), desc=f"Converting {os.path.basename(model.path)}",
+    bar = tqdm(total=len(model.tensor_nbytes_f32()), desc=f"Converting {os.path.basename(model.path)}",
                unit="tensor", file=sys.stderr, disable=not progress)
     with bar:
         for shard_name, count in zip(names, shards):
@@ -277,7 +300,8 @@ def _write_tokenizer(model: GGUFModel, out_dir: str, max_len: int) -> None:
 def _write_configs(model: GGUFModel, out_dir: str, fields: dict) -> None:
     from transformers import AutoConfig
 
-    AutoConfig.for_model(model.arch, **fields).save_pretrained(out_dir)
+    model_type = rules.VARIANTS.get(model.variant, (None, model.arch))[1]
+    AutoConfig.for_model(model_type, **fields).save_pretrained(out_dir)
     eos = model.eos_token_ids()
     generation = {"bos_token_id": fields["bos_token_id"], "eos_token_id": eos[0] if len(eos) == 1 else eos}
     if fields["pad_token_id"] is not None:

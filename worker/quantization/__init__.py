@@ -14,9 +14,10 @@ from worker.quantization import compressed_checkpoint
 from worker.quantization.gguf_choice import gguf_default, prepare_gguf
 
 
-def resolved_quantization(config: EngineConfig, hf_config: Any = None) -> str:
+def resolved_quantization(config: EngineConfig, hf_config: Any = None, model: Any = None) -> str:
     """The method `config` asks for; unset: "int8" for a compressed-tensors W8A8 checkpoint
-    (`hf_config`'s quantization_config), "gguf" for a .gguf model, else "none"."""
+    (`hf_config`'s quantization_config), "gguf" for a .gguf model whose layers the GGUF kernels
+    can run (gguf_choice.gguf_default: not for Gemma or mixture-of-experts `model`s), else "none"."""
     checkpoint = compressed_checkpoint.quantization_config(hf_config)
     if checkpoint is not None:
         if config.quantization not in (None, "int8"):
@@ -24,7 +25,7 @@ def resolved_quantization(config: EngineConfig, hf_config: Any = None) -> str:
                               "W8A8 checkpoint: leave it unset or use int8")
         compressed_checkpoint.check_w8a8(checkpoint)
         return "int8"
-    return config.quantization or gguf_default(config)
+    return config.quantization or gguf_default(config, model)
 
 
 def checkpoint_weights(model: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -39,7 +40,7 @@ def checkpoint_weights(model: Any, weights: Iterable[tuple[str, torch.Tensor]]) 
 def prepare_linear_weights(model: Any, config: EngineConfig) -> str:
     """Pack or quantize `model`'s matmul weights as `config` asks (after load_weights); returns
     the method used."""
-    method = resolved_quantization(config, model.config)
+    method = resolved_quantization(config, model.config, model)
     if method != "none" and not getattr(model, "quantizable", True):
         raise ConfigError(f"--quantization {method} is not supported for {type(model).__name__} "
                           "(its kernels fuse a SiLU MLP); run it unquantized")

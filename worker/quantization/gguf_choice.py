@@ -10,9 +10,19 @@ from common.model_files import check_quantization_source, gguf_source_path
 logger = logging.getLogger(__name__)
 
 
-def gguf_default(config: EngineConfig) -> str:
-    """The method for an unset --quantization: "gguf" for a .gguf model, else "none"."""
-    return "gguf" if gguf_source_path(config.model) else "none"
+def gguf_default(config: EngineConfig, model: Any = None) -> str:
+    """The method for an unset --quantization: "gguf" for a .gguf model, else "none"; "none" too
+    for a `model` the quantized kernels cannot run (Gemma's GELU MLP, mixture-of-experts), so a
+    .gguf of those runs dequantized while an explicit --quantization gguf is refused."""
+    if not gguf_source_path(config.model):
+        return "none"
+    return "gguf" if model is None or gguf_kernels_fit(model) else "none"
+
+
+def gguf_kernels_fit(model: Any) -> bool:
+    """Whether the quantized kernels can multiply `model`'s layers: a SiLU MLP, no experts."""
+    return getattr(model, "quantizable", True) and all(getattr(layer, "mlp", None) is None
+                                                       for layer in model.layers)
 
 
 def gguf_path_of(config: EngineConfig) -> str:
