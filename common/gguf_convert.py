@@ -163,6 +163,8 @@ class GGUFModel:
             fields["attention_bias"] = "blk.0.attn_q.bias" in self.tensor_names
         elif head_dim != hidden // heads:
             raise ConfigError(f"{self.path}: head_dim {head_dim} != hidden_size / heads, unsupported for {self.arch}")
+        if self.arch == "qwen2moe":
+            fields["head_dim"] = head_dim
         if self.variant == "llama":
             fields["mlp_bias"] = "blk.0.ffn_up.bias" in self.tensor_names
         if self.arch == "phi3":

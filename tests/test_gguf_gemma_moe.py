@@ -31,6 +31,8 @@ OVERRIDES = {
     "Gemma3ForCausalLM": dict(sliding_window=6, query_pre_attn_scalar=16, num_hidden_layers=3,
                               layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
     **MOE_SIZES,
+    # llama.cpp's qwen3moe always normalises the top-k weights, as the real Qwen3-MoE configs ask.
+    "Qwen3MoeForCausalLM": {**MOE_SIZES["Qwen3MoeForCausalLM"], "norm_topk_prob": True},
 }
 _EXPERT_PARTS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
                  "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
