@@ -145,8 +145,8 @@ def test_gemma_and_moe_gguf_round_trip_and_run_like_transformers(architecture, t
     if architecture in MOE_SIZES:  # no near-tie lets rounding pick another expert
         assert routing_margins(source, torch.tensor([prompts[0]])).min() > 1e-4
     expected = [hf_greedy(source, p, 8) for p in prompts]
-    llm = LLM(model=path, dtype="float32", device="cpu", block_size=4, skip_tokenizer_init=True, enforce_eager=True,
-              model_cache_dir=str(tmp_path / "cache"))
+    llm = LLM(model=path, dtype="float32", device="cpu", block_size=4, skip_tokenizer_init=True,
+              enforce_eager=True, model_cache_dir=str(tmp_path / "cache"))
     assert llm.worker.quantization == "none"
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
     outputs = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
@@ -163,6 +163,18 @@ def test_gemma_and_moe_gguf_round_trip_and_run_like_transformers(architecture, t
 @pytest.mark.parametrize("architecture", ["Gemma2ForCausalLM", "Qwen2MoeForCausalLM"])
 def test_explicit_gguf_quantization_is_refused_for_gemma_and_moe(architecture, tiny_gguf_of, tmp_path):
     path, _, _ = tiny_gguf_of(architecture)
-    with pytest.raises(ConfigError, match="--quantization gguf"):
+    refusal = "--quantization gguf (is not supported for Gemma2|does not support mixture-of-experts)"
+    with pytest.raises(ConfigError, match=refusal):
         LLM(model=path, dtype="float32", device="cpu", skip_tokenizer_init=True, quantization="gguf",
             model_cache_dir=str(tmp_path / "cache"))
+
+
+def test_moe_file_without_its_expert_counts_is_a_config_error():
+    from types import SimpleNamespace
+
+    from common.gguf_arch_rules import moe_fields
+
+    metadata = {"expert_count": 4}
+    model = SimpleNamespace(path="x.gguf", tensor_names=[], arch_field=lambda key, default=None: metadata.get(key, default))
+    with pytest.raises(ConfigError, match="x.gguf: a qwen2moe file needs expert_count and expert_used_count"):
+        moe_fields(model, "qwen2moe", {"intermediate_size": 96})
