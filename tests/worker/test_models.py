@@ -211,6 +211,22 @@ def test_dynamic_rope_matches_incremental_decoding(tiny_hf_model, make_metadata,
     assert_logits_match(ours, torch.cat(reference))
 
 
+def bf16_runs(model_dir, make_metadata, make_block_tables):
+    """Our bfloat16 model on `random_sequences`: (sequences, one whole-prompt pass through the
+    PyTorch attention path, the chunked/paged schedule through the default kernels)."""
+    model, hf_config = load_ours(model_dir, dtype=torch.bfloat16)
+    assert model.embed_tokens.dtype == torch.bfloat16
+    sequences = random_sequences(hf_config.vocab_size)
+    whole_prompt = tuple(([len(tokens)], 0, 0) for tokens in sequences)
+    # SDPA attention (the PyTorch path), as transformers uses: the C++ kernel rounds
+    # differently (float32 throughout), which an op-for-op check would not tell apart
+    # from a model bug; it is held to the chunked tolerance.
+    single_pass = run_paged(model, hf_config, sequences, make_metadata, make_block_tables,
+                            whole_prompt, dtype=torch.bfloat16, backend=TorchAttentionBackend(use_cpu_kernel=False))
+    chunked = run_paged(model, hf_config, sequences, make_metadata, make_block_tables, dtype=torch.bfloat16)
+    return sequences, single_pass, chunked
+
+
 @pytest.mark.parametrize("architecture,overrides", [
     ("LlamaForCausalLM", {"tie_word_embeddings": True}),
     ("Phi3ForCausalLM", VARIANTS["phi3_partial_rotary_longrope_long"][1]),
@@ -224,16 +240,7 @@ def test_bfloat16_matches_transformers_bfloat16(architecture, overrides, tiny_hf
 
     _, model_dir = tiny_hf_model(architecture, **overrides)
     hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="sdpa")
-    model, hf_config = load_ours(model_dir, dtype=torch.bfloat16)
-    assert model.embed_tokens.dtype == torch.bfloat16
-    sequences = random_sequences(hf_config.vocab_size)
-    whole_prompt = tuple(([len(tokens)], 0, 0) for tokens in sequences)
-    # SDPA attention (the PyTorch path), as transformers uses: the C++ kernel rounds
-    # differently (float32 throughout), which this op-for-op check would not tell apart
-    # from a model bug; it is held to the chunked tolerance below.
-    single_pass = run_paged(model, hf_config, sequences, make_metadata, make_block_tables,
-                            whole_prompt, dtype=torch.bfloat16, backend=TorchAttentionBackend(use_cpu_kernel=False))
-    chunked = run_paged(model, hf_config, sequences, make_metadata, make_block_tables, dtype=torch.bfloat16)
+    sequences, single_pass, chunked = bf16_runs(model_dir, make_metadata, make_block_tables)
     with torch.no_grad():
         for tokens, ours_single, ours_chunked in zip(sequences, single_pass, chunked):
             reference = hf_model(tokens[None]).logits[0].float()
@@ -259,12 +266,7 @@ def test_moe_bfloat16_matches_transformers_bfloat16(architecture, tmp_path, make
     build_tiny_hf_model(architecture, tmp_path, seed=MOE_BF16_SEEDS[architecture], **MOE_SIZES[architecture])
     hf_model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16, attn_implementation="sdpa",
                                                     experts_implementation="eager")
-    model, hf_config = load_ours(tmp_path, dtype=torch.bfloat16)
-    sequences = random_sequences(hf_config.vocab_size)
-    whole_prompt = tuple(([len(tokens)], 0, 0) for tokens in sequences)
-    single_pass = run_paged(model, hf_config, sequences, make_metadata, make_block_tables,
-                            whole_prompt, dtype=torch.bfloat16, backend=TorchAttentionBackend(use_cpu_kernel=False))
-    chunked = run_paged(model, hf_config, sequences, make_metadata, make_block_tables, dtype=torch.bfloat16)
+    sequences, single_pass, chunked = bf16_runs(tmp_path, make_metadata, make_block_tables)
     with torch.no_grad():
         for tokens, ours_single, ours_chunked in zip(sequences, single_pass, chunked):
             assert routing_margins(hf_model, tokens[None]).min() > 1e-3
@@ -292,12 +294,7 @@ def test_gemma_bfloat16_matches_transformers_bfloat16(variant, tiny_hf_model, ma
     _, model_dir = tiny_hf_model(architecture, **overrides)
     attention = "eager" if architecture == "Gemma2ForCausalLM" and overrides.get("attn_logit_softcapping") else "sdpa"
     hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation=attention)
-    model, hf_config = load_ours(model_dir, dtype=torch.bfloat16)
-    sequences = random_sequences(hf_config.vocab_size)
-    whole_prompt = tuple(([len(tokens)], 0, 0) for tokens in sequences)
-    single_pass = run_paged(model, hf_config, sequences, make_metadata, make_block_tables,
-                            whole_prompt, dtype=torch.bfloat16, backend=TorchAttentionBackend(use_cpu_kernel=False))
-    chunked = run_paged(model, hf_config, sequences, make_metadata, make_block_tables, dtype=torch.bfloat16)
+    sequences, single_pass, chunked = bf16_runs(model_dir, make_metadata, make_block_tables)
     with torch.no_grad():
         for tokens, ours_single, ours_chunked in zip(sequences, single_pass, chunked):
             reference = hf_model(tokens[None]).logits[0].float()
