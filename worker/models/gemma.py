@@ -24,7 +24,7 @@ from torch import nn
 from common.parallel_layout import TensorShard, stage_layers
 from common.pooling_params import is_bare_decoder_config
 from worker.attention.step_context import paged_attention
-from worker.models.llama import DecoderLayer, LlamaForCausalLM, ModelSizes, _param, row_parallel
+from worker.models.llama import DecoderLayer, LlamaForCausalLM, ModelSizes, _param, project_qkv, row_parallel
 from worker.models.packed_linear import linear, pack_weight, packing_supported
 from worker.models.rotary import RotaryEmbedding, apply_rotary
 
@@ -64,9 +64,7 @@ def gemma_decoder_layer(layer: GemmaDecoderLayer, hidden: torch.Tensor, cos: tor
     s = layer.sizes
     num_tokens = hidden.shape[0]
     x = gemma_rms_norm(hidden, layer.input_norm, s.eps)
-    qkv = linear(x, layer.qkv_weight, layer.qkv_bias, layer.qkv_packed)
-    q, k, v = qkv.split([s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim,
-                         s.num_kv_heads * s.head_dim], dim=-1)
+    _, q, k, v = project_qkv(layer, x)
     q = q.reshape(num_tokens, s.num_heads, s.head_dim)
     k = k.reshape(num_tokens, s.num_kv_heads, s.head_dim)
     if layer.q_norm is not None:

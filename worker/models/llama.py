@@ -94,9 +94,7 @@ def decoder_layer(layer: DecoderLayer, hidden: torch.Tensor, cos: torch.Tensor, 
     s = layer.sizes
     num_tokens = hidden.shape[0]
     x = rms_norm(hidden, layer.input_norm, s.eps)
-    qkv = linear(x, layer.qkv_weight, layer.qkv_bias, layer.qkv_packed)
-    q, k, v = qkv.split([s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim,
-                         s.num_kv_heads * s.head_dim], dim=-1)
+    qkv, q, k, v = project_qkv(layer, x)
     if layer.q_norm is not None:
         q = rms_norm(q.reshape(num_tokens, s.num_heads, s.head_dim), layer.q_norm, s.eps)
         k = rms_norm(k.reshape(num_tokens, s.num_kv_heads, s.head_dim), layer.k_norm, s.eps)
@@ -114,6 +112,14 @@ def decoder_layer(layer: DecoderLayer, hidden: torch.Tensor, cos: torch.Tensor, 
         return hidden + layer.mlp(x)
     activated = linear_silu(x, layer.gate_up_weight, layer.gate_up_bias, layer.gate_up_packed)
     return hidden + row_parallel(layer, activated, layer.down_weight, layer.down_bias, layer.down_packed)
+
+
+def project_qkv(layer: DecoderLayer, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The fused q/k/v projection and its three views (flat rows: [T, heads * head_dim])."""
+    s = layer.sizes
+    qkv = linear(x, layer.qkv_weight, layer.qkv_bias, layer.qkv_packed)
+    return qkv, *qkv.split([s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.num_kv_heads * s.head_dim],
+                           dim=-1)
 
 
 def row_parallel(layer: DecoderLayer, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
