@@ -47,6 +47,7 @@ class Case:
     strided_inputs: bool = False  # q/k/v as column slices of one fused projection
     kv_scales: tuple[float, float] = (1.0, 1.0)  # an 8-bit cache's (k_scale, v_scale)
     softcap: float | None = None  # attention logit soft-capping (Gemma 2)
+    partition_size: int = 512  # split-K decode partitions (tiny ones here, so short contexts split)
 
 
 Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]
@@ -124,6 +125,19 @@ CASES = {
     "softcap_window_gqa3": Case(decode_context_lens=(2, 37), chunks=((21, 18),), num_heads=6, num_kv_heads=2,
                                 sliding_window=5, softcap=1.5),
     "softcap_bfloat16": Case(decode_context_lens=(5, 18), chunks=((7, 10),), dtype=torch.bfloat16, softcap=1.5),
+    # Split-K decode: 32-key partitions, contexts ending before, on and after partition bounds.
+    "split_decode": Case(decode_context_lens=(0, 30, 31, 32, 63, 100), partition_size=32),
+    "split_decode_gqa3_window": Case(decode_context_lens=(5, 50, 90), num_heads=6, num_kv_heads=2,
+                                     sliding_window=20, partition_size=32),
+    "split_decode_softcap_bfloat16": Case(decode_context_lens=(40, 75), dtype=torch.bfloat16, softcap=1.5,
+                                          partition_size=32),
+    "split_decode_float16_block_16": Case(decode_context_lens=(64, 65), dtype=torch.float16, block_size=16,
+                                          partition_size=32),
+    "split_decode_fp8_e4m3_cache": Case(decode_context_lens=(20, 70), dtype=torch.bfloat16,
+                                        cache_dtype=torch.float8_e4m3fn, kv_scales=(0.05, 0.02), partition_size=32),
+    "split_decode_fp8_e5m2_window": Case(decode_context_lens=(45, 80), sliding_window=33,
+                                         cache_dtype=torch.float8_e5m2, kv_scales=(2.0, 0.5), partition_size=32),
+    "split_decode_mixed": Case(decode_context_lens=(70, 2), chunks=((6, 5), (40, 9)), partition_size=32),
 }
 SOFTCAP_SCALE = 1.0  # the softcap cases' score scale: large scores, so that the cap matters
 # An 8-bit cache: the reference reads the cache the reference wrote; the interpreter may round the
@@ -181,6 +195,49 @@ def rows_changed_by_context_edit() -> dict[str, Any]:
             "owner_rows": list(range(meta.query_start_loc_cpu[owner], meta.query_start_loc_cpu[owner + 1]))}
 
 
+def padded_decode_from_device_tensors_only() -> dict[str, Any]:
+    """A pure-decode step as a CUDA-graph runner pads it: two rows with slot -1, seq_len 0 and
+    block table 0 after the real decodes, and every host-side length wrong (a captured graph
+    replays with the capture step's host values). Split-K (32-key partitions) runs."""
+    case = Case(decode_context_lens=(3, 40, 77), partition_size=32)
+    query, key, value, k_cache, v_cache, meta = build_batch(case, torch.Generator().manual_seed(7))
+    ref_k_cache, ref_v_cache = k_cache.clone(), v_cache.clone()
+    expected = reference_attention(query, key, value, ref_k_cache, ref_v_cache, meta, scale=0.25,
+                                   sliding_window=None)
+    pad = 2
+    padded = AttentionMetadata(
+        num_decodes=3 + pad, slot_mapping=torch.cat([meta.slot_mapping, torch.full((pad,), -1)]),
+        query_start_loc=torch.arange(3 + pad + 1, dtype=torch.int32),
+        seq_lens=torch.cat([meta.seq_lens, torch.zeros(pad, dtype=torch.int32)]),
+        block_tables=torch.cat([meta.block_tables, torch.zeros(pad, meta.block_tables.shape[1], dtype=torch.int32)]),
+        max_query_len=-1, max_seq_len=-1, query_start_loc_cpu=[0] * (3 + pad + 1), seq_lens_cpu=[0] * (3 + pad))
+    backend = TritonAttentionBackend(block_m=16, block_n=16, partition_size=32)
+    output = backend.forward(torch.cat([query, torch.randn(pad, *query.shape[1:])]),
+                             torch.cat([key, torch.randn(pad, *key.shape[1:])]),
+                             torch.cat([value, torch.randn(pad, *value.shape[1:])]),
+                             k_cache, v_cache, padded, scale=0.25, sliding_window=None)
+    return {
+        "partitions": backend.decode_partitions(padded, case.block_size),
+        "max_error": (output[:3] - expected).abs().max().item(),
+        "padding_rows_zero": bool((output[3:] == 0).all()),
+        "caches_equal": torch.equal(k_cache, ref_k_cache) and torch.equal(v_cache, ref_v_cache),
+    }
+
+
+def split_equals_unsplit_within_one_partition() -> bool:
+    """Sequences that fit one partition: the split path copies that partition through, so the
+    output is bit-for-bit the unsplit kernel's (eager and graph-captured steps then agree)."""
+    case = Case(decode_context_lens=(0, 9, 20, 31), sliding_window=12, dtype=torch.bfloat16)
+    batch = build_batch(case, torch.Generator().manual_seed(9))
+    outputs = []
+    for partition_size in (32, 64):  # 36 table slots: split into 2 partitions, then unsplit
+        query, key, value, k_cache, v_cache, meta = (t.clone() if isinstance(t, torch.Tensor) else t for t in batch)
+        backend = TritonAttentionBackend(block_m=16, block_n=16, partition_size=partition_size)
+        assert backend.decode_partitions(meta, case.block_size) == (2 if partition_size == 32 else 1)
+        outputs.append(backend.forward(query, key, value, k_cache, v_cache, meta, scale=0.3, sliding_window=12))
+    return torch.equal(*outputs)
+
+
 def rejected_head_mismatch() -> str:
     query, key, value, k_cache, v_cache, meta = build_batch(Case(chunks=((0, 3),)), torch.Generator().manual_seed(0))
     try:
@@ -232,11 +289,14 @@ def run_all_in_interpreter() -> dict[str, Any]:
     for name, case in CASES.items():
         # Small tiles so these tiny batches still span several query and key tiles.
         jobs[name] = lambda case=case, seed=len(name): compare_with_reference(
-            case, seed, SOFTCAP_SCALE if case.softcap else case.head_dim ** -0.5, block_m=16, block_n=16)
+            case, seed, SOFTCAP_SCALE if case.softcap else case.head_dim ** -0.5, block_m=16, block_n=16,
+            partition_size=case.partition_size)
     jobs["default_tiles"] = lambda: compare_with_reference(CASES["mixed_with_context"], 3, 0.3)
     jobs["context_edit"] = rows_changed_by_context_edit
     jobs["fp8_write"] = fp8_write_mismatches
     jobs["head_mismatch"] = rejected_head_mismatch
+    jobs["padded_decode"] = padded_decode_from_device_tensors_only
+    jobs["split_bitwise"] = split_equals_unsplit_within_one_partition
     results: dict[str, Any] = {}
     for name, job in jobs.items():
         try:
@@ -249,6 +309,7 @@ def run_all_in_interpreter() -> dict[str, Any]:
 # ---- run inside the compile subprocess (no TRITON_INTERPRET) --------------------------------
 
 INT32_POINTERS = {"block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr"}
+FLOAT32_POINTERS = {"part_out_ptr", "part_max_ptr", "part_sum_ptr"}  # split-K decode partials
 
 
 def compile_for_sm80() -> list[str]:
@@ -260,6 +321,7 @@ def compile_for_sm80() -> list[str]:
     from triton.compiler import ASTSource
 
     from worker.attention import triton_kernels as kernels
+    from worker.attention import triton_split_kernels as split_kernels
 
     compiled = []
     for dtype, cache_dtype, arch in (("fp32", "fp32", 80), ("bf16", "bf16", 80), ("bf16", "fp8e4nv", 90),
@@ -275,6 +337,10 @@ def compile_for_sm80() -> list[str]:
                                            "KV_FP8": fp8, "USE_SOFTCAP": cache_dtype == "bf16"}),
             (kernels.paged_prefill_kernel, {"BLOCK_Q": 21, "BLOCK_M": 64, "HEAD_DIM_PAD": 64, "BLOCK_N": 32,
                                             "UPCAST_DOT": False, "KV_FP8": fp8, "USE_SOFTCAP": cache_dtype == "bf16"}),
+            (split_kernels.paged_decode_split_kernel, {"GROUP_PAD": 16, "HEAD_DIM_PAD": 64, "BLOCK_N": 32,
+                                                       "PARTITION_SIZE": 512, "UPCAST_DOT": False, "KV_FP8": fp8,
+                                                       "USE_SOFTCAP": cache_dtype == "bf16"}),
+            (split_kernels.paged_decode_reduce_kernel, {"HEAD_DIM_PAD": 64, "PARTITION_SIZE": 512}),
         ]
         for kernel, constexprs in launches:
             signature = {}
@@ -285,6 +351,8 @@ def compile_for_sm80() -> list[str]:
                     signature[arg] = "*i64"
                 elif arg in ("k_cache_ptr", "v_cache_ptr"):
                     signature[arg] = f"*{cache_dtype}"
+                elif arg in FLOAT32_POINTERS:
+                    signature[arg] = "*fp32"
                 elif arg.endswith("_ptr"):
                     signature[arg] = "*i32" if arg in INT32_POINTERS else f"*{dtype}"
                 else:
@@ -350,6 +418,18 @@ def test_fp8_cache_write_is_torchs_conversion_bit_for_bit(interpreted) -> None:
 
 
 @needs_triton
+def test_padded_decode_reads_lengths_from_device_tensors_only(interpreted) -> None:
+    result = result_of(interpreted, "padded_decode")
+    assert result["partitions"] == 3  # 21 blocks of 4 slots in 32-key partitions
+    assert result["max_error"] <= 1e-5 and result["padding_rows_zero"] and result["caches_equal"]
+
+
+@needs_triton
+def test_split_decode_is_bitwise_unsplit_within_one_partition(interpreted) -> None:
+    assert result_of(interpreted, "split_bitwise") is True
+
+
+@needs_triton
 def test_rejects_mismatched_heads(interpreted) -> None:
     assert "multiple" in result_of(interpreted, "head_mismatch")
 
@@ -362,7 +442,8 @@ def test_kernels_compile_for_a_cuda_gpu(tmp_path) -> None:
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     compiled = json.loads(proc.stdout.strip().splitlines()[-1])
-    names = ("write_kv_cache_kernel", "paged_decode_kernel", "paged_prefill_kernel")
+    names = ("write_kv_cache_kernel", "paged_decode_kernel", "paged_prefill_kernel", "paged_decode_split_kernel",
+             "paged_decode_reduce_kernel")
     assert compiled == [f"{name}[{dtype}]" for dtype in ("fp32", "bf16", "fp8e4nv", "fp8e5") for name in names]
 
 
@@ -371,6 +452,10 @@ def test_rejects_tile_sizes_that_are_not_powers_of_two() -> None:
         TritonAttentionBackend(block_n=24)
     with pytest.raises(ValueError, match="block_m"):
         TritonAttentionBackend(block_m=8)
+    with pytest.raises(ValueError, match="partition_size"):
+        TritonAttentionBackend(block_n=32, partition_size=16)
+    with pytest.raises(ValueError, match="partition_size"):
+        TritonAttentionBackend(partition_size=96)
 
 
 def test_import_needs_no_triton_and_construction_explains_missing_triton() -> None:

@@ -93,7 +93,7 @@ def _tanh(x):
 
 
 @triton.jit
-def _attend_rows(
+def _attend_rows_state(
     query, positions, k_cache_ptr, v_cache_ptr, block_table_row_ptr, kv_head,
     seq_len, key_start, key_end, scale, sliding_window, softcap,
     cache_stride_b, cache_stride_o, cache_stride_h, block_size, head_dim,
@@ -101,8 +101,10 @@ def _attend_rows(
     UPCAST_DOT: tl.constexpr, KV_FP8: tl.constexpr, USE_SOFTCAP: tl.constexpr,
 ):
     """Online-softmax attention of `query` rows [ROWS, HEAD_DIM_PAD] at `positions`
-    over cached keys in [key_start, key_end); returns float32 [ROWS, HEAD_DIM_PAD]
-    (8-bit caches: before the V scale)."""
+    over cached keys in [key_start, key_end); returns (output normalised by its row sums,
+    row max, row sum), float32 (8-bit caches: before the V scale). Keys of a tile past
+    key_end are only masked by causality and seq_len: callers end ranges on tile bounds
+    or at a causal limit."""
     dims = tl.arange(0, HEAD_DIM_PAD)
     dim_mask = dims < head_dim
     # A finite start value keeps exp(m_old - m_new) defined for rows that see
@@ -136,7 +138,24 @@ def _attend_rows(
         acc = acc * rescale[:, None] + _dot(probs.to(v_tile.dtype), v_tile, UPCAST_DOT)
         row_max = new_max
     row_sum = tl.where(row_sum == 0.0, 1.0, row_sum)  # padding rows only
-    return acc / row_sum[:, None]
+    return acc / row_sum[:, None], row_max, row_sum
+
+
+@triton.jit
+def _attend_rows(
+    query, positions, k_cache_ptr, v_cache_ptr, block_table_row_ptr, kv_head,
+    seq_len, key_start, key_end, scale, sliding_window, softcap,
+    cache_stride_b, cache_stride_o, cache_stride_h, block_size, head_dim,
+    ROWS: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    UPCAST_DOT: tl.constexpr, KV_FP8: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+):
+    """_attend_rows_state's normalised output alone."""
+    out, _, _ = _attend_rows_state(
+        query, positions, k_cache_ptr, v_cache_ptr, block_table_row_ptr, kv_head,
+        seq_len, key_start, key_end, scale, sliding_window, softcap,
+        cache_stride_b, cache_stride_o, cache_stride_h, block_size, head_dim,
+        ROWS, HEAD_DIM_PAD, BLOCK_N, UPCAST_DOT, KV_FP8, USE_SOFTCAP)
+    return out
 
 
 @triton.jit
