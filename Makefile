@@ -6,7 +6,7 @@ STAMP := $(VENV)/.pagedserve-installed
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install serve test test-slow compose-test bench proto clean
+.PHONY: install serve test test-slow compose-test bench proto clean gpu-bundle
 
 install: $(STAMP)
 
@@ -32,6 +32,10 @@ test-slow: install
 # The docker compose stack for real: builds the image, then tests/compose (docs/operations.md).
 compose-test: install
 	PYTHON=$(BIN)/python scripts/docker/compose_test.sh $(PYTEST_ARGS)
+
+# Wheels and model files for tests/gpu/run_on_gpu.sh on a GPU machine without network.
+gpu-bundle: install
+	PYTHONPATH=. $(BIN)/python tests/gpu/gpu_bundle.py build/gpu-bundle
 
 proto: install
 	$(BIN)/python proto/generate.py
