@@ -15,14 +15,20 @@ from pathlib import Path
 
 from gpu_bundle import MODEL_FILES  # run with tests/gpu on sys.path (the script's own directory)
 
+RANDOM_INIT_STD = 0.2
+
 
 def build_random_model(files_dir: Path, out_dir: Path, seed: int = 0) -> dict:
     """Save a LlamaForCausalLM with the config in `files_dir` and random weights to `out_dir`
-    (float32 safetensors, HF's own initialisation under `seed`), with the tokenizer files."""
+    (float32 safetensors, HF's initialisation with std RANDOM_INIT_STD under `seed`), with the
+    tokenizer files."""
     import torch
     import transformers
 
     config = transformers.AutoConfig.from_pretrained(files_dir, local_files_only=True)
+    # Weights of std 0.2 (the checkpoint's 0.02 leaves logits nearly flat): greedy comparisons
+    # then meet no argmax near-ties (as tests/tiny_models.py).
+    config.initializer_range = RANDOM_INIT_STD
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -31,7 +37,7 @@ def build_random_model(files_dir: Path, out_dir: Path, seed: int = 0) -> dict:
         if name != "config.json" and (files_dir / name).exists():
             shutil.copy2(files_dir / name, out_dir / name)
     return {"architecture": config.architectures[0], "parameters": sum(p.numel() for p in model.parameters()),
-            "seed": seed, "random_weights": True}
+            "seed": seed, "random_weights": True, "init_std": RANDOM_INIT_STD}
 
 
 def main(argv: list[str] | None = None) -> int:

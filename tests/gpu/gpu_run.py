@@ -96,9 +96,14 @@ def build_stages(python: str, model_dir: Path, work: Path, given_model: bool) ->
     engine = ["--model", str(model_dir), "--device", "cuda", "--attention-backend", "triton", "--dtype", "bfloat16",
               "--no-detokenize", "--json"]
     bench = [python, "-m", "pagedserve.cli", "bench", "throughput"]
-    probe = ("import json, platform, torch, triton, transformers; cuda = torch.cuda.is_available(); "
+    probe = ("import importlib, json, platform, torch; cuda = torch.cuda.is_available()\n"
+             "def version(name):\n"
+             "    try:\n"
+             "        return importlib.import_module(name).__version__\n"
+             "    except Exception as exc:\n"
+             "        return f'unavailable: {exc}'\n"
              "print(json.dumps({'python': platform.python_version(), 'torch': torch.__version__, "
-             "'cuda': torch.version.cuda, 'triton': triton.__version__, 'transformers': transformers.__version__, "
+             "'cuda': torch.version.cuda, 'triton': version('triton'), 'transformers': version('transformers'), "
              "'cuda_available': cuda, 'device': torch.cuda.get_device_name() if cuda else None}))")
     model_argv = ([python, "-c", f"print('{{\"given\": \"{model_dir}\"}}')"] if given_model
                   else [python, str(GPU_TESTS / "gpu_model.py"), str(BUNDLE / "model"), str(model_dir)])

@@ -3,32 +3,17 @@
 capture of a pure-decode step replayed with other lengths. Skipped without CUDA."""
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
+from worker.attention.metadata import AttentionMetadata
 from worker.attention.reference import reference_attention
 from worker.attention.triton_backend import TritonAttentionBackend
+import triton_attention_cases as cases
+from triton_attention_cases import CASES
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
-def _interpreter_cases():
-    """tests/worker/test_triton_attention.py's cases and batch builder (loaded by path: its
-    directory is not a package, and `worker` is the project's)."""
-    path = Path(__file__).resolve().parents[1] / "worker" / "test_triton_attention.py"
-    spec = importlib.util.spec_from_file_location("triton_interpreter_cases", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-CASES_MODULE = _interpreter_cases()
-CASES = CASES_MODULE.CASES
+DEVICE = "cuda"
 
 
 def _on(device: str, batch):
@@ -46,35 +31,35 @@ def _meta_on(device: str, meta):
 @pytest.mark.parametrize("name", list(CASES))
 def test_compiled_kernels_match_reference(name: str, tiles: dict) -> None:
     case = CASES[name]
-    batch = CASES_MODULE.build_batch(case, torch.Generator().manual_seed(len(name)))
+    batch = cases.build_batch(case, torch.Generator().manual_seed(len(name)))
     query, key, value, k_cache, v_cache, meta = batch
-    scale = CASES_MODULE.SOFTCAP_SCALE if case.softcap else case.head_dim ** -0.5
+    scale = cases.SOFTCAP_SCALE if case.softcap else case.head_dim ** -0.5
     k_scale, v_scale = case.kv_scales
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
     expected = reference_attention(query, key, value, ref_k, ref_v, meta, scale=scale,
                                    sliding_window=case.sliding_window, k_scale=k_scale, v_scale=v_scale,
                                    softcap=case.softcap)
-    g_query, g_key, g_value, g_k, g_v, g_meta = _on("cuda", batch)
+    g_query, g_key, g_value, g_k, g_v, g_meta = _on(DEVICE, batch)
     partition = max(case.partition_size, tiles["block_n"])
     output = TritonAttentionBackend(**tiles, partition_size=partition).forward(
         g_query, g_key, g_value, g_k, g_v, g_meta, scale=scale, sliding_window=case.sliding_window,
         k_scale=k_scale, v_scale=v_scale, softcap=case.softcap)
-    tolerance = CASES_MODULE.TOLERANCE[case.cache_dtype or case.dtype]
+    tolerance = cases.TOLERANCE[case.cache_dtype or case.dtype]
     assert output.dtype == query.dtype
     assert (output.cpu().float() - expected.float()).abs().max().item() <= tolerance
-    assert CASES_MODULE.same_cache(case, g_k.cpu(), ref_k) and CASES_MODULE.same_cache(case, g_v.cpu(), ref_v)
+    assert cases.same_cache(case, g_k.cpu(), ref_k) and cases.same_cache(case, g_v.cpu(), ref_v)
 
 
 def test_decode_step_replays_in_a_cuda_graph_with_other_lengths() -> None:
     """Capture a padded pure-decode step (split-K: 32-key partitions over a fixed-width block
     table), then copy another step's inputs into the same buffers and replay: the output must
     be the reference's for the new lengths, the padding rows' slots (-1) untouched."""
-    case = CASES_MODULE.Case(decode_context_lens=(3, 40, 77), partition_size=32)
+    case = cases.Case(decode_context_lens=(3, 40, 77), partition_size=32)
     backend = TritonAttentionBackend(block_m=16, block_n=16, partition_size=32)
-    steps = [CASES_MODULE.build_batch(case, torch.Generator().manual_seed(seed)) for seed in (1, 2)]
+    steps = [cases.build_batch(case, torch.Generator().manual_seed(seed)) for seed in (1, 2)]
     # Step 2: other lengths, the same shapes (pad its block table to step 1's width).
-    case2 = CASES_MODULE.Case(decode_context_lens=(60, 1, 30), partition_size=32)
-    steps[1] = CASES_MODULE.build_batch(case2, torch.Generator().manual_seed(2))
+    case2 = cases.Case(decode_context_lens=(60, 1, 30), partition_size=32)
+    steps[1] = cases.build_batch(case2, torch.Generator().manual_seed(2))
     width = max(s[5].block_tables.shape[1] for s in steps) + 4
     blocks = max(s[3].shape[0] for s in steps)
     pad = 2
@@ -91,7 +76,7 @@ def test_decode_step_replays_in_a_cuda_graph_with_other_lengths() -> None:
 
     buffers = [t.cuda() for t in padded(steps[0])]
     query, key, value, k_cache, v_cache, slots, seq_lens, tables = buffers
-    meta = CASES_MODULE.AttentionMetadata(
+    meta = AttentionMetadata(
         num_decodes=3 + pad, slot_mapping=slots, query_start_loc=torch.arange(3 + pad + 1, dtype=torch.int32).cuda(),
         seq_lens=seq_lens, block_tables=tables, max_query_len=1, max_seq_len=0,
         query_start_loc_cpu=list(range(3 + pad + 1)), seq_lens_cpu=[0] * (3 + pad))
