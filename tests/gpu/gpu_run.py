@@ -14,6 +14,7 @@ import argparse
 import datetime
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -112,7 +113,8 @@ def build_stages(python: str, model_dir: Path, work: Path, given_model: bool) ->
         Stage("model", model_argv, 50, needs_cuda=False),
         Stage("decode_bandwidth", [python, str(GPU_TESTS / "decode_bandwidth.py")], 25),
         Stage("cuda_tests", [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
-                             f"--junitxml={work / 'cuda_tests.xml'}", str(GPU_TESTS)], 110,
+                             f"--junitxml={work / 'cuda_tests.xml'}", str(GPU_TESTS / "test_triton_cuda.py"),
+                             str(GPU_TESTS / "test_greedy_cuda.py")], 110,
               env={"PAGEDSERVE_GPU_MODEL": str(model_dir)}),
         # The first engine compiles the model step; later ones find inductor's cache warm.
         Stage("throughput_W1", bench + ["--workload", "W1"] + engine, 90),
@@ -180,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     report["summary"] = summarize(report["stages"])
     report["finished_utc"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     out.write_text(json.dumps(report, indent=1))
+    shutil.rmtree(work, ignore_errors=True)  # the random model (0.5 GB) and the junit file
     print(out)
     return 0
 
