@@ -27,7 +27,8 @@ def _meta_on(device: str, meta):
                          for name in meta.__dataclass_fields__})
 
 
-@pytest.mark.parametrize("tiles", [dict(block_m=16, block_n=16), dict(block_m=64, block_n=32)], ids=["small", "default"])
+@pytest.mark.parametrize("tiles", [dict(block_m=16, block_n=16), dict(block_m=64, block_n=32)],
+                         ids=["small", "default"])
 @pytest.mark.parametrize("name", list(CASES))
 def test_compiled_kernels_match_reference(name: str, tiles: dict) -> None:
     case = CASES[name]
@@ -69,8 +70,8 @@ def test_decode_step_replays_in_a_cuda_graph_with_other_lengths() -> None:
         tables = torch.zeros(3 + pad, width, dtype=torch.int32)
         tables[:3, :meta.block_tables.shape[1]] = meta.block_tables
         caches = [torch.cat([c, torch.zeros(blocks - c.shape[0], *c.shape[1:])]) for c in (k_cache, v_cache)]
-        return (torch.cat([query, torch.zeros(pad, *query.shape[1:])]), torch.cat([key, torch.ones(pad, *key.shape[1:])]),
-                torch.cat([value, torch.ones(pad, *value.shape[1:])]), *caches,
+        return (torch.cat([query, torch.zeros(pad, *query.shape[1:])]),
+                torch.cat([key, torch.ones(pad, *key.shape[1:])]), torch.cat([value, torch.ones(pad, *value.shape[1:])]), *caches,
                 torch.cat([meta.slot_mapping, torch.full((pad,), -1)]),
                 torch.cat([meta.seq_lens, torch.zeros(pad, dtype=torch.int32)]), tables)
 

@@ -94,5 +94,5 @@ def paged_decode_reduce_kernel(
             total += weight
             acc += weight * tl.load(part_out_ptr + (base + part) * HEAD_DIM_PAD + dims, mask=dim_mask, other=0.0)
         out = acc / tl.where(total == 0.0, 1.0, total)
-    tl.store(out_ptr + token * out_stride_t + head * out_stride_h + dims, (out * out_scale).to(out_ptr.dtype.element_ty),
-             mask=dim_mask)
+    tl.store(out_ptr + token * out_stride_t + head * out_stride_h + dims,
+             (out * out_scale).to(out_ptr.dtype.element_ty), mask=dim_mask)
