@@ -47,9 +47,14 @@ def layers_per_graph(num_layers: int, limit: int = MAX_LAYERS_PER_GRAPH) -> int:
     return max(size for size in range(1, min(limit, num_layers) + 1) if num_layers % size == 0)
 
 
-def inductor_available() -> bool:
-    """Inductor on CPU compiles the C++ it generates: a compiler must be on PATH."""
+def inductor_available(device: torch.device | None = None) -> bool:
+    """Inductor on CPU compiles the C++ it generates: a compiler must be on PATH. On CUDA it
+    generates triton kernels, whose launchers triton builds with a C compiler."""
+    import importlib.util
     import shutil
+    if device is not None and device.type == "cuda":
+        return importlib.util.find_spec("triton") is not None and any(
+            shutil.which(name) for name in (os.environ.get("CC", ""), "gcc", "cc", "clang") if name)
     return any(shutil.which(name) for name in (os.environ.get("CXX", ""), "g++", "c++", "clang++") if name)
 
 
@@ -88,8 +93,9 @@ class ModelForward:
         self.compile_seconds = 0.0
         self.group_size = 1  # layers a call; compiled, layers_per_graph
         self._compiled = None
-        if compile and not inductor_available():
-            logger.warning("torch.compile needs a C++ compiler (g++) on CPU; running the model eager")
+        if compile and not inductor_available(self.device):
+            logger.warning("torch.compile needs a C++ compiler (g++) on CPU, triton and a C compiler on CUDA; "
+                           "running the model eager")
             compile = False
         if compile:
             from worker.models.llama import decoder_layers
