@@ -18,8 +18,9 @@ a second graph of their own rather than a padding row, which every matmul
 would multiply (a sixth of a single-stream decode step). Both graphs are built
 at start-up (`warm_up`) and their compile time reported, so nothing compiles
 while serving; on CPU it needs a C++
-compiler (inductor generates C++), and any failure falls back to eager with a
-warning.
+compiler (inductor generates C++), on CUDA triton and a C compiler, and any
+failure falls back to eager with a warning. On CUDA, decode steps then replay
+CUDA graphs of this forward (worker.cuda_graphs).
 """
 from __future__ import annotations
 

@@ -54,19 +54,24 @@ class GraphCapture(Protocol):
 
 class CudaGraphCapture:
     """torch.cuda.CUDAGraph capture; every graph shares one memory pool (captured largest
-    first, the smaller ones fit in its blocks)."""
+    first, the smaller ones fit in its blocks). Each step runs once on the capture stream
+    before it is recorded: kernels compile and libraries set up their per-stream state
+    (cuBLAS workspaces) outside the capture, as torch's documentation asks."""
 
     def __init__(self) -> None:
-        self.graphs: list[Any] = []
         self._pool = None
+        self._stream = torch.cuda.Stream()
 
     def capture(self, step: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
+        self._stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._stream):
+            step()
+        torch.cuda.current_stream().wait_stream(self._stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with torch.cuda.graph(graph, pool=self._pool, stream=self._stream):
             output = step()
         self._pool = graph.pool()
-        self.graphs.append(graph)
-        return graph.replay, output
+        return graph.replay, output  # (the bound method keeps the graph alive, and only it)
 
 
 class DecodeGraphBuffers:
@@ -152,7 +157,6 @@ class DecodeGraphRunner:
     def _step(self, size: int) -> Callable[[], torch.Tensor]:
         buffers, meta = self.buffers, self.buffers.meta(size)
         buffers.pad(0, size)
-        self.forward(buffers.input_ids[:size], buffers.positions[:size], meta)  # warm-up: allocations, compiles
         return lambda: self.forward(buffers.input_ids[:size], buffers.positions[:size], meta)
 
     def handles(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> bool:

@@ -84,7 +84,8 @@ class Worker:
         self.backend = get_attention_backend(config.resolved_attention_backend())
         profile = cuda_memory_profile(config, self.model, self.lm_head, self.backend, spec, self.device,
                                       self.layout.world_size)  # None on CPU
-        self.num_blocks = group_minimum(num_blocks_for(config, sizing, self.device, profile))  # the same block ids on every rank
+        # The same block ids on every rank.
+        self.num_blocks = group_minimum(num_blocks_for(config, sizing, self.device, profile))
         model_limit = _model_max_len(self.hf_config)
         self.max_model_len = config.resolve_max_model_len(model_limit=model_limit, num_blocks=self.num_blocks,
                                                           sliding_window=self.shared_sliding_window())

@@ -168,6 +168,20 @@ def test_cpu_worker_forward_is_untouched() -> None:
     assert with_decode_graphs(forward, config, backend_name="triton", max_model_len=32, device=CPU) is forward
 
 
+def test_cpu_worker_runs_its_own_forward(tiny_hf_model, monkeypatch) -> None:
+    """Not eager (graphs not switched off), but on CPU: the runner gets the plain forward."""
+    import worker.compiled_forward
+    import worker.worker
+    for module in (worker.compiled_forward, worker.worker):  # no compiling: quick, and graphs stay on
+        monkeypatch.setattr(module, "inductor_available", lambda device=None: False)
+    _, directory = tiny_hf_model("LlamaForCausalLM")
+    cpu_worker = worker.worker.Worker(EngineConfig(model=str(directory), dtype="float32", device="cpu",
+                                                   attention_backend="torch", block_size=4,
+                                                   num_gpu_blocks_override=8))
+    assert cpu_worker.config.resolved_max_cudagraph_batch_size() == 256
+    assert cpu_worker.runner.forward is cpu_worker.forward  # no wrapper, nothing added per step
+
+
 def test_max_cudagraph_batch_size_config_and_flag() -> None:
     import argparse
 

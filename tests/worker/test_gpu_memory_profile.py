@@ -39,7 +39,8 @@ def test_too_small_a_budget_names_the_numbers() -> None:
         num_blocks_from_profile(PROFILE, 0.25, 2 * MiB, 300)
     message = str(error.value)
     for part in ("gpu_memory_utilization=0.25 allows 20480 MiB", "weights 16384 MiB", "peak activations 2048 MiB",
-                 "non-torch 1024 MiB", "CUDA graphs (estimate) 512 MiB", "leave 512 MiB", "room for 256 KV cache blocks",
+                 "non-torch 1024 MiB", "CUDA graphs (estimate) 512 MiB", "leave 512 MiB",
+                 "room for 256 KV cache blocks",
                  "at least 300 needed", "raise --gpu-memory-utilization"):
         assert part in message, (part, message)
     with pytest.raises(ConfigError, match="leave -3584 MiB: room for 0 KV cache blocks"):
