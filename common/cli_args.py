@@ -210,8 +210,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--enforce-eager", action="store_true",
                    help="never compile the model step; on CUDA, no CUDA graphs either")
     g.add_argument("--max-cudagraph-batch-size", type=int, default=None,
-                   help="CUDA: decode batches of up to this many sequences replay CUDA graphs captured at "
-                        "sizes 1, 2, 4, 8, 16, ... (default 256, or --max-num-seqs when smaller; 0: none)")
+                   help="CUDA: decode batches of up to this many sequences (at most --max-num-seqs) replay CUDA "
+                        "graphs captured at sizes 1, 2, 4, 8, 16, ... (default 256; 0: none)")
     g.add_argument("--greedy-rescore-near-ties", action="store_true",
                    help="bfloat16/float16 models: greedy settles near ties of the top logits by float32 dot "
                         "products (closer to float32's tokens); default off: the argmax, as vLLM")

@@ -88,7 +88,7 @@ class EngineConfig:
     seed: int = 0
     enforce_eager: bool = False  # compile the model step unless set (where supported); CUDA: no graphs either
     # CUDA: decode steps of up to this many sequences replay captured CUDA graphs (vLLM's
-    # max_capture_size); None: 256, or max_num_seqs when smaller. 0: no graphs.
+    # max_capture_size), at most max_num_seqs; None: 256 (or max_num_seqs). 0: no graphs.
     max_cudagraph_batch_size: int | None = None
     model_cache_dir: str | None = None  # where converted GGUF models are kept
     max_logprobs: int = 20  # the most (prompt) logprobs a request may ask for per token; -1: the vocabulary
@@ -208,9 +208,8 @@ class EngineConfig:
         """The largest decode batch replayed from a CUDA graph; 0: none (--enforce-eager too)."""
         if self.enforce_eager:
             return 0
-        if self.max_cudagraph_batch_size is not None:
-            return self.max_cudagraph_batch_size
-        return min(256, self.max_num_seqs)
+        wanted = 256 if self.max_cudagraph_batch_size is None else self.max_cudagraph_batch_size
+        return min(wanted, self.max_num_seqs)  # a decode step never holds more sequences
 
     def resolved_max_num_batched_tokens(self) -> int:
         if self.max_num_batched_tokens is not None:

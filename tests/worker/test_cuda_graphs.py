@@ -192,6 +192,9 @@ def test_max_cudagraph_batch_size_config_and_flag() -> None:
 
     assert EngineConfig(model="m").resolved_max_cudagraph_batch_size() == 256
     assert EngineConfig(model="m", max_num_seqs=24).resolved_max_cudagraph_batch_size() == 24
+    for wanted, max_num_seqs, resolved in ((64, 16, 16), (64, 256, 64), (0, 256, 0)):
+        config = EngineConfig(model="m", max_cudagraph_batch_size=wanted, max_num_seqs=max_num_seqs)
+        assert config.resolved_max_cudagraph_batch_size() == resolved
     assert EngineConfig(model="m", max_cudagraph_batch_size=64, enforce_eager=True) \
         .resolved_max_cudagraph_batch_size() == 0
     with pytest.raises(ConfigError, match="max_cudagraph_batch_size must be 0"):
