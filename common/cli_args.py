@@ -207,7 +207,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--max-logprobs", type=int, default=env_default("MAX_LOGPROBS", d["max_logprobs"].default),
                    help="the most logprobs / prompt_logprobs a request may ask for per token; -1: the whole "
                         "vocabulary (default 20; env PAGEDSERVE_MAX_LOGPROBS)")
-    g.add_argument("--enforce-eager", action="store_true", help="never compile the model step")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="never compile the model step; on CUDA, no CUDA graphs either")
+    g.add_argument("--max-cudagraph-batch-size", type=int, default=None,
+                   help="CUDA: decode batches of up to this many sequences (at most --max-num-seqs) replay CUDA "
+                        "graphs captured at sizes 1, 2, 4, 8, 16, ... (default 256; 0: none)")
     g.add_argument("--greedy-rescore-near-ties", action="store_true",
                    help="bfloat16/float16 models: greedy settles near ties of the top logits by float32 dot "
                         "products (closer to float32's tokens); default off: the argmax, as vLLM")
@@ -250,7 +254,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         num_gpu_blocks_override=args.num_gpu_blocks_override, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
-        enforce_eager=args.enforce_eager, model_cache_dir=args.model_cache_dir, max_logprobs=args.max_logprobs,
+        enforce_eager=args.enforce_eager, max_cudagraph_batch_size=args.max_cudagraph_batch_size,
+        model_cache_dir=args.model_cache_dir, max_logprobs=args.max_logprobs,
         greedy_rescore_near_ties=args.greedy_rescore_near_ties,
         tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
         data_parallel_size=args.data_parallel_size, distributed_init_method=args.distributed_init_method,
@@ -294,6 +299,7 @@ def engine_argv(config: EngineConfig) -> list[str]:
             "--enable-prefix-caching" if config.enable_prefix_caching else "--no-enable-prefix-caching"]
     optional = {"--max-model-len": config.max_model_len, "--max-num-batched-tokens": config.max_num_batched_tokens,
                 "--num-gpu-blocks-override": config.num_gpu_blocks_override,
+                "--max-cudagraph-batch-size": config.max_cudagraph_batch_size,
                 "--model-cache-dir": config.model_cache_dir, "--quantization": config.quantization,
                 "--distributed-init-method": config.distributed_init_method,
                 "--revision": config.revision, "--gguf-file": config.gguf_file, "--tokenizer": config.tokenizer,

@@ -86,7 +86,10 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None  # 4096 on CPU, 2048 on CUDA
     enable_prefix_caching: bool = True
     seed: int = 0
-    enforce_eager: bool = False  # compile the model step unless set (where supported)
+    enforce_eager: bool = False  # compile the model step unless set (where supported); CUDA: no graphs either
+    # CUDA: decode steps of up to this many sequences replay captured CUDA graphs (vLLM's
+    # max_capture_size), at most max_num_seqs; None: 256 (or max_num_seqs). 0: no graphs.
+    max_cudagraph_batch_size: int | None = None
     model_cache_dir: str | None = None  # where converted GGUF models are kept
     max_logprobs: int = 20  # the most (prompt) logprobs a request may ask for per token; -1: the vocabulary
     # bf16/fp16 models: settle greedy near ties (top logits within two rounding steps) by float32
@@ -142,6 +145,9 @@ class EngineConfig:
             raise ConfigError(f"max_logprobs must be -1 (no bound) or at least 0, got {self.max_logprobs}")
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.max_cudagraph_batch_size is not None and self.max_cudagraph_batch_size < 0:
+            raise ConfigError("max_cudagraph_batch_size must be 0 (no CUDA graphs) or positive, "
+                              f"got {self.max_cudagraph_batch_size}")
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -197,6 +203,13 @@ class EngineConfig:
         if self.attention_backend != "auto":
             return self.attention_backend
         return "triton" if self.resolved_device() == "cuda" else "torch"
+
+    def resolved_max_cudagraph_batch_size(self) -> int:
+        """The largest decode batch replayed from a CUDA graph; 0: none (--enforce-eager too)."""
+        if self.enforce_eager:
+            return 0
+        wanted = 256 if self.max_cudagraph_batch_size is None else self.max_cudagraph_batch_size
+        return min(wanted, self.max_num_seqs)  # a decode step never holds more sequences
 
     def resolved_max_num_batched_tokens(self) -> int:
         if self.max_num_batched_tokens is not None:

@@ -18,8 +18,9 @@ a second graph of their own rather than a padding row, which every matmul
 would multiply (a sixth of a single-stream decode step). Both graphs are built
 at start-up (`warm_up`) and their compile time reported, so nothing compiles
 while serving; on CPU it needs a C++
-compiler (inductor generates C++), and any failure falls back to eager with a
-warning.
+compiler (inductor generates C++), on CUDA triton and a C compiler, and any
+failure falls back to eager with a warning. On CUDA, decode steps then replay
+CUDA graphs of this forward (worker.cuda_graphs).
 """
 from __future__ import annotations
 
@@ -47,9 +48,14 @@ def layers_per_graph(num_layers: int, limit: int = MAX_LAYERS_PER_GRAPH) -> int:
     return max(size for size in range(1, min(limit, num_layers) + 1) if num_layers % size == 0)
 
 
-def inductor_available() -> bool:
-    """Inductor on CPU compiles the C++ it generates: a compiler must be on PATH."""
+def inductor_available(device: torch.device | None = None) -> bool:
+    """Inductor on CPU compiles the C++ it generates: a compiler must be on PATH. On CUDA it
+    generates triton kernels, whose launchers triton builds with a C compiler."""
+    import importlib.util
     import shutil
+    if device is not None and device.type == "cuda":
+        return importlib.util.find_spec("triton") is not None and any(
+            shutil.which(name) for name in (os.environ.get("CC", ""), "gcc", "cc", "clang") if name)
     return any(shutil.which(name) for name in (os.environ.get("CXX", ""), "g++", "c++", "clang++") if name)
 
 
@@ -88,8 +94,9 @@ class ModelForward:
         self.compile_seconds = 0.0
         self.group_size = 1  # layers a call; compiled, layers_per_graph
         self._compiled = None
-        if compile and not inductor_available():
-            logger.warning("torch.compile needs a C++ compiler (g++) on CPU; running the model eager")
+        if compile and not inductor_available(self.device):
+            logger.warning("torch.compile needs a C++ compiler (g++) on CPU, triton and a C compiler on CUDA; "
+                           "running the model eager")
             compile = False
         if compile:
             from worker.models.llama import decoder_layers

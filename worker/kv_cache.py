@@ -10,6 +10,7 @@ import torch
 
 from common.config import GiB, EngineConfig
 from common.errors import ConfigError
+from worker.gpu_memory_profile import MemoryProfile, num_blocks_from_profile
 from worker.huge_pages import zeros_on_huge_pages
 
 logger = logging.getLogger(__name__)
@@ -46,12 +47,19 @@ def kv_cache_spec(hf_config: Any, block_size: int, dtype: torch.dtype, *, num_la
     return KVCacheSpec(num_layers or all_layers, block_size, num_kv_heads or all_kv_heads, head_dim, dtype)
 
 
-def num_blocks_for(config: EngineConfig, spec: KVCacheSpec, device: str | torch.device) -> int:
+def num_blocks_for(config: EngineConfig, spec: KVCacheSpec, device: str | torch.device,
+                   profile: MemoryProfile | None = None) -> int:
     """How many blocks fit: `num_gpu_blocks_override` if set; on CPU `kv_cache_memory`;
-    on CUDA (call after the model is loaded) the share of device memory allowed by
-    `gpu_memory_utilization` that is not already in use."""
+    on CUDA with a memory `profile` (worker.cuda_memory_profiling) what `gpu_memory_utilization`
+    leaves after weights, peak activations, other memory and CUDA graphs; on CUDA without one
+    (worker groups; call after the model is loaded) the allowed share not already in use."""
     if config.num_gpu_blocks_override is not None:
         return config.num_gpu_blocks_override
+    if profile is not None:
+        num_blocks = num_blocks_from_profile(profile, config.gpu_memory_utilization, spec.bytes_per_block, MIN_BLOCKS)
+        logger.info("KV cache budget: %d blocks = %.2f GiB of gpu_memory_utilization=%s", num_blocks,
+                    num_blocks * spec.bytes_per_block / GiB, config.gpu_memory_utilization)
+        return num_blocks
     device = torch.device(device)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)

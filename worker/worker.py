@@ -18,6 +18,8 @@ from common.tokenizer import eos_token_ids
 from worker.attention import get_attention_backend
 from worker.attention.fp8_kv import is_fp8, kv_cache_torch_dtype
 from worker.compiled_forward import ModelForward, inductor_available
+from worker.cuda_graphs import with_decode_graphs
+from worker.cuda_memory_profiling import cuda_memory_profile
 from worker.heap_tuning import keep_freed_memory_mapped
 from worker.input_batch import InputBatch
 from worker.kv_cache import allocate_kv_caches, kv_cache_spec, num_blocks_for
@@ -69,9 +71,8 @@ class Worker:
         self.model, self.hf_config, self.model_dir = load_model(config, self.device, self.dtype, self.layout)
         self.pooler = pooler_info(config, self.model_dir, self.hf_config)  # refuses a runner the model cannot run
         self.quantization = prepare_linear_weights(self.model, config)
-        # Compiled on CPU unless --enforce-eager (CUDA runs eager: its compile path is untested).
-        compile_step = not config.enforce_eager and self.device.type == "cpu"
-        self.lm_head = self._lm_head(compile_step)
+        compile_step = not config.enforce_eager  # the model step; the lm_head's scan on CPU only
+        self.lm_head = self._lm_head(compile_step and self.device.type == "cpu")
         if self.device.type == "cpu":  # after loading, whose temporary copies may go back to the kernel
             keep_freed_memory_mapped()  # steps then reuse their activations' pages instead of faulting them in
         spec = kv_cache_spec(self.hf_config, config.block_size, self.kv_cache_dtype,
@@ -80,7 +81,11 @@ class Worker:
         self.draft_model = self._draft_model()
         sizing = spec if self.draft_model is None else dataclasses.replace(
             spec, num_layers=spec.num_layers + self._draft_layers_equivalent(spec))
-        self.num_blocks = group_minimum(num_blocks_for(config, sizing, self.device))  # the same block ids on every rank
+        self.backend = get_attention_backend(config.resolved_attention_backend())
+        profile = cuda_memory_profile(config, self.model, self.lm_head, self.backend, spec, self.device,
+                                      self.layout.world_size)  # None on CPU
+        # The same block ids on every rank.
+        self.num_blocks = group_minimum(num_blocks_for(config, sizing, self.device, profile))
         model_limit = _model_max_len(self.hf_config)
         self.max_model_len = config.resolve_max_model_len(model_limit=model_limit, num_blocks=self.num_blocks,
                                                           sliding_window=self.shared_sliding_window())
@@ -93,7 +98,6 @@ class Worker:
         # An 8-bit cache's per-layer scales (this rank's layers); other caches have none.
         self.kv_scales = read_kv_scales(safetensors_files(self.model_dir), range(
             self.model.first_layer, self.model.end_layer)) if is_fp8(self.kv_cache_dtype) else None
-        self.backend = get_attention_backend(config.resolved_attention_backend())
         eos_ids = eos_token_ids(self.model_dir)
         self.grammar_compiler = GrammarCompiler(config.tokenizer or self.model_dir, int(self.hf_config.vocab_size),
                                                 eos_ids)
@@ -105,8 +109,12 @@ class Worker:
             self.draft_model.allocate(self.num_blocks, self.max_model_len, self.backend)
         speculator = (Speculator(config.speculative_config, self.draft_model)
                       if config.speculative_config is not None else None)
+        # CUDA: decode steps replay CUDA graphs; elsewhere this is self.forward itself.
+        step_forward = with_decode_graphs(self.forward, config, backend_name=config.resolved_attention_backend(),
+                                          max_model_len=self.max_model_len, device=self.device,
+                                          world_size=self.layout.world_size)
         self.runner = ModelRunner(self.model, self.lm_head, self.kv_caches, self.backend, config.block_size,
-                                  self.device, seed=config.seed, forward=self.forward, speculator=speculator)
+                                  self.device, seed=config.seed, forward=step_forward, speculator=speculator)
         started = time.perf_counter()
         self.runner.warm_up()
         if self.forward.compiled:
