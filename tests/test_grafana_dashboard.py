@@ -145,3 +145,16 @@ def test_every_metric_the_dashboard_queries_is_exported_by_a_running_server(dash
             assert values[name] > 0, f"{name}: one request made no observation"
     all_labels = set().union(*(exported[n] for n in queried if n in exported))
     assert grouped <= all_labels | TARGET_LABELS, f"grouped by unknown labels {grouped - all_labels}"
+
+
+def test_the_preview_script_replaces_every_grafana_variable(dashboard):
+    """scripts/dashboard_preview.py (the README picture) sends Prometheus no `$variable`."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("dashboard_preview", ROOT / "scripts/dashboard_preview.py")
+    preview = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(preview)
+    for expr in dashboard_queries(dashboard):
+        sent = preview.substitute(expr, "20s")
+        assert "$" not in sent and ("rate(" not in sent or "[20s]" in sent), sent
+    assert preview.substitute('rate(x{job=~"$job"}[$__rate_interval])', "1m") == 'rate(x{job=~".+"}[1m])'
+    assert preview.legend("{{replica}} p{{ le }}", {"replica": "0", "le": "1"}) == "0 p1"
