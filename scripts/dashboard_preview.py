@@ -5,11 +5,17 @@ Prometheus (its HTTP API, query_range) over a time window and plots each panel a
 chart, laid out in the dashboard's rows. Grafana's variables are replaced: $job and
 $model_name match everything, $__rate_interval becomes --rate-interval.
 
-How docs/images/dashboard.png was made, on one machine without Grafana:
-    pagedserve serve --port 8000 --kv-cache-memory 256MiB &
-    prometheus --config.file=prom.yml &      # scrape_interval 2s, target 127.0.0.1:8000
-    pagedserve bench serving --base-url http://127.0.0.1:8000 --workload P1 ...   # a few minutes of load
-    python scripts/dashboard_preview.py --prometheus http://127.0.0.1:9090 --minutes 10 --output docs/images/dashboard.png
+How docs/images/dashboard.png was made, on one shared 2-core CPU machine without Grafana
+(smollm2-135m-instruct, bfloat16, C++ kernels on; Debian's prometheus 2.42):
+    pagedserve serve --port 8000 --kv-cache-memory 256MiB &    # 364 blocks: W2 below preempts
+    prometheus --config.file=prom.yml &      # scrape_interval 2s, one job scraping 127.0.0.1:8000
+    B="--base-url http://127.0.0.1:8000"
+    pagedserve bench serving $B --workload W1 --num-requests 24 --rate 0.5 --max-concurrency 8
+    pagedserve bench serving $B --workload P1 --num-requests 32 --rate 1 --max-concurrency 8
+    pagedserve bench serving $B --workload W2 --num-requests 48 --max-concurrency 48
+    # then four streamed completions cut off by the client (the aborts)
+    python scripts/dashboard_preview.py --prometheus http://127.0.0.1:9090 --minutes 9.2 \\
+        --output docs/images/dashboard.png
 """
 from __future__ import annotations
 

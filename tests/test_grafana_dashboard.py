@@ -75,7 +75,8 @@ def dashboard() -> dict:
 
 
 def test_the_reference_extractor_skips_functions_groupings_keywords_and_durations():
-    expr = ('histogram_quantile(0.99, sum by (le, model_name) (rate(a:b_bucket{job=~"$job", x!="y{z}"}[$__rate_interval])))'
+    expr = ('histogram_quantile(0.99, sum by (le, model_name) '
+            '(rate(a:b_bucket{job=~"$job", x!="y{z}"}[$__rate_interval])))'
             ' / on (instance) group_left max without (replica) (c_total offset 5m) > bool 1e3 or vector(0)')
     metrics, grouped = promql_references(expr)
     assert metrics == {"a:b_bucket": {"job", "x"}, "c_total": set()}
@@ -93,8 +94,9 @@ def test_the_dashboard_is_grafana_shaped_and_reads_the_datasource_variable(dashb
     cells: set[tuple[int, int]] = set()
     for panel in dashboard["panels"]:
         grid = panel["gridPos"]
-        assert all(isinstance(grid[k], int) for k in ("h", "w", "x", "y")) and grid["x"] + grid["w"] <= 24, panel["title"]
-        area = {(x, y) for x in range(grid["x"], grid["x"] + grid["w"]) for y in range(grid["y"], grid["y"] + grid["h"])}
+        assert all(isinstance(grid[k], int) for k in "hwxy") and grid["x"] + grid["w"] <= 24, panel["title"]
+        area = {(x, y) for x in range(grid["x"], grid["x"] + grid["w"])
+                for y in range(grid["y"], grid["y"] + grid["h"])}
         assert not area & cells, f"{panel['title']} overlaps another panel"
         cells |= area
         if panel["type"] == "row":
