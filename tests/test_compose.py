@@ -45,6 +45,11 @@ def compose() -> dict:
     return load("compose.yaml")
 
 
+def pagedserve_services(compose: dict) -> dict:
+    """The services that run the pagedserve image (not the monitoring profile's Prometheus/Grafana)."""
+    return {name: s for name, s in compose["services"].items() if s.get("image", "").startswith("pagedserve:")}
+
+
 def env_vars_read_by_code() -> set[str]:
     """PAGEDSERVE_* names the code reads, directly or through env_default/default_address, and
     other variables it reads from os.environ (torchrun's LOCAL_RANK, ...)."""
@@ -74,7 +79,7 @@ def test_the_four_component_services_exist_and_tokenizer_scales(compose):
 
 
 def test_every_service_command_parses_with_the_real_cli(compose, monkeypatch):
-    for name, service in compose["services"].items():
+    for name, service in pagedserve_services(compose).items():
         command = service["command"]
         assert command[0] == "pagedserve" and command[1] in COMMANDS, f"{name}: {command}"
         for key, value in service.get("environment", {}).items():
@@ -89,7 +94,7 @@ def test_every_service_command_parses_with_the_real_cli(compose, monkeypatch):
 
 def test_compose_sets_only_variables_the_code_reads(compose):
     known = env_vars_read_by_code()
-    for name, service in compose["services"].items():
+    for name, service in pagedserve_services(compose).items():
         for key in service.get("environment", {}):
             assert key in known, f"{name} sets {key}, which no code reads"
 
@@ -120,6 +125,34 @@ def test_the_tp2_profile_is_one_worker_group_of_two_ranks(compose):
     assert (env0["LOCAL_RANK"], env1["LOCAL_RANK"], env0["LOCAL_WORLD_SIZE"]) == ("0", "1", "2")
     assert "--worker-address" not in flags0 and env0["PAGEDSERVE_WORKER_ADDRESS"] == "tcp://scheduler:5558"
     assert group["worker-tp2-rank0"]["depends_on"] == {"scheduler": {"condition": "service_healthy"}}
+
+
+def test_the_monitoring_profile_scrapes_the_frontend_and_provisions_the_dashboard(compose):
+    """`--profile monitoring`: Prometheus scrapes the frontend's published /metrics port, Grafana
+    reads that Prometheus and loads the dashboard from the folder the provider names."""
+    services = compose["services"]
+    monitoring = {name for name, s in services.items() if "monitoring" in s.get("profiles", [])}
+    assert monitoring == {"prometheus", "grafana"} == set(services) - set(pagedserve_services(compose))
+    mounts = {name: dict(v.rsplit(":", 1)[0].split(":", 1) for v in services[name]["volumes"] if v.startswith("./"))
+              for name in monitoring}
+    for name, files in mounts.items():
+        for source in files:
+            assert (ROOT / source).exists(), f"{name} mounts {source}, which does not exist"
+    prometheus_config = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
+    (job,) = prometheus_config["scrape_configs"]
+    (target,) = [t for c in job["static_configs"] for t in c["targets"]]
+    frontend = services["frontend"]
+    port = dict(zip(frontend["command"][2::2], frontend["command"][3::2]))["--port"]
+    assert target == f"frontend:{port}" and job.get("metrics_path", "/metrics") == "/metrics"
+    assert "internal" in services["prometheus"]["networks"] and "internal" in services["grafana"]["networks"]
+    (datasource,) = yaml.safe_load(
+        (ROOT / "deploy/grafana/provisioning/datasources/prometheus.yaml").read_text())["datasources"]
+    assert datasource["type"] == "prometheus" and datasource["url"] == "http://prometheus:9090"
+    (provider,) = yaml.safe_load(
+        (ROOT / "deploy/grafana/provisioning/dashboards/pagedserve.yaml").read_text())["providers"]
+    assert mounts["grafana"]["./deploy/grafana/dashboards"] == provider["options"]["path"]
+    assert mounts["grafana"]["./deploy/grafana/provisioning"] == "/etc/grafana/provisioning"
+    assert all(p.startswith("127.0.0.1:") for p in services["grafana"]["ports"]), "Grafana only on localhost"
 
 
 def run_healthcheck(test: list[str], visible_pids: list[int | str]) -> int:
@@ -177,7 +210,8 @@ def test_compose_itself_reads_both_files():
         ["docker", "compose", "version"], capture_output=True).returncode == 0 else ["docker-compose"])
     if not shutil.which(command[0]):
         pytest.skip("no compose command installed (make compose-test installs one)")
-    for files in (["compose.yaml"], ["compose.yaml", "compose.gpu.yaml"]):
-        args = [x for f in files for x in ("-f", f)]
+    for files, profiles in ((["compose.yaml"], []), (["compose.yaml"], ["monitoring"]),
+                            (["compose.yaml", "compose.gpu.yaml"], [])):
+        args = [x for f in files for x in ("-f", f)] + [x for p in profiles for x in ("--profile", p)]
         result = subprocess.run([*command, *args, "config", "-q"], cwd=ROOT, capture_output=True, text=True)
         assert result.returncode == 0, result.stderr
