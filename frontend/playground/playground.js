@@ -1,10 +1,9 @@
-// The playground page: chat with streamed replies through /v1/chat/completions,
-// the model picker from /v1/models, and a live panel from /metrics. The API key
-// (when the server has --api-key) lives in sessionStorage: this tab only.
+// The playground page: chat with streamed replies through /v1/chat/completions
+// and the model picker from /v1/models (the /metrics panel: live_metrics.js).
+// The API key (when the server has --api-key) lives in sessionStorage: this tab only.
 "use strict";
 
 const KEY_STORAGE = "pagedserve.apiKey";
-const METRICS_INTERVAL_MS = 2000;
 const $ = (id) => document.getElementById(id);
 
 const chat = {messages: [], controller: null};
@@ -147,7 +146,11 @@ async function generate() {
   try {
     const response = await fetch("/v1/chat/completions", {method: "POST", headers: apiHeaders(),
       body: JSON.stringify(requestBody()), signal: chat.controller.signal});
-    if (!response.ok) throw new Error(await errorText(response));
+    if (!response.ok) {
+      const text = await errorText(response);
+      if (response.status === 401) askForKey("The server refused the key. " + text);
+      throw new Error(text);
+    }
     await readEvents(response, (event) => {
       if (event.error) throw new Error(event.error.message || JSON.stringify(event.error));
       if (event.usage) reply.usageTokens = event.usage.completion_tokens;
@@ -212,59 +215,6 @@ function regenerate() {
   if (chat.messages.length && chat.messages[chat.messages.length - 1].role === "user") generate();
 }
 
-// Prometheus text format: the sum of each sample name's values over its label sets.
-function parseMetrics(text) {
-  const values = {};
-  for (const line of text.split("\n")) {
-    if (!line || line.startsWith("#")) continue;
-    const match = line.match(/^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{.*\})?\s+(\S+)/);
-    if (!match) continue;
-    const value = Number(match[3]);
-    if (!Number.isNaN(value)) values[match[1]] = (values[match[1]] || 0) + value;
-  }
-  return values;
-}
-
-const live = {previous: null, previousAt: 0};
-
-function counter(values, name) {
-  return values["pagedserve:" + name + "_total"] ?? values["pagedserve:" + name];
-}
-
-async function refreshMetrics() {
-  try {
-    const response = await fetch("/metrics");
-    if (!response.ok) throw new Error("HTTP " + response.status);
-    const values = parseMetrics(await response.text());
-    const now = performance.now();
-    const gauge = (name) => values["pagedserve:" + name];
-    const show = (id, value) => { $(id).textContent = value === undefined ? "–" : value; };
-    show("m-running", gauge("num_requests_running"));
-    show("m-waiting", gauge("num_requests_waiting"));
-    const kv = gauge("kv_cache_usage_perc");
-    show("m-kv", kv === undefined ? undefined : (kv * 100).toFixed(1) + " %");
-    const hits = counter(values, "prefix_cache_hits"), queries = counter(values, "prefix_cache_queries");
-    const before = live.previous;
-    let hitRate;
-    if (before && queries > counter(before, "prefix_cache_queries")) {  // over the last interval
-      hitRate = (hits - counter(before, "prefix_cache_hits")) / (queries - counter(before, "prefix_cache_queries"));
-    } else if (queries > 0) {  // since the start
-      hitRate = hits / queries;
-    }
-    show("m-prefix", hitRate === undefined ? undefined : (hitRate * 100).toFixed(1) + " %");
-    const generated = counter(values, "generation_tokens");
-    if (before && generated !== undefined && counter(before, "generation_tokens") !== undefined) {
-      const rate = (generated - counter(before, "generation_tokens")) / ((now - live.previousAt) / 1000);
-      show("m-tps", rate.toFixed(1));
-    }
-    live.previous = values;
-    live.previousAt = now;
-    $("metrics-state").textContent = "live";
-  } catch (e) {
-    $("metrics-state").textContent = "(metrics unavailable: " + e.message + ")";
-  }
-}
-
 function bindRange(id) {
   const update = () => { $(id + "-value").textContent = $(id).value; };
   $(id).addEventListener("input", update);
@@ -294,6 +244,5 @@ document.addEventListener("DOMContentLoaded", () => {
   });
   $("key-button").addEventListener("click", () => askForKey("The key is kept in this tab only."));
   loadModels();
-  refreshMetrics();
-  setInterval(refreshMetrics, METRICS_INTERVAL_MS);
+  startLiveMetrics();
 });

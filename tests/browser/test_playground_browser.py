@@ -152,14 +152,22 @@ def test_the_playground_in_a_browser(server, browser, tmp_path):
     assert html.startswith("<p><strong>Paris</strong> &lt;img src=x onerror=alert(1)&gt; [a](javascript:")
     assert '<a href="https://example.com" target="_blank" rel="noopener noreferrer">b</a>' in html
 
-    # The live panel from /metrics (it showed the story running above).
+    # The live panel from /metrics (it showed the story running above), against the server's numbers.
     wait_until(lambda: page.find("#m-kv").text.endswith("%"), 10, "the KV-cache use")
     assert page.find("#metrics-state").text == "live"
     wait_until(lambda: page.find("#m-running").text == page.find("#m-waiting").text == "0", 10, "an idle server")
     assert float(page.find("#m-tps").text) >= 0
-    samples = metric_samples(server)
-    if samples.get("pagedserve:prefix_cache_queries_total"):
-        assert page.find("#m-prefix").text.endswith("%")
+    samples = metric_samples(server)  # idle: the panel's hit rate is the one since the start
+    hit_rate = samples["pagedserve:prefix_cache_hits_total"] / samples["pagedserve:prefix_cache_queries_total"] * 100
+    wait_until(lambda: page.find("#m-prefix").text == f"{hit_rate:.1f} %", 10, f"a prefix hit rate of {hit_rate:.1f} %")
+    assert page.find("#m-kv").text == f"{100 * samples['pagedserve:kv_cache_usage_perc']:.1f} %"
+    # Data parallel: one series per replica; the KV-cache use is their mean, request counts their sum.
+    two_replicas = page.js("return parseMetrics(arguments[0])", "\n".join([
+        '# TYPE pagedserve:kv_cache_usage_perc gauge',
+        'pagedserve:kv_cache_usage_perc{model_name="m",replica="0"} 0.5',
+        'pagedserve:kv_cache_usage_perc{model_name="m",replica="1"} 0.25']))
+    assert two_replicas == {"sum": {"pagedserve:kv_cache_usage_perc": 0.75},
+                            "count": {"pagedserve:kv_cache_usage_perc": 2}}
 
     screenshot = tmp_path / "playground.png"
     assert browser.save_screenshot(str(screenshot))

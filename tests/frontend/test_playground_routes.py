@@ -21,8 +21,8 @@ def test_the_page_and_its_assets_are_served(server):
     assert "script-src 'self'" in page.headers["content-security-policy"]
     assert page.text == (ASSETS / "index.html").read_text()
     referenced = re.findall(r'(?:src|href)="(/playground/[^"]+)"', page.text)
-    assert sorted(referenced) == ["/playground/markdown.js", "/playground/playground.css",
-                                  "/playground/playground.js"]
+    assert sorted(referenced) == ["/playground/live_metrics.js", "/playground/markdown.js",
+                                  "/playground/playground.css", "/playground/playground.js"]
     for path in referenced:
         asset = httpx.get(server.base_url + path, timeout=30)
         assert asset.status_code == 200, path
