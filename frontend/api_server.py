@@ -31,6 +31,7 @@ from frontend.openai.serving_responses import (cancel_response, create_response,
                                                retrieve_response)
 from frontend.openai.serving_tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 from frontend.frontend_state import FrontendState
+from frontend.playground_routes import add_playground
 
 logger = logging.getLogger(__name__)
 
@@ -72,9 +73,10 @@ def _is_type_name(part: str) -> bool:
 
 
 def build_app(state: FrontendState, *, api_key: str | None = None, max_body_bytes: int | None = None,
-              cors: CorsSettings | None = None) -> FastAPI:
+              cors: CorsSettings | None = None, playground: bool = True) -> FastAPI:
     """The API; with `api_key`, /v1 routes need it; bodies above `max_body_bytes` get 413;
-    `cors`: which browser pages may call it (None: no CORS headers, browsers refuse them)."""
+    `cors`: which browser pages may call it (None: no CORS headers, browsers refuse them);
+    `playground`: serve the playground page at `/` (frontend/playground_routes.py)."""
     app = FastAPI(title="pagedserve", version=server_version(), docs_url=None, redoc_url=None)
     app.state.frontend = state
     app.add_middleware(RequestGuard, api_key=api_key, max_body_bytes=max_body_bytes)
@@ -180,4 +182,6 @@ def build_app(state: FrontendState, *, api_key: str | None = None, max_body_byte
     async def server_version_route() -> JSONResponse:
         return JSONResponse({"version": server_version()})
 
+    if playground:
+        add_playground(app)
     return app

@@ -165,7 +165,7 @@ async def run_frontend(args: argparse.Namespace) -> None:
                                                      tls_key_pair=tls.grpc_key_pair() if tls else None)
     # log_config=None: uvicorn's records go through our handler and format.
     app = build_app(state, api_key=args.api_key, max_body_bytes=args.max_request_body_size,
-                    cors=CorsSettings.from_args(args))
+                    cors=CorsSettings.from_args(args), playground=not args.disable_playground)
     server = GracefulServer(uvicorn.Config(app, log_config=None, access_log=not args.disable_uvicorn_access_log,
                                            ssl_keyfile=tls.keyfile if tls else None,
                                            ssl_certfile=tls.certfile if tls else None),
@@ -177,6 +177,8 @@ async def run_frontend(args: argparse.Namespace) -> None:
                 "https" if tls else "http", args.host, http_port, " (TLS)" if tls else "", args.host, grpc_port,
                 engine.scheduler_address, control.address, args.tokenizer_address,
                 "; API key required" if args.api_key else "")
+    if not args.disable_playground:
+        logger.info("playground page on %s://%s:%d/", "https" if tls else "http", args.host, http_port)
     try:
         await server.serve(sockets=[http_socket])
     finally:

@@ -2,7 +2,8 @@
 (`--allowed-origins` and friends, JSON lists; every origin by default, as
 vLLM, so a browser page may call the API), `--response-role`, logging
 (`--enable-log-requests` with `--max-log-len`; uvicorn's access log, on as in
-vLLM unless `--disable-uvicorn-access-log`), `--return-tokens-as-token-ids`, TLS (`--ssl-keyfile` with
+vLLM unless `--disable-uvicorn-access-log`), `--return-tokens-as-token-ids`,
+`--disable-playground` (no page at GET /), TLS (`--ssl-keyfile` with
 `--ssl-certfile`: HTTPS, and gRPC over TLS on the same key; the frontend's
 client of the scheduler's control service then speaks TLS too), and how long
 requests wait for a lost scheduler (`--scheduler-restart-timeout`)."""
@@ -52,7 +53,8 @@ _SWITCHES = [("--allow-credentials", "ALLOW_CREDENTIALS", "CORS: let those pages
               "log each request (its prompt and sampling parameters) and how it ended"),
              ("--disable-uvicorn-access-log", "DISABLE_UVICORN_ACCESS_LOG", "no log line per HTTP request"),
              ("--return-tokens-as-token-ids", "RETURN_TOKENS_AS_TOKEN_IDS",
-              'logprobs name tokens "token_id:{id}" unless a request says otherwise')]
+              'logprobs name tokens "token_id:{id}" unless a request says otherwise'),
+             ("--disable-playground", "DISABLE_PLAYGROUND", "no playground page at GET / (it is on by default)")]
 
 
 def add_frontend_options(parser: argparse.ArgumentParser) -> None:
