@@ -29,10 +29,10 @@ def run_transformers(model_dir: str, requests: list[BenchRequest], *, dtype: str
     model.generation_config.pad_token_id = pad_id
     model.generation_config.eos_token_id = None  # ignore_eos: every row runs to max_new_tokens
 
-    batches = _static_batches(requests, batch_size)
-    _generate(model, [BenchRequest(requests[0].prompt_token_ids[:8], 2)], pad_id)  # warm-up
+    batches = static_batches(requests, batch_size)
+    generate_batch(model, [BenchRequest(requests[0].prompt_token_ids[:8], 2)], pad_id)  # warm-up
     started = time.perf_counter()
-    output_tokens = sum(_generate(model, batch, pad_id) for batch in batches)
+    output_tokens = sum(generate_batch(model, batch, pad_id) for batch in batches)
     elapsed = time.perf_counter() - started
     summary = workload_summary(requests)
     return {
@@ -50,7 +50,7 @@ def run_transformers(model_dir: str, requests: list[BenchRequest], *, dtype: str
     }
 
 
-def _static_batches(requests: list[BenchRequest], batch_size: int | None) -> list[list[BenchRequest]]:
+def static_batches(requests: list[BenchRequest], batch_size: int | None) -> list[list[BenchRequest]]:
     by_length: dict[int, list[BenchRequest]] = defaultdict(list)
     for request in requests:
         by_length[request.max_tokens].append(request)
@@ -61,8 +61,8 @@ def _static_batches(requests: list[BenchRequest], batch_size: int | None) -> lis
     return batches
 
 
-def _generate(model: Any, batch: list[BenchRequest], pad_id: int) -> int:
-    """Greedy generation for one static batch; returns the number of new tokens."""
+def generate_batch(model: Any, batch: list[BenchRequest], pad_id: int, device: Any = "cpu") -> int:
+    """Greedy generation for one static batch on `device`; returns the number of new tokens."""
     import torch
 
     width = max(len(r.prompt_token_ids) for r in batch)
@@ -74,8 +74,8 @@ def _generate(model: Any, batch: list[BenchRequest], pad_id: int) -> int:
         attention_mask[row, width - len(ids):] = 1
     new_tokens = batch[0].max_tokens
     with torch.inference_mode():
-        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=new_tokens,
-                             min_new_tokens=new_tokens, do_sample=False)
+        out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                             max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
     generated = out.shape[1] - width
     if generated != new_tokens:
         raise RuntimeError(f"transformers generated {generated} tokens per row, expected {new_tokens}")

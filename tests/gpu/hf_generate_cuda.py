@@ -13,30 +13,11 @@ import sys
 import time
 
 
-def generate_batch(model, batch, pad_id: int, device) -> int:
-    import torch
-
-    width = max(len(r.prompt_token_ids) for r in batch)
-    input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
-    for row, request in enumerate(batch):
-        ids = request.prompt_token_ids
-        input_ids[row, width - len(ids):] = torch.tensor(ids)
-        attention_mask[row, width - len(ids):] = 1
-    new_tokens = batch[0].max_tokens
-    with torch.inference_mode():
-        out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                             max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
-    if out.shape[1] - width != new_tokens:
-        raise RuntimeError(f"transformers generated {out.shape[1] - width} tokens per row, expected {new_tokens}")
-    return new_tokens * len(batch)
-
-
 def main(argv: list[str] | None = None) -> int:
     import torch
     import transformers
 
-    from pagedserve.bench.hf_baseline import _static_batches
+    from pagedserve.bench.hf_baseline import generate_batch, static_batches
     from pagedserve.bench.workloads import BenchRequest, resolve_workload, workload_summary
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -56,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.synchronize()
     started = time.perf_counter()
     output_tokens = sum(generate_batch(model, batch, 0, args.device)
-                        for batch in _static_batches(requests, args.batch_size))
+                        for batch in static_batches(requests, args.batch_size))
     if args.device == "cuda":
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - started
