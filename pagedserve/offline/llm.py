@@ -29,7 +29,7 @@ from common.tokenizer import apply_chat_template, load_tokenizer
 from scheduler.scheduler import Scheduler
 from pagedserve.offline.offline_beam_search import run_beam_search
 from pagedserve.offline.offline_embed import EmbeddingRequestOutput, run_embed
-from pagedserve.offline.offline_images import prompt_images
+from pagedserve.offline.offline_images import chat_image_prompt, has_image_parts, prompt_images
 from pagedserve.offline.offline_outputs import CompletionOutput, GenerationOutput, OfflineRequest
 from pagedserve.offline.data_parallel import ReplicaProcesses, run_sharded
 from pagedserve.offline.follower_ranks import FollowerRanks
@@ -144,11 +144,11 @@ class LLM:
              chat_template_kwargs: dict | None = None, chat_template: str | None = None) -> list[GenerationOutput]:
         """`chat_template`: a Jinja template (the text) used instead of the model's, as vLLM's."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [{"prompt_token_ids": apply_chat_template(
-            self.tokenizer, conv, add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message, chat_template_kwargs=chat_template_kwargs,
-            chat_template=chat_template)}
-            for conv in conversations]
+        render = dict(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                      chat_template_kwargs=chat_template_kwargs, chat_template=chat_template)
+        prompts = [chat_image_prompt(self, conv, **render) if has_image_parts(conv)
+                   else {"prompt_token_ids": apply_chat_template(self.tokenizer, conv, **render)}
+                   for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def embed(self, prompts: PromptInput | Sequence[PromptInput],

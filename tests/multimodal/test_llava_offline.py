@@ -67,3 +67,26 @@ def test_bad_image_prompts_are_invalid_requests(llava):
     with pytest.raises(InvalidRequestError, match="only 'image'"):
         llm.generate({"prompt": PROMPT, "multi_modal_data": {"video": random_image(0)}}, params)
     assert llm.generate("still serving", params, use_tqdm=False)[0].outputs[0].token_ids
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'].upper() }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}ASSISTANT:{% endif %}")
+
+
+def test_chat_with_a_data_url_image_equals_transformers(llava):
+    import base64
+
+    from tests.tiny_vision_models import png_bytes
+
+    model, processor, llm = llava
+    image = random_image(5)
+    url = "data:image/png;base64," + base64.b64encode(png_bytes(image)).decode()
+    messages = [{"role": "user", "content": [{"type": "text", "text": "What is this?"},
+                                             {"type": "image_url", "image_url": {"url": url}}]}]
+    expected = hf_greedy_with_images(model, processor, "USER: What is this?\n<image>\nASSISTANT:", [image], 6)
+    out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False,
+                   chat_template=CHAT_TEMPLATE)
+    assert out[0].outputs[0].token_ids == expected
+    with pytest.raises(InvalidRequestError, match="base64"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url[:-3] + "%%%"}}]}],
+                 chat_template=CHAT_TEMPLATE)
