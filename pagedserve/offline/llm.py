@@ -175,6 +175,9 @@ class LLM:
                 raise InvalidRequestError("text prompts need a tokenizer (skip_tokenizer_init is set)", param="prompts")
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict):
+            if prompt.get("multi_modal_data"):  # generate and chat take them (offline_images), not the others
+                raise InvalidRequestError("prompts with images are supported by generate and chat only",
+                                          param="prompts")
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
             if "prompt" in prompt:
