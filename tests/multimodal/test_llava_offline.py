@@ -66,6 +66,10 @@ def test_bad_image_prompts_are_invalid_requests(llava):
         llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": [random_image(0)] * 2}}, params)
     with pytest.raises(InvalidRequestError, match="only 'image'"):
         llm.generate({"prompt": PROMPT, "multi_modal_data": {"video": random_image(0)}}, params)
+    from common.beam_search import BeamSearchParams
+    with pytest.raises(InvalidRequestError, match="generate and chat only"):
+        llm.beam_search([{"prompt": PROMPT, "multi_modal_data": {"image": random_image(0)}}],
+                        BeamSearchParams(beam_width=2, max_tokens=2))
     assert llm.generate("still serving", params, use_tqdm=False)[0].outputs[0].token_ids
 
 
