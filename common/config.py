@@ -108,6 +108,9 @@ class EngineConfig:
     # is pooling for encoder-only models (BertModel). `pooler_config` overrides the model's pooling.
     runner: str = "auto"
     pooler_config: PoolerConfig | None = None
+    # Vision-language models: the most items of a modality per prompt ({"image": N}; vLLM's
+    # --limit-mm-per-prompt); a modality not named allows 1.
+    limit_mm_per_prompt: dict[str, int] | None = None
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
@@ -161,6 +164,9 @@ class EngineConfig:
             raise ConfigError(f"runner must be one of {RUNNERS}, got {self.runner!r}")
         if self.runner == "pooling" and self.speculative_config is not None:
             raise ConfigError("speculative decoding generates tokens; it does not combine with runner 'pooling'")
+        for modality, limit in (self.limit_mm_per_prompt or {}).items():
+            if modality != "image" or not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
+                raise ConfigError(f"limit_mm_per_prompt takes {{\"image\": N}} with N >= 0, got {modality!r}: {limit!r}")
         if self.speculative_config is not None and self.world_size > 1:
             raise ConfigError("speculative decoding runs on one worker rank; it does not combine with "
                               "tensor_parallel_size or pipeline_parallel_size above 1")

@@ -68,6 +68,25 @@ class ResumedSample(msgspec.Struct, **_STRUCT):
     finished: bool = False  # ended already (its finish reached the frontend, or a stop string ended it there)
 
 
+class TensorData(msgspec.Struct, **_STRUCT):
+    """A tensor as raw C-order bytes with its numpy dtype name ("float32") and shape: how
+    pixel values cross sockets (msgpack bytes, never pickle)."""
+    data: bytes
+    dtype: str
+    shape: list[int]
+
+
+class ImageInput(msgspec.Struct, **_STRUCT):
+    """One image of a prompt: the processor's pixel values, and where its placeholder tokens
+    are (prompt_token_ids[offset:offset + length], one per embedding row the vision encoder
+    yields). `content_hash` (hex SHA-256 of the pixels) keys the prefix cache, so two images
+    behind the same placeholder ids never share KV blocks."""
+    offset: int
+    length: int
+    content_hash: str
+    pixel_values: TensorData
+
+
 class EngineRequest(msgspec.Struct, **_STRUCT):
     request_id: str
     prompt_token_ids: list[int]
@@ -82,6 +101,7 @@ class EngineRequest(msgspec.Struct, **_STRUCT):
     resumed: list[ResumedSample] = []
     # Set: an embedding request (prefill only); its output carries `embedding`, not tokens.
     pooling_params: PoolingParams | None = None
+    images: list[ImageInput] = []  # a vision-language model's image inputs, in prompt order
 
 
 class Abort(msgspec.Struct, **_STRUCT):
@@ -206,6 +226,7 @@ class NewRequestData(msgspec.Struct, **_STRUCT):
     block_ids: list[int]
     num_computed_tokens: int  # tokens already in the KV cache (prefix hits)
     pooling_params: PoolingParams | None = None  # resolved (PoolerInfo.resolve): pool, do not sample
+    images: list[ImageInput] = []  # the EngineRequest's
 
 
 class CachedRequestData(msgspec.Struct, **_STRUCT):

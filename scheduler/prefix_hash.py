@@ -40,13 +40,22 @@ def block_extra_keys(block_index: int, cache_salt: str | None) -> tuple:
     return ()
 
 
+def image_extra_keys(start: int, end: int, images: Sequence[tuple[int, int, str]]) -> tuple:
+    """The content hashes of the images (offset, length, hash) whose placeholder tokens fall
+    in [start, end): a placeholder id alone says nothing of the image behind it."""
+    return tuple(content_hash for offset, length, content_hash in images if offset < end and offset + length > start)
+
+
 def extend_block_hashes(block_hashes: list[BlockHash], token_ids: Sequence[int], block_size: int,
-                        cache_salt: str | None = None) -> None:
+                        cache_salt: str | None = None, images: Sequence[tuple[int, int, str]] = ()) -> None:
     """Append hashes for every block of `token_ids` that became full since the
-    last call (`block_hashes` holds the hashes of the leading full blocks)."""
+    last call (`block_hashes` holds the hashes of the leading full blocks).
+    `images`: (offset, length, content hash) of the prompt's image placeholders."""
     num_full_blocks = len(token_ids) // block_size
     for index in range(len(block_hashes), num_full_blocks):
         parent = block_hashes[index - 1] if index else ROOT_BLOCK_HASH
         start = index * block_size
-        block_hashes.append(hash_block_tokens(
-            parent, token_ids[start:start + block_size], block_extra_keys(index, cache_salt)))
+        extra = block_extra_keys(index, cache_salt)
+        if images:
+            extra += image_extra_keys(start, start + block_size, images)
+        block_hashes.append(hash_block_tokens(parent, token_ids[start:start + block_size], extra))

@@ -43,6 +43,8 @@ class Request:
         self.all_token_ids = self.prompt_token_ids + self.output_token_ids
         self.attempt = engine_request.attempt
         self.pooling_params = engine_request.pooling_params  # set: pool the prompt, never sample
+        self.images = engine_request.images  # sent to the worker with the request
+        self.image_spans = [(image.offset, image.length, image.content_hash) for image in self.images]
         self.sampling_params: SamplingParams = params.for_sample(sample_index)
         # Logprobs of prompt tokens 1.., gathered over the prefill chunks; sent with the first output.
         self.prompt_logprobs: list[TokenLogprobs] | None = (
@@ -152,7 +154,8 @@ class Request:
         # Hashes cover every full block of known tokens; whether a block may
         # be cached (its KV computed) is the KV cache manager's decision.
         if self._enable_caching:
-            extend_block_hashes(self.block_hashes, self.all_token_ids, self._block_size, self.cache_salt)
+            extend_block_hashes(self.block_hashes, self.all_token_ids, self._block_size, self.cache_salt,
+                                self.image_spans)
 
     def check_stop(self, eos_token_ids: frozenset[int], max_model_len: int) -> FinishReason | None:
         """Why the request stops after its latest output token, if it does.

@@ -42,6 +42,7 @@ def check_new_request(engine_request: EngineRequest, vocab_size: int | None, max
         bad = next((t for t in engine_request.prompt_token_ids if not 0 <= t < vocab_size), None)
         if bad is not None:
             raise InvalidRequestError(f"Token id {bad} is out of vocabulary (size {vocab_size})", param="prompt")
+    check_image_spans(engine_request)
     if engine_request.pooling_params is not None:
         if num_prompt > max_model_len:  # pooled, not continued: the prompt may fill max_model_len
             raise InvalidRequestError(
@@ -59,6 +60,18 @@ def check_new_request(engine_request: EngineRequest, vocab_size: int | None, max
             f"min_tokens ({params.min_tokens}) is more than the {max_model_len - num_prompt} tokens "
             f"that fit after the prompt in max_model_len ({max_model_len})", param="min_tokens",
             code="context_length_exceeded")
+
+
+def check_image_spans(engine_request: EngineRequest) -> None:
+    """Each image's placeholders lie in the prompt, in order, without overlapping."""
+    end = 0
+    for i, image in enumerate(engine_request.images):
+        if image.offset < end or image.length <= 0 or image.offset + image.length > len(engine_request.prompt_token_ids):
+            raise InvalidRequestError(f"image {i}: placeholder tokens [{image.offset}, {image.offset + image.length}) "
+                                      "are not inside the prompt after the previous image's", param="messages")
+        end = image.offset + image.length
+    if engine_request.images and engine_request.pooling_params is not None:
+        raise InvalidRequestError("images are not supported in pooling requests", param="input")
 
 
 def resolve_pooling(engine_request: EngineRequest, pooler: PoolerInfo | None,

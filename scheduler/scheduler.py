@@ -203,7 +203,7 @@ class Scheduler:
             else:
                 # All its blocks: a forked sample arrives holding its shared prompt blocks.
                 new_requests.append(NewRequestData(
-                    request_id=request.request_id, token_ids=list(request.all_token_ids),
+                    request_id=request.request_id, token_ids=list(request.all_token_ids), images=request.images,
                     num_prompt_tokens=request.num_prompt_tokens, sampling_params=request.worker_params,
                     block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
                     num_computed_tokens=request.num_computed_tokens, pooling_params=request.pooling_params))

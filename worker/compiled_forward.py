@@ -111,17 +111,20 @@ class ModelForward:
     def compiled(self) -> bool:
         return self._compiled is not None
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """`inputs_embeds`: the step's input embeddings when not the token lookup (images)."""
         self.model.rotary.reserve(meta.max_seq_len, self.dtype, self.device)  # a no-op once reserved
+        embeds = {} if inputs_embeds is None else {"inputs_embeds": inputs_embeds}
         with step_context(self.backend, meta, self.kv_caches, self.kv_scales):
             if self._compiled is None:
-                return self.model.forward_tokens(input_ids, positions)
+                return self.model.forward_tokens(input_ids, positions, **embeds)
             try:
-                return self.model.forward_tokens(input_ids, positions, self._compiled, self.group_size)
+                return self.model.forward_tokens(input_ids, positions, self._compiled, self.group_size, **embeds)
             except Exception as exc:  # a compiler/toolchain failure must not take serving down
                 # The same step eager: if it fails too, the step is at fault, not the compiled
                 # graph, which stays (the error goes up as it would have without compiling).
-                hidden = self.model.forward_tokens(input_ids, positions)
+                hidden = self.model.forward_tokens(input_ids, positions, **embeds)
                 logger.warning("compiled model step failed (%s: %s); running eager from now on",
                                type(exc).__name__, str(exc).strip().splitlines()[-1] if str(exc).strip() else "")
                 self._compiled = None

@@ -14,9 +14,10 @@ import numpy as np
 import torch
 
 from common.pooling_params import PoolingParams
-from common.protocol import StepPlan
+from common.protocol import ImageInput, StepPlan
 from common.sampling_params import SamplingParams
 from worker.attention.metadata import AttentionMetadata
+from worker.image_embeddings import ImageChunk, plan_image_chunks
 from worker.logprobs import PromptLogprobsRequest, plan_prompt_logprobs
 from worker.sampler import SamplingMetadata
 from worker.structured_output import GrammarCompiler, GrammarMatcher
@@ -35,6 +36,8 @@ class RequestState:
     grammar: GrammarMatcher | None = None  # structured output: where the outputs stand in the grammar
     pooling_params: PoolingParams | None = None  # a pooling request: pooled (worker.pooler), never sampled
     pooled_so_far: torch.Tensor | None = None  # MEAN: the float32 sum of its chunks; CLS: the first token's
+    images: list[ImageInput] = field(default_factory=list)  # a vision-language prompt's images
+    image_embeds: dict[int, torch.Tensor] = field(default_factory=dict)  # encoded images still being computed
 
     @property
     def num_tokens(self) -> int:
@@ -63,6 +66,7 @@ class StepBatch:
     drafts: list[list[int]] | None = None
     # Pooling requests that run this step: (state, index in [T] of its chunk's first token, chunk length).
     pooling: list[tuple[RequestState, int, int]] = field(default_factory=list)
+    image_chunks: list[ImageChunk] = field(default_factory=list)  # image rows to merge (worker.image_embeddings)
 
     @property
     def num_tokens(self) -> int:
@@ -131,7 +135,7 @@ class InputBatch:
                 num_prompt_tokens=new.num_prompt_tokens, sampling_params=new.sampling_params,
                 block_ids=list(new.block_ids), num_computed_tokens=new.num_computed_tokens,
                 grammar=self._grammar(new.request_id, new.sampling_params, new.token_ids[new.num_prompt_tokens:]),
-                pooling_params=new.pooling_params)
+                pooling_params=new.pooling_params, images=list(new.images))
         for diff in plan.cached_requests:
             state = self.requests.get(diff.request_id)
             if state is None:
@@ -229,6 +233,9 @@ class InputBatch:
             drafts=drafts,
             pooling=[(state, start, n) for (state, n), start in zip(scheduled, query_start_loc.tolist())
                      if state.pooling_params is not None],
+            image_chunks=[chunk for (state, n), start, context in zip(scheduled, query_start_loc.tolist(),
+                                                                     context_lens.tolist()) if state.images
+                          for chunk in plan_image_chunks(state, start, context, n)],
         )
 
     @staticmethod

@@ -63,7 +63,8 @@ def load_hf_config(config: EngineConfig) -> tuple[Any, str]:
 def load_model(config: EngineConfig, device: str | torch.device, dtype: torch.dtype,
                layout: ParallelLayout = ParallelLayout()) -> tuple[LlamaForCausalLM, Any, str]:
     """(model in eval mode on `device` with `dtype`, the transformers config, the model directory);
-    in a worker group, the part of the model `layout`'s rank holds (its shard of its stage)."""
+    in a worker group, the part of the model `layout`'s rank holds (its shard of its stage).
+    For a vision-language model the config is its text model's (what the KV cache is sized by)."""
     torch.manual_seed(config.seed)
     hf_config, model_dir = load_hf_config(config)
     model_class = get_model_class(hf_config)
@@ -76,4 +77,4 @@ def load_model(config: EngineConfig, device: str | torch.device, dtype: torch.dt
     model.eval()
     logger.info("Loaded %s from %s (%s, %s, %.1fM parameters)", model_class.__name__, model_dir, dtype,
                 device, sum(p.numel() for p in model.parameters()) / 1e6)
-    return model, hf_config, model_dir
+    return model, model.config, model_dir

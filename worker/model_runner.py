@@ -8,8 +8,10 @@ import torch
 
 from common.protocol import PromptLogprobs, StepResult, TokenLogprobs
 from worker.compiled_forward import ModelForward
+from worker.cuda_graphs import GraphedForward
 from worker.distributed import parallel_state
 from worker.distributed.stage_results import StageResults
+from worker.image_embeddings import merged_input_embeddings
 from worker.input_batch import StepBatch
 from worker.lm_head import LmHead
 from worker.lm_head.bf16_screen_calibration import calibrate_lm_head
@@ -66,7 +68,12 @@ class ModelRunner:
         advances by its chunk (less its rejected drafts), and each new token is appended.
         """
         with torch.inference_mode():
-            hidden = self.forward(batch.input_ids, batch.positions, batch.attn_metadata)
+            if batch.image_chunks:  # placeholders of images this step: their embeddings, no decode graph
+                forward = self.forward.forward if isinstance(self.forward, GraphedForward) else self.forward
+                hidden = forward(batch.input_ids, batch.positions, batch.attn_metadata,
+                                 inputs_embeds=merged_input_embeddings(self.model, batch.input_ids, batch.image_chunks))
+            else:
+                hidden = self.forward(batch.input_ids, batch.positions, batch.attn_metadata)
             pooled = pool_step(batch.pooling, hidden) if batch.pooling else {}
             if self.speculator is not None:
                 self.speculator.follow(batch)

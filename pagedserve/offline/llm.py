@@ -22,13 +22,14 @@ from common.generation_defaults import sampling_defaults
 from common.model_files import local_model_source
 from common.pooling_params import PoolingParams
 from common.prompt_truncation import truncate_prompt
-from common.protocol import EngineRequest
+from common.protocol import EngineRequest, ImageInput
 from common.sampling_params import SamplingParams
 from common.structured_outputs import check_grammar
 from common.tokenizer import apply_chat_template, load_tokenizer
 from scheduler.scheduler import Scheduler
 from pagedserve.offline.offline_beam_search import run_beam_search
 from pagedserve.offline.offline_embed import EmbeddingRequestOutput, run_embed
+from pagedserve.offline.offline_images import chat_image_prompt, has_image_parts, prompt_images
 from pagedserve.offline.offline_outputs import CompletionOutput, GenerationOutput, OfflineRequest
 from pagedserve.offline.data_parallel import ReplicaProcesses, run_sharded
 from pagedserve.offline.follower_ranks import FollowerRanks
@@ -130,10 +131,11 @@ class LLM:
             sampling_params = self.get_default_sampling_params()
         params_list = [self._tokenize_bad_words(p.validate(self.vocab_size, self.config.max_logprobs))
                        for p in _broadcast_params(sampling_params, len(prompt_list))]
-        encoded = [self._encode(p) for p in prompt_list]
-        encoded = [(text, truncate_prompt(ids, params.truncate_prompt_tokens, self.max_model_len))
-                   for (text, ids), params in zip(encoded, params_list)]
-        return self._run(encoded, params_list, use_tqdm)
+        with_images = [prompt_images(self, p) for p in prompt_list]  # None: a text-only prompt
+        encoded = [self._encode(p) if found is None else found[0] for p, found in zip(prompt_list, with_images)]
+        encoded = [(text, ids if found else truncate_prompt(ids, params.truncate_prompt_tokens, self.max_model_len))
+                   for (text, ids), params, found in zip(encoded, params_list, with_images)]
+        return self._run(encoded, params_list, use_tqdm, [found[1] if found else [] for found in with_images])
 
     def chat(self, messages: list[dict] | Sequence[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -142,11 +144,11 @@ class LLM:
              chat_template_kwargs: dict | None = None, chat_template: str | None = None) -> list[GenerationOutput]:
         """`chat_template`: a Jinja template (the text) used instead of the model's, as vLLM's."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [{"prompt_token_ids": apply_chat_template(
-            self.tokenizer, conv, add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message, chat_template_kwargs=chat_template_kwargs,
-            chat_template=chat_template)}
-            for conv in conversations]
+        render = dict(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                      chat_template_kwargs=chat_template_kwargs, chat_template=chat_template)
+        prompts = [chat_image_prompt(self, conv, **render) if has_image_parts(conv)
+                   else {"prompt_token_ids": apply_chat_template(self.tokenizer, conv, **render)}
+                   for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def embed(self, prompts: PromptInput | Sequence[PromptInput],
@@ -173,6 +175,9 @@ class LLM:
                 raise InvalidRequestError("text prompts need a tokenizer (skip_tokenizer_init is set)", param="prompts")
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict):
+            if prompt.get("multi_modal_data"):  # generate and chat take them (offline_images), not the others
+                raise InvalidRequestError("prompts with images are supported by generate and chat only",
+                                          param="prompts")
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
             if "prompt" in prompt:
@@ -183,24 +188,32 @@ class LLM:
         raise InvalidRequestError(f"unsupported prompt type {type(prompt).__name__}", param="prompts")
 
     def _run(self, encoded: list[tuple[str | None, list[int]]], params_list: list[SamplingParams],
-             use_tqdm: bool) -> list[GenerationOutput]:
+             use_tqdm: bool, images: list[list[ImageInput]] | None = None) -> list[GenerationOutput]:
         for params in params_list:
             params.validate(self.vocab_size, self.config.max_logprobs)
             check_grammar(params.structured_outputs)
         if self.replicas is not None:
+            if images and any(images):
+                raise InvalidRequestError("image prompts are not supported with data_parallel_size > 1",
+                                          param="prompts")
             return run_sharded(self, encoded, params_list, use_tqdm)
-        return self._run_here(encoded, params_list, use_tqdm)
+        return self._run_here(encoded, params_list, use_tqdm, images=images)
 
     def _run_here(self, encoded: list[tuple[str | None, list[int]]], params_list: list[SamplingParams],
-                  use_tqdm: bool, request_ids: list[str] | None = None) -> list[GenerationOutput]:
-        """Run the prompts on this process's engine (`request_ids`: theirs, else the next ones)."""
+                  use_tqdm: bool, request_ids: list[str] | None = None,
+                  images: list[list[ImageInput]] | None = None) -> list[GenerationOutput]:
+        """Run the prompts on this process's engine (`request_ids`: theirs, else the next ones;
+        `images`: each prompt's, see prompt_images)."""
         requests: dict[str, OfflineRequest] = {}
         request_ids = request_ids or [str(next(self._ids)) for _ in encoded]
+        images = images or [[] for _ in encoded]
         try:
-            for (text, token_ids), params, request_id in zip(encoded, params_list, request_ids):
+            for (text, token_ids), params, request_id, prompt_images_ in zip(encoded, params_list, request_ids,
+                                                                             images):
                 # Raises InvalidRequestError (e.g. prompt too long) before any work starts.
                 self.scheduler.add_request(EngineRequest(request_id=request_id, prompt_token_ids=token_ids,
-                                                         sampling_params=params, arrival_time=time.time()))
+                                                         sampling_params=params, arrival_time=time.time(),
+                                                         images=prompt_images_))
                 requests[request_id] = OfflineRequest(request_id, text, token_ids, params, self.tokenizer)
             self._loop(requests, use_tqdm)
         except BaseException:

@@ -12,6 +12,7 @@ from common.pooling_params import BARE_DECODER_ARCHITECTURES
 from worker.models.gemma import Gemma2ForCausalLM
 from worker.models.gemma3 import Gemma3ForCausalLM
 from worker.models.llama import LlamaForCausalLM
+from worker.models.llava import LlavaForConditionalGeneration
 from worker.models.mistral import MistralForCausalLM
 from worker.models.mixtral import MixtralForCausalLM
 from worker.models.phi3 import Phi3ForCausalLM
@@ -24,6 +25,7 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
+    "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
     "MistralForCausalLM": MistralForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,

@@ -227,16 +227,18 @@ class LlamaForCausalLM(nn.Module):
             return self.forward_tokens(input_ids, positions)
 
     def forward_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                       layers_fn: Callable[..., torch.Tensor] | None = None, group_size: int = 1) -> torch.Tensor:
+                       layers_fn: Callable[..., torch.Tensor] | None = None, group_size: int = 1,
+                       inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """The pure tensor part of `forward`: needs an open step context and a rotary
         table covering every position (`rotary.reserve`). `layers_fn` runs the layers
-        `group_size` at a time (`layers_function`, or a compiled version of it)."""
+        `group_size` at a time (`layers_function`, or a compiled version of it).
+        `inputs_embeds`: the input embeddings to use instead of `embed(input_ids)` (images)."""
         s = self.sizes
         layers_fn = layers_fn or type(self).layers_function
         if not self.is_first_stage:  # the previous pipeline stage's output
             hidden = pipeline_parallel.receive_hidden(int(input_ids.shape[0]), s.hidden, self.dtype, self.device)
         else:
-            hidden = self.embed(input_ids)
+            hidden = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         cos, sin = self.rotary.lookup(positions)
         for first in range(0, len(self.layers), group_size):
             group = list(self.layers[first:first + group_size])
