@@ -11,6 +11,7 @@ import enum
 
 import msgspec
 
+from common.lora_request import LoRARequest
 from common.pooling_params import PoolerInfo, PoolingParams
 from common.sampling_params import SamplingParams
 
@@ -82,6 +83,7 @@ class EngineRequest(msgspec.Struct, **_STRUCT):
     resumed: list[ResumedSample] = []
     # Set: an embedding request (prefill only); its output carries `embedding`, not tokens.
     pooling_params: PoolingParams | None = None
+    lora_request: LoRARequest | None = None  # the adapter this request runs with; None: the base model
 
 
 class Abort(msgspec.Struct, **_STRUCT):
@@ -206,6 +208,7 @@ class NewRequestData(msgspec.Struct, **_STRUCT):
     block_ids: list[int]
     num_computed_tokens: int  # tokens already in the KV cache (prefix hits)
     pooling_params: PoolingParams | None = None  # resolved (PoolerInfo.resolve): pool, do not sample
+    lora_request: LoRARequest | None = None  # its adapter (worker.lora_slots); None: the base model
 
 
 class CachedRequestData(msgspec.Struct, **_STRUCT):

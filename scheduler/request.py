@@ -51,6 +51,7 @@ class Request:
         self.priority = engine_request.priority
         self.arrival_order = arrival_order  # ties between equal priorities
         self.cache_salt = engine_request.cache_salt
+        self.lora_request = engine_request.lora_request  # its adapter, if any: part of every block's key
         self.stop_token_ids = frozenset(self.sampling_params.stop_token_ids)
         room = max_model_len - len(self.prompt_token_ids)
         requested = self.sampling_params.max_tokens
@@ -152,7 +153,8 @@ class Request:
         # Hashes cover every full block of known tokens; whether a block may
         # be cached (its KV computed) is the KV cache manager's decision.
         if self._enable_caching:
-            extend_block_hashes(self.block_hashes, self.all_token_ids, self._block_size, self.cache_salt)
+            extend_block_hashes(self.block_hashes, self.all_token_ids, self._block_size, self.cache_salt,
+                                self.lora_request.lora_name if self.lora_request is not None else None)
 
     def check_stop(self, eos_token_ids: frozenset[int], max_model_len: int) -> FinishReason | None:
         """Why the request stops after its latest output token, if it does.

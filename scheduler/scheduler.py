@@ -206,7 +206,8 @@ class Scheduler:
                     request_id=request.request_id, token_ids=list(request.all_token_ids),
                     num_prompt_tokens=request.num_prompt_tokens, sampling_params=request.worker_params,
                     block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
-                    num_computed_tokens=request.num_computed_tokens, pooling_params=request.pooling_params))
+                    num_computed_tokens=request.num_computed_tokens, pooling_params=request.pooling_params,
+                    lora_request=request.lora_request))
                 request.sent_to_worker = True
             request.blocks_trimmed = False
             num_scheduled_tokens[request.request_id] = num_new
