@@ -143,7 +143,9 @@ def build_app(state: FrontendState, *, api_key: str | None = None, max_body_byte
     async def model_cards() -> list[ModelCard]:
         max_model_len = await state.max_model_len()
         return [ModelCard(id=name, created=state.created, root=state.model_root, max_model_len=max_model_len)
-                for name in state.served_model_names]
+                for name in state.served_model_names] + [
+            ModelCard(id=name, created=state.created, root=lora.lora_path, parent=state.model_name,
+                      max_model_len=max_model_len) for name, lora in state.lora_modules.requests.items()]
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:

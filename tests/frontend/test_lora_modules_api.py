@@ -1,0 +1,61 @@
+"""--lora-modules on a real frontend process (fake scheduler): an adapter's name picks it as
+`model`, /v1/models lists it with its parent, unknown names are 404s, bad paths refused."""
+import json
+import subprocess
+import sys
+
+import openai
+import pytest
+
+from tests.frontend.conftest import start_frontend
+from tests.frontend.fakes import FakeScheduler  # noqa: F401 (the server fixture's scheduler)
+
+
+@pytest.fixture(scope="module")
+def lora_frontend(server, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("lora-frontend")
+    adapter = tmp / "sql-adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8, "lora_alpha": 16,
+                                                            "target_modules": ["q_proj", "v_proj"]}))
+    frontend, base_url, _ = start_frontend(server.frontend_args + ["--lora-modules", f"sql={adapter}"],
+                                           tmp / "frontend.log")
+    try:
+        yield openai.OpenAI(base_url=base_url + "/v1", api_key="x", max_retries=0), adapter
+    finally:
+        frontend.stop()
+
+
+def test_models_list_adapters_with_parent(lora_frontend, server):
+    client, adapter = lora_frontend
+    cards = {card.id: card for card in client.models.list().data}
+    base = next(name for name in cards if name != "sql")
+    assert cards["sql"].parent == base and cards["sql"].root == str(adapter)
+    assert getattr(cards[base], "parent", None) is None
+
+
+def test_adapter_name_selects_the_adapter(lora_frontend, server):
+    client, adapter = lora_frontend
+    response = client.completions.create(model="sql", prompt="Say hello to me.", max_tokens=3)
+    sent = next(r for r in reversed(server.scheduler.snapshot().requests) if r.request_id == response.id + "-0")
+    assert sent.lora_request is not None
+    assert (sent.lora_request.lora_name, sent.lora_request.lora_path) == ("sql", str(adapter))
+    base = client.models.list().data[0].id
+    response = client.chat.completions.create(model=base, messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=2)
+    assert next(r for r in reversed(server.scheduler.snapshot().requests)
+                if r.request_id.startswith(response.id)).lora_request is None
+
+
+def test_unknown_model_is_a_404(lora_frontend):
+    client, _ = lora_frontend
+    with pytest.raises(openai.NotFoundError) as error:
+        client.completions.create(model="no-such-adapter", prompt="x", max_tokens=1)
+    assert error.value.body["code"] == "model_not_found"
+
+
+def test_bad_adapter_path_stops_the_frontend(server, tmp_path):
+    result = subprocess.run([sys.executable, "-m", "frontend.frontend_cli", *server.frontend_args,
+                             "--lora-modules", f"bad={tmp_path / 'missing'}"], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode != 0 and "adapter_config.json" in result.stderr
