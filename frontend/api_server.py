@@ -31,6 +31,7 @@ from frontend.openai.serving_responses import (cancel_response, create_response,
                                                retrieve_response)
 from frontend.openai.serving_tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 from frontend.frontend_state import FrontendState
+from frontend.openai.lora_routes import add_lora_routes, runtime_lora_updating_allowed
 
 logger = logging.getLogger(__name__)
 
@@ -157,6 +158,9 @@ def build_app(state: FrontendState, *, api_key: str | None = None, max_body_byte
         state.check_model(model)
         card = next(card for card in await model_cards() if card.id == model)
         return JSONResponse(card.model_dump())
+
+    if runtime_lora_updating_allowed():
+        add_lora_routes(app, state)
 
     @app.post("/tokenize")
     async def tokenize_route(body: TokenizeRequest) -> JSONResponse:

@@ -42,6 +42,12 @@ def block_extra_keys(block_index: int, cache_salt: str | None, lora_name: str | 
     return keys + (("lora", lora_name),) if lora_name else keys
 
 
+def lora_cache_key(lora_request) -> str | None:
+    """What keys a LoRA request's blocks: its adapter's name and path (a name reloaded from
+    another path is another adapter); None without one."""
+    return None if lora_request is None else f"{lora_request.lora_name}\x00{lora_request.lora_path}"
+
+
 def extend_block_hashes(block_hashes: list[BlockHash], token_ids: Sequence[int], block_size: int,
                         cache_salt: str | None = None, lora_name: str | None = None) -> None:
     """Append hashes for every block of `token_ids` that became full since the

@@ -7,7 +7,7 @@ import msgspec
 
 from common.protocol import EngineRequest, FinishReason, PromptLogprobs, TokenLogprobs, sample_request_id
 from common.sampling_params import SamplingParams
-from scheduler.prefix_hash import BlockHash, extend_block_hashes
+from scheduler.prefix_hash import BlockHash, extend_block_hashes, lora_cache_key
 
 
 class RequestStatus(enum.Enum):
@@ -154,7 +154,7 @@ class Request:
         # be cached (its KV computed) is the KV cache manager's decision.
         if self._enable_caching:
             extend_block_hashes(self.block_hashes, self.all_token_ids, self._block_size, self.cache_salt,
-                                self.lora_request.lora_name if self.lora_request is not None else None)
+                                lora_cache_key(self.lora_request))
 
     def check_stop(self, eos_token_ids: frozenset[int], max_model_len: int) -> FinishReason | None:
         """Why the request stops after its latest output token, if it does.

@@ -104,6 +104,9 @@ class LoRASlots:
     def load(self, request: LoRARequest) -> LoRAAdapter:
         """The adapter of `request`, read from its path unless loaded (LoRAAdapterError if unusable)."""
         adapter = self.loaded.get(request.lora_name)
+        if adapter is not None and adapter.path != request.lora_path:  # the name reloaded from elsewhere
+            self.remove(request.lora_name)
+            adapter = None
         if adapter is None:
             adapter = load_adapter(request.lora_name, request.lora_path, self.model.sizes, self.num_layers,
                                    self.max_rank, self.model.dtype, self.has_dense_mlp)

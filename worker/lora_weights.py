@@ -35,6 +35,7 @@ class LoRAAdapterError(ValueError):
 class LoRAAdapter:
     """`weights[layer][module]`: (A [parts * rank, in], B [out, parts * rank] scaled) or absent."""
     name: str
+    path: str
     rank: int
     weights: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]
 
@@ -127,4 +128,4 @@ def load_adapter(name: str, path: str, sizes, num_layers: int, max_rank: int, dt
         row = sum(out_rows[:index])
         fused_a[index * rank:(index + 1) * rank] = a.to(dtype)
         fused_b[row:row + out_rows[index], index * rank:(index + 1) * rank] = (b.float() * scaling).to(dtype)
-    return LoRAAdapter(name=name, rank=rank, weights=weights)
+    return LoRAAdapter(name=name, path=path, rank=rank, weights=weights)

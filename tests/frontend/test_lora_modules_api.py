@@ -59,3 +59,43 @@ def test_bad_adapter_path_stops_the_frontend(server, tmp_path):
                              "--lora-modules", f"bad={tmp_path / 'missing'}"], capture_output=True, text=True,
                             timeout=120)
     assert result.returncode != 0 and "adapter_config.json" in result.stderr
+
+
+def test_runtime_loading_and_unloading(server, tmp_path):
+    import httpx
+
+    adapter = tmp_path / "chat-adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4}))
+    import os
+    os.environ["PAGEDSERVE_ALLOW_RUNTIME_LORA_UPDATING"] = "1"  # the frontend process inherits it
+    try:
+        frontend, base_url, _ = start_frontend(server.frontend_args, tmp_path / "frontend.log")
+    finally:
+        del os.environ["PAGEDSERVE_ALLOW_RUNTIME_LORA_UPDATING"]
+    try:
+        http = httpx.Client(base_url=base_url, timeout=30)
+        bad = http.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(tmp_path / "none")})
+        assert bad.status_code == 400 and "adapter_config.json" in bad.json()["error"]["message"]
+        assert http.post("/v1/load_lora_adapter", json={"lora_name": "chat", "lora_path": str(adapter)}).status_code == 200
+        assert http.post("/v1/load_lora_adapter", json={"lora_name": "chat", "lora_path": str(adapter)}).status_code == 400
+        assert "chat" in [card["id"] for card in http.get("/v1/models").json()["data"]]
+        completion = http.post("/v1/completions", json={"model": "chat", "prompt": "Say hello", "max_tokens": 2})
+        assert completion.status_code == 200
+        sent = next(r for r in reversed(server.scheduler.snapshot().requests)
+                    if r.request_id == completion.json()["id"] + "-0")
+        assert sent.lora_request.lora_name == "chat"
+        assert http.post("/v1/unload_lora_adapter", json={"lora_name": "chat"}).status_code == 200
+        gone = http.post("/v1/unload_lora_adapter", json={"lora_name": "chat"})
+        assert gone.status_code == 404 and gone.json()["error"]["code"] == "model_not_found"
+        after = http.post("/v1/completions", json={"model": "chat", "prompt": "Say hello", "max_tokens": 2})
+        assert after.status_code == 404
+    finally:
+        frontend.stop()
+
+
+def test_runtime_updates_are_off_by_default(lora_frontend):
+    client, adapter = lora_frontend
+    response = client._client.post(str(client.base_url).rstrip("/").removesuffix("/v1") + "/v1/load_lora_adapter",
+                                   json={"lora_name": "y", "lora_path": str(adapter)})
+    assert response.status_code == 404
