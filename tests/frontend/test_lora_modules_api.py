@@ -18,10 +18,12 @@ def lora_frontend(server, tmp_path_factory):
     adapter.mkdir()
     (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8, "lora_alpha": 16,
                                                             "target_modules": ["q_proj", "v_proj"]}))
-    frontend, base_url, _ = start_frontend(server.frontend_args + ["--lora-modules", f"sql={adapter}"],
-                                           tmp / "frontend.log")
+    frontend, base_url, grpc_address = start_frontend(server.frontend_args + ["--lora-modules", f"sql={adapter}"],
+                                                      tmp / "frontend.log")
     try:
-        yield openai.OpenAI(base_url=base_url + "/v1", api_key="x", max_retries=0), adapter
+        client = openai.OpenAI(base_url=base_url + "/v1", api_key="x", max_retries=0)
+        client.grpc_address = grpc_address
+        yield client, adapter
     finally:
         frontend.stop()
 
@@ -99,3 +101,21 @@ def test_runtime_updates_are_off_by_default(lora_frontend):
     response = client._client.post(str(client.base_url).rstrip("/").removesuffix("/v1") + "/v1/load_lora_adapter",
                                    json={"lora_name": "y", "lora_path": str(adapter)})
     assert response.status_code == 404
+
+
+def test_grpc_model_field_selects_the_adapter(lora_frontend, server):
+    import grpc
+
+    from common.grpc_gen import pagedserve_pb2 as pb
+    from common.grpc_gen import pagedserve_pb2_grpc
+
+    client, _ = lora_frontend
+    with grpc.insecure_channel(client.grpc_address) as channel:
+        stub = pagedserve_pb2_grpc.PagedServeStub(channel)
+        list(stub.Generate(pb.GenerateRequest(request_id="grpc-lora", model="sql", text="Say hello",
+                                              sampling_params=pb.SamplingParams(max_tokens=2)), timeout=30))
+        with pytest.raises(grpc.RpcError) as error:
+            list(stub.Generate(pb.GenerateRequest(model="nope", text="x"), timeout=30))
+        assert error.value.code() == grpc.StatusCode.NOT_FOUND
+    sent = next(r for r in reversed(server.scheduler.snapshot().requests) if r.request_id == "grpc-lora")
+    assert sent.lora_request.lora_name == "sql"
