@@ -13,7 +13,7 @@ import json
 import os
 
 from common.errors import InvalidRequestError
-from common.lora_request import LoRARequest
+from common.lora_request import LoRAAdapterError, LoRARequest, read_adapter_config
 
 
 def parse_lora_module(text: str) -> tuple[str, str]:
@@ -41,16 +41,13 @@ def lora_modules_argv(args: argparse.Namespace) -> list[str]:
 
 
 def check_adapter_dir(path: str) -> None:
-    """InvalidRequestError unless `path` holds a readable PEFT adapter_config.json of a LoRA."""
-    config_file = os.path.join(path, "adapter_config.json")
+    """InvalidRequestError unless `path` holds a PEFT LoRA adapter of supported settings."""
     try:
-        with open(config_file) as f:
-            config = json.load(f)
-    except (OSError, ValueError) as e:
-        raise InvalidRequestError(f"no readable LoRA adapter at {path!r} (adapter_config.json: {e})",
-                                  param="lora_path") from None
-    if not isinstance(config, dict) or config.get("peft_type", "LORA") != "LORA":
-        raise InvalidRequestError(f"{path!r} is not a LoRA adapter (peft_type LORA)", param="lora_path")
+        read_adapter_config(path)
+    except LoRAAdapterError as e:
+        raise InvalidRequestError(str(e), param="lora_path") from None
+    if not os.path.isfile(os.path.join(path, "adapter_model.safetensors")):
+        raise InvalidRequestError(f"LoRA adapter {path!r}: no adapter_model.safetensors", param="lora_path")
 
 
 class LoRAModules:

@@ -11,7 +11,6 @@ adapter targets (an untargeted part is zeros).
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -19,16 +18,13 @@ from dataclasses import dataclass
 
 import torch
 
+from common.lora_request import SUPPORTED_TARGETS, LoRAAdapterError, read_adapter_config
+
 # The model's fused matmuls (worker.models.llama), in module-id order, with their PEFT parts.
 FUSED_MODULES = ("qkv", "o", "gate_up", "down")
 MODULE_PARTS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
                 "down": ("down_proj",)}
-SUPPORTED_TARGETS = tuple(part for parts in MODULE_PARTS.values() for part in parts)
 _KEY = re.compile(r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
-
-
-class LoRAAdapterError(ValueError):
-    """An adapter that cannot be served: missing files, unsupported settings or shapes."""
 
 
 @dataclass(slots=True)
@@ -46,37 +42,6 @@ def module_shapes(sizes) -> dict[str, tuple[int, tuple[int, ...]]]:
     return {"qkv": (sizes.hidden, (q, kv, kv)), "o": (q, (sizes.hidden,)),
             "gate_up": (sizes.hidden, (sizes.intermediate, sizes.intermediate)),
             "down": (sizes.intermediate, (sizes.hidden,))}
-
-
-def read_adapter_config(path: str, max_rank: int) -> dict:
-    config_file = os.path.join(path, "adapter_config.json")
-    if not os.path.isfile(config_file):
-        raise LoRAAdapterError(f"LoRA adapter {path!r}: no adapter_config.json (a PEFT adapter directory is needed)")
-    try:
-        with open(config_file) as f:
-            config = json.load(f)
-    except (OSError, ValueError) as e:
-        raise LoRAAdapterError(f"LoRA adapter {path!r}: unreadable adapter_config.json: {e}") from None
-    if config.get("peft_type", "LORA") != "LORA":
-        raise LoRAAdapterError(f"LoRA adapter {path!r}: peft_type {config.get('peft_type')!r} is not LORA")
-    rank = config.get("r")
-    if not isinstance(rank, int) or rank < 1:
-        raise LoRAAdapterError(f"LoRA adapter {path!r}: rank r must be a positive integer, got {rank!r}")
-    if rank > max_rank:
-        raise LoRAAdapterError(f"LoRA adapter {path!r}: rank {rank} exceeds max_lora_rank {max_rank}")
-    targets = config.get("target_modules") or []
-    if isinstance(targets, str):
-        raise LoRAAdapterError(f"LoRA adapter {path!r}: target_modules as a pattern ({targets!r}) is not "
-                               f"supported; list modules among {SUPPORTED_TARGETS}")
-    unsupported = sorted(set(targets) - set(SUPPORTED_TARGETS))
-    if unsupported:
-        raise LoRAAdapterError(f"LoRA adapter {path!r}: target modules {unsupported} are not supported "
-                               f"(supported: {SUPPORTED_TARGETS})")
-    for key, allowed in (("bias", ("none", None)), ("fan_in_fan_out", (False, None)), ("use_dora", (False, None)),
-                         ("modules_to_save", (None, [])), ("rank_pattern", (None, {})), ("alpha_pattern", (None, {}))):
-        if config.get(key) not in allowed:
-            raise LoRAAdapterError(f"LoRA adapter {path!r}: {key}={config.get(key)!r} is not supported")
-    return config
 
 
 def load_adapter(name: str, path: str, sizes, num_layers: int, max_rank: int, dtype: torch.dtype,

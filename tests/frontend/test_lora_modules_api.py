@@ -18,6 +18,7 @@ def lora_frontend(server, tmp_path_factory):
     adapter.mkdir()
     (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8, "lora_alpha": 16,
                                                             "target_modules": ["q_proj", "v_proj"]}))
+    (adapter / "adapter_model.safetensors").write_bytes(b"")  # (the frontend checks only that it is there)
     frontend, base_url, grpc_address = start_frontend(server.frontend_args + ["--lora-modules", f"sql={adapter}"],
                                                       tmp / "frontend.log")
     try:
@@ -69,6 +70,11 @@ def test_runtime_loading_and_unloading(server, tmp_path):
     adapter = tmp_path / "chat-adapter"
     adapter.mkdir()
     (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4}))
+    (adapter / "adapter_model.safetensors").write_bytes(b"")
+    unsupported = tmp_path / "embedding-adapter"
+    unsupported.mkdir()
+    (unsupported / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4,
+                                                                "target_modules": ["embed_tokens"]}))
     import os
     os.environ["PAGEDSERVE_ALLOW_RUNTIME_LORA_UPDATING"] = "1"  # the frontend process inherits it
     try:
@@ -79,6 +85,8 @@ def test_runtime_loading_and_unloading(server, tmp_path):
         http = httpx.Client(base_url=base_url, timeout=30)
         bad = http.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(tmp_path / "none")})
         assert bad.status_code == 400 and "adapter_config.json" in bad.json()["error"]["message"]
+        refused = http.post("/v1/load_lora_adapter", json={"lora_name": "e", "lora_path": str(unsupported)})
+        assert refused.status_code == 400 and "embed_tokens" in refused.json()["error"]["message"]
         assert http.post("/v1/load_lora_adapter", json={"lora_name": "chat", "lora_path": str(adapter)}).status_code == 200
         assert http.post("/v1/load_lora_adapter", json={"lora_name": "chat", "lora_path": str(adapter)}).status_code == 400
         assert "chat" in [card["id"] for card in http.get("/v1/models").json()["data"]]
