@@ -235,6 +235,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--pooler-config", default=env_setting("POOLER_CONFIG", None),
                    help='the pooling of a pooling model, as vLLM\'s JSON: \'{"pooling_type": "MEAN", '
                         '"normalize": true}\' (LAST, MEAN or CLS; default: the model\'s sentence-transformers files)')
+    g.add_argument("--enable-lora", action="store_true", default=env_switch("ENABLE_LORA"),
+                   help="serve LoRA adapters (PEFT, on q/k/v/o and gate/up/down) next to the base model")
+    g.add_argument("--max-loras", type=_positive_int, default=env_default("MAX_LORAS", 1),
+                   help="LoRA: the most distinct adapters one step runs (device slots; default %(default)s)")
+    g.add_argument("--max-lora-rank", type=_positive_int, default=env_default("MAX_LORA_RANK", 16),
+                   help="LoRA: the largest adapter rank accepted (default %(default)s)")
+    g.add_argument("--max-cpu-loras", type=_positive_int, default=env_default("MAX_CPU_LORAS", None),
+                   help="LoRA: adapters kept loaded in the worker, least recently used dropped (default: --max-loras)")
     g.add_argument("--model-cache-dir", default=env_default("CACHE_DIR", None),
                    help="where converted GGUF models are kept (default ~/.cache/pagedserve/models)")
     return parser
@@ -259,7 +267,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         greedy_rescore_near_ties=args.greedy_rescore_near_ties,
         tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
         data_parallel_size=args.data_parallel_size, distributed_init_method=args.distributed_init_method,
-        speculative_config=args.speculative_config, runner=args.runner, pooler_config=args.pooler_config)
+        speculative_config=args.speculative_config, runner=args.runner, pooler_config=args.pooler_config,
+        enable_lora=args.enable_lora, max_loras=int(args.max_loras), max_lora_rank=int(args.max_lora_rank),
+        max_cpu_loras=None if args.max_cpu_loras is None else int(args.max_cpu_loras))
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -326,4 +336,8 @@ def engine_argv(config: EngineConfig) -> list[str]:
         argv.append("--trust-remote-code")
     if config.greedy_rescore_near_ties:
         argv.append("--greedy-rescore-near-ties")
+    if config.enable_lora:
+        argv += ["--enable-lora", "--max-loras", str(config.max_loras), "--max-lora-rank", str(config.max_lora_rank)]
+        if config.max_cpu_loras is not None:
+            argv += ["--max-cpu-loras", str(config.max_cpu_loras)]
     return argv

@@ -111,6 +111,13 @@ class EngineConfig:
     # Vision-language models: the most items of a modality per prompt ({"image": N}; vLLM's
     # --limit-mm-per-prompt); a modality not named allows 1.
     limit_mm_per_prompt: dict[str, int] | None = None
+    # Multi-LoRA (vLLM's flags): adapters on q/k/v/o and gate/up/down. max_loras: distinct adapters
+    # one step may run (device slots); max_cpu_loras: adapters kept loaded in the worker (LRU),
+    # None: max_loras; max_lora_rank: the largest rank an adapter may have.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
@@ -170,6 +177,30 @@ class EngineConfig:
         if self.speculative_config is not None and self.world_size > 1:
             raise ConfigError("speculative decoding runs on one worker rank; it does not combine with "
                               "tensor_parallel_size or pipeline_parallel_size above 1")
+
+        self.validate_lora()
+
+    def validate_lora(self) -> None:
+        if self.max_loras < 1:
+            raise ConfigError(f"max_loras must be at least 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ConfigError(f"max_lora_rank must be at least 1, got {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ConfigError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
+        if not self.enable_lora:
+            return
+        if self.world_size > 1:
+            raise ConfigError("enable_lora runs on one worker rank; it does not combine with "
+                              "tensor_parallel_size or pipeline_parallel_size above 1")
+        if self.speculative_config is not None:
+            raise ConfigError("enable_lora does not combine with speculative decoding")
+        if self.quantization not in (None, "none"):
+            raise ConfigError(f"enable_lora needs unquantized linear weights, not quantization {self.quantization!r}")
+        if self.runner == "pooling":
+            raise ConfigError("enable_lora generates tokens; it does not combine with runner 'pooling'")
+
+    def resolved_max_cpu_loras(self) -> int:
+        return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
 
     # --- resolved values -------------------------------------------------
     def resolved_device(self) -> str:

@@ -11,6 +11,7 @@ import enum
 
 import msgspec
 
+from common.lora_request import LoRARequest
 from common.pooling_params import PoolerInfo, PoolingParams
 from common.sampling_params import SamplingParams
 
@@ -102,6 +103,7 @@ class EngineRequest(msgspec.Struct, **_STRUCT):
     # Set: an embedding request (prefill only); its output carries `embedding`, not tokens.
     pooling_params: PoolingParams | None = None
     images: list[ImageInput] = []  # a vision-language model's image inputs, in prompt order
+    lora_request: LoRARequest | None = None  # the adapter this request runs with; None: the base model
 
 
 class Abort(msgspec.Struct, **_STRUCT):
@@ -227,6 +229,7 @@ class NewRequestData(msgspec.Struct, **_STRUCT):
     num_computed_tokens: int  # tokens already in the KV cache (prefix hits)
     pooling_params: PoolingParams | None = None  # resolved (PoolerInfo.resolve): pool, do not sample
     images: list[ImageInput] = []  # the EngineRequest's
+    lora_request: LoRARequest | None = None  # its adapter (worker.lora_slots); None: the base model
 
 
 class CachedRequestData(msgspec.Struct, **_STRUCT):

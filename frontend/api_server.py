@@ -32,6 +32,7 @@ from frontend.openai.serving_responses import (cancel_response, create_response,
 from frontend.openai.serving_tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 from frontend.frontend_state import FrontendState
 from frontend.playground_routes import add_playground
+from frontend.openai.lora_routes import add_lora_routes, runtime_lora_updating_allowed
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +146,9 @@ def build_app(state: FrontendState, *, api_key: str | None = None, max_body_byte
     async def model_cards() -> list[ModelCard]:
         max_model_len = await state.max_model_len()
         return [ModelCard(id=name, created=state.created, root=state.model_root, max_model_len=max_model_len)
-                for name in state.served_model_names]
+                for name in state.served_model_names] + [
+            ModelCard(id=name, created=state.created, root=lora.lora_path, parent=state.model_name,
+                      max_model_len=max_model_len) for name, lora in state.lora_modules.requests.items()]
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
@@ -157,6 +160,9 @@ def build_app(state: FrontendState, *, api_key: str | None = None, max_body_byte
         state.check_model(model)
         card = next(card for card in await model_cards() if card.id == model)
         return JSONResponse(card.model_dump())
+
+    if runtime_lora_updating_allowed():
+        add_lora_routes(app, state)
 
     @app.post("/tokenize")
     async def tokenize_route(body: TokenizeRequest) -> JSONResponse:

@@ -138,11 +138,16 @@ async def run_frontend(args: argparse.Namespace) -> None:
     from frontend.engine.request_log import RequestLogger
     from frontend.engine.frontend_metrics import FrontendMetrics
     from frontend.frontend_state import FrontendState
+    from frontend.lora_modules import LoRAModules
     from tokenizer_pool.tokenizer_client import TokenizerClient
 
     # Like vLLM: no `*_created` series (they double the exposition for nothing).
     prometheus_client.disable_created_metrics()
     names = served_names(args)
+    try:
+        lora_modules = LoRAModules(args.lora_modules)
+    except ValueError as e:  # a --lora-modules path without an adapter
+        raise SystemExit(f"error: --lora-modules: {e}") from None
     tokenizer_dir = resolve_tokenizer_dir(args.model, args.model_cache_dir, revision=args.revision,
                                           gguf_file=args.gguf_file)
     tokenizer = load_tokenizer(tokenizer_dir)
@@ -151,7 +156,7 @@ async def run_frontend(args: argparse.Namespace) -> None:
     tokenizer_client = TokenizerClient(args.tokenizer_address)
     state = FrontendState(served_model_names=names, model_root=args.model, engine=engine,
                           tokenizer_client=tokenizer_client, tokenizer=tokenizer, control=control,
-                          metrics=metrics,
+                          metrics=metrics, lora_modules=lora_modules,
                           sampling_defaults=sampling_defaults(tokenizer_dir, args.generation_config),
                           tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
                           response_role=args.response_role,

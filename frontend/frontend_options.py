@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass
 
 from common.cli_args import env_setting, env_switch, non_negative_int, positive_float
+from frontend.lora_modules import add_lora_module_args, lora_modules_argv
 
 
 DEFAULT_SCHEDULER_RESTART_TIMEOUT = 60.0
@@ -80,6 +81,7 @@ def add_frontend_options(parser: argparse.ArgumentParser) -> None:
                    help="serve HTTPS and gRPC over TLS with this private key (PEM; with --ssl-certfile)")
     g.add_argument("--ssl-certfile", default=env_setting("SSL_CERTFILE", None), metavar="FILE",
                    help="the certificate (chain) of --ssl-keyfile (PEM)")
+    add_lora_module_args(g)
 
 
 def frontend_options_argv(args: argparse.Namespace) -> list[str]:
@@ -88,7 +90,7 @@ def frontend_options_argv(args: argparse.Namespace) -> list[str]:
             for item in (flag, json.dumps(getattr(args, flag[2:].replace("-", "_"))))]
     argv += [flag for flag, _, _ in _SWITCHES if getattr(args, flag[2:].replace("-", "_"))]
     argv += ["--response-role", args.response_role] + tls_files_argv(args)
-    argv += ["--scheduler-restart-timeout", str(args.scheduler_restart_timeout)]
+    argv += ["--scheduler-restart-timeout", str(args.scheduler_restart_timeout)] + lora_modules_argv(args)
     return argv + ([] if args.max_log_len is None else ["--max-log-len", str(args.max_log_len)])
 
 

@@ -12,6 +12,8 @@ from frontend.engine.generation import Generator
 from frontend.engine.frontend_metrics import FrontendMetrics
 from frontend.engine.request_log import RequestLogger
 from frontend.responses_store import ResponseStore
+from frontend.lora_modules import LoRAModules
+from common.lora_request import LoRARequest
 
 # Changes whenever the server (and so, possibly, its outputs) changes.
 SYSTEM_FINGERPRINT = "fp_pagedserve_0.1.0"
@@ -34,6 +36,7 @@ class FrontendState:
     responses: ResponseStore = field(default_factory=ResponseStore)  # the Responses API's stored responses
     request_logger: RequestLogger | None = None  # --enable-log-requests
     created: int = field(default_factory=lambda: int(time.time()))
+    lora_modules: LoRAModules = field(default_factory=LoRAModules)  # adapters served by name (--lora-modules)
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
@@ -47,8 +50,12 @@ class FrontendState:
 
     def check_model(self, model: str | None) -> None:
         """Requests may omit `model`; a name we do not serve is a 404."""
-        if model is not None and model not in self.served_model_names:
+        if model is not None and model not in self.served_model_names and model not in self.lora_modules.requests:
             raise ModelNotFoundError(model)
+
+    def lora_request(self, model: str | None) -> LoRARequest | None:
+        """The adapter a request's `model` names; None for the base model."""
+        return self.lora_modules.requests.get(model) if model is not None else None
 
     async def is_healthy(self) -> tuple[bool, str]:
         if not self.engine.connected:

@@ -8,6 +8,7 @@ this package; it imports them.
 from __future__ import annotations
 
 from common.beam_search import BeamSearchParams
+from common.lora_request import LoRARequest
 from common.pooling_params import PoolingParams
 from common.sampling_params import SamplingParams
 from pagedserve.offline.llm import LLM
@@ -17,4 +18,4 @@ from pagedserve.offline.offline_outputs import CompletionOutput, GenerationOutpu
 RequestOutput = GenerationOutput  # vLLM's name for one prompt's result
 
 __all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "GenerationOutput", "CompletionOutput",
-           "PoolingParams", "EmbeddingRequestOutput", "EmbeddingOutput"]
+           "PoolingParams", "EmbeddingRequestOutput", "EmbeddingOutput", "LoRARequest"]

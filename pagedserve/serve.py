@@ -69,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def component_commands(args: argparse.Namespace, runtime_dir: str) -> list[Component]:
     config = engine_config(args)  # ConfigError for one that cannot run
+    if getattr(args, "lora_modules", None) and not config.enable_lora:
+        raise ConfigError("--lora-modules needs --enable-lora")
     ipc = lambda name: f"ipc://{runtime_dir}/{name}"  # noqa: E731
     addresses = {"tokenizer": ipc("tokenizer"), "tokenizer_backend": ipc("tokenizer-backend")}
     replicas = replica_addresses(config, runtime_dir)

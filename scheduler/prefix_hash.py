@@ -1,7 +1,7 @@
 """Chained hashes of full KV blocks, the keys of the prefix cache.
 
 A block's hash covers its parent's hash, its token ids and any extra keys that
-change the KV (the request's cache salt; later e.g. a LoRA id), so two equal
+change the KV (the request's cache salt, its LoRA adapter's name), so two equal
 hashes mean two equal prefixes. Hashes are full 32-byte SHA-256 digests of a
 msgpack encoding: deterministic across processes and runs (unlike Python's
 `hash()`), and collision-free in practice, so a lookup never compares token
@@ -29,15 +29,23 @@ def hash_block_tokens(parent_hash: BlockHash, token_ids: Sequence[int], extra_ke
     return hashlib.sha256(payload).digest()
 
 
-def block_extra_keys(block_index: int, cache_salt: str | None) -> tuple:
+def block_extra_keys(block_index: int, cache_salt: str | None, lora_name: str | None = None) -> tuple:
     """What besides the tokens goes into block `block_index`'s hash.
 
-    The salt only needs to enter the first block: every later hash chains it.
-    An empty salt means no salt (same namespace as requests without one).
+    The salt and the adapter only need to enter the first block: every later hash
+    chains them. An empty salt means no salt (same namespace as requests without one);
+    the adapter is tagged so that no salt can equal it.
     """
-    if block_index == 0 and cache_salt:
-        return (cache_salt,)
-    return ()
+    if block_index != 0:
+        return ()
+    keys: tuple = (cache_salt,) if cache_salt else ()
+    return keys + (("lora", lora_name),) if lora_name else keys
+
+
+def lora_cache_key(lora_request) -> str | None:
+    """What keys a LoRA request's blocks: its adapter's name and path (a name reloaded from
+    another path is another adapter); None without one."""
+    return None if lora_request is None else f"{lora_request.lora_name}\x00{lora_request.lora_path}"
 
 
 def image_extra_keys(start: int, end: int, images: Sequence[tuple[int, int, str]]) -> tuple:
@@ -47,7 +55,8 @@ def image_extra_keys(start: int, end: int, images: Sequence[tuple[int, int, str]
 
 
 def extend_block_hashes(block_hashes: list[BlockHash], token_ids: Sequence[int], block_size: int,
-                        cache_salt: str | None = None, images: Sequence[tuple[int, int, str]] = ()) -> None:
+                        cache_salt: str | None = None, images: Sequence[tuple[int, int, str]] = (),
+                        lora_name: str | None = None) -> None:
     """Append hashes for every block of `token_ids` that became full since the
     last call (`block_hashes` holds the hashes of the leading full blocks).
     `images`: (offset, length, content hash) of the prompt's image placeholders."""
@@ -55,7 +64,7 @@ def extend_block_hashes(block_hashes: list[BlockHash], token_ids: Sequence[int],
     for index in range(len(block_hashes), num_full_blocks):
         parent = block_hashes[index - 1] if index else ROOT_BLOCK_HASH
         start = index * block_size
-        extra = block_extra_keys(index, cache_salt)
+        extra = block_extra_keys(index, cache_salt, lora_name)
         if images:
             extra += image_extra_keys(start, start + block_size, images)
         block_hashes.append(hash_block_tokens(parent, token_ids[start:start + block_size], extra))

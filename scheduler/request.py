@@ -7,7 +7,7 @@ import msgspec
 
 from common.protocol import EngineRequest, FinishReason, PromptLogprobs, TokenLogprobs, sample_request_id
 from common.sampling_params import SamplingParams
-from scheduler.prefix_hash import BlockHash, extend_block_hashes
+from scheduler.prefix_hash import BlockHash, extend_block_hashes, lora_cache_key
 
 
 class RequestStatus(enum.Enum):
@@ -53,6 +53,7 @@ class Request:
         self.priority = engine_request.priority
         self.arrival_order = arrival_order  # ties between equal priorities
         self.cache_salt = engine_request.cache_salt
+        self.lora_request = engine_request.lora_request  # its adapter, if any: part of every block's key
         self.stop_token_ids = frozenset(self.sampling_params.stop_token_ids)
         room = max_model_len - len(self.prompt_token_ids)
         requested = self.sampling_params.max_tokens
@@ -155,7 +156,7 @@ class Request:
         # be cached (its KV computed) is the KV cache manager's decision.
         if self._enable_caching:
             extend_block_hashes(self.block_hashes, self.all_token_ids, self._block_size, self.cache_salt,
-                                self.image_spans)
+                                self.image_spans, lora_cache_key(self.lora_request))
 
     def check_stop(self, eos_token_ids: frozenset[int], max_model_len: int) -> FinishReason | None:
         """Why the request stops after its latest output token, if it does.

@@ -1,12 +1,11 @@
 """Continuous batching with a token budget (vLLM v1 style, no phases).
 
-Each step serves running requests in admission order (one decode token, or
-the next prefill chunk), then admits waiting requests, all within
-`max_num_batched_tokens` tokens and `max_num_seqs` running requests. When a
-running request cannot get blocks, the most recently admitted running request
-is preempted by recompute. A request with several samples (n > 1, best_of)
-prefills its prompt once and forks (see `scheduler.sample_group`); drafts ride on decodes
-(`scheduler.speculation`); a pooling request ends with its prompt. Never imports torch.
+Each step serves running requests in admission order (one decode token, or the next prefill
+chunk), then admits waiting requests, all within `max_num_batched_tokens` tokens and
+`max_num_seqs` running requests. When a running request cannot get blocks, the most recently
+admitted running request is preempted by recompute. A request with several samples (n > 1, best_of) prefills its prompt
+once and forks (`scheduler.sample_group`); drafts ride on decodes (`scheduler.speculation`); a
+pooling request ends with its prompt; LoRA adapters fit `scheduler.lora_admission`. No torch.
 """
 from __future__ import annotations
 
@@ -20,6 +19,7 @@ from common.protocol import (CachedRequestData, EngineRequest, FinishReason, New
                              ResumedSample, StepPlan, StepResult, TokenLogprobs, parent_request_id,
                              sample_request_id)
 from scheduler.kv_cache_manager import KVCacheManager
+from scheduler.lora_admission import check_lora_request, exceeds_lora_slots
 from scheduler.queues import WaitingQueue
 from scheduler.request import Request, RequestStatus
 from scheduler.request_checks import check_new_request, resolve_pooling, servable_max_model_len
@@ -68,6 +68,7 @@ class Scheduler:
         """Queue a request; raises InvalidRequestError instead of truncating."""
         request_id = engine_request.request_id
         check_new_request(engine_request, self.vocab_size, self.max_model_len, self.config.max_logprobs)
+        check_lora_request(engine_request, self.config)
         engine_request = resolve_pooling(engine_request, self.pooler, self.max_num_batched_tokens)
         params = engine_request.sampling_params
         num_samples = params.num_samples
@@ -206,7 +207,7 @@ class Scheduler:
                     request_id=request.request_id, token_ids=list(request.all_token_ids), images=request.images,
                     num_prompt_tokens=request.num_prompt_tokens, sampling_params=request.worker_params,
                     block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
-                    num_computed_tokens=request.num_computed_tokens, pooling_params=request.pooling_params))
+                    num_computed_tokens=request.num_computed_tokens, pooling_params=request.pooling_params, lora_request=request.lora_request))
                 request.sent_to_worker = True
             request.blocks_trimmed = False
             num_scheduled_tokens[request.request_id] = num_new
@@ -220,17 +221,16 @@ class Scheduler:
         return plan
 
     def _admit_waiting(self, budget: int, scheduled: list[tuple[Request, int, list[int]]], lookahead: int) -> None:
-        """Admit waiting requests in queue order while budget, sequence slots and blocks last; stop
-        at the first that does not fit (no overtaking). Also stop at a request whose next uncached
-        block is one a running request is computing right now (the same prompt prefix, admitted a
-        step earlier or in this step): next step that block is in the prefix cache, instead of
-        computed twice (SGLang's in-batch prefix sharing; vLLM computes both)."""
+        """Admit waiting requests in queue order while budget, sequence slots, blocks and LoRA slots
+        last; stop at the first that does not fit (no overtaking), or whose next uncached block a
+        running request computes right now (SGLang's in-batch prefix sharing: cached next step)."""
         kv = self.kv_cache_manager
         in_flight = kv.uncached_block_hashes(self.running) if kv.enable_caching else set()
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
             hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
-            if in_flight and kv.next_block_in_flight(request, len(hit_blocks), in_flight):
+            if (in_flight and kv.next_block_in_flight(request, len(hit_blocks), in_flight)) or (
+                    self.config.enable_lora and exceeds_lora_slots(self.running, request, self.config.max_loras)):
                 break
             num_new = min(request.num_tokens - num_hit_tokens, budget)
             if self.whole_prompts and num_new < request.num_tokens:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from common.lora_request import LoRARequest
 from common.pooling_params import PoolingParams
 from common.protocol import ImageInput, StepPlan
 from common.sampling_params import SamplingParams
@@ -35,6 +36,7 @@ class RequestState:
     num_computed_tokens: int  # tokens whose KV is in the cache
     grammar: GrammarMatcher | None = None  # structured output: where the outputs stand in the grammar
     pooling_params: PoolingParams | None = None  # a pooling request: pooled (worker.pooler), never sampled
+    lora_request: LoRARequest | None = None  # its adapter (worker.lora_slots); None: the base model
     pooled_so_far: torch.Tensor | None = None  # MEAN: the float32 sum of its chunks; CLS: the first token's
     images: list[ImageInput] = field(default_factory=list)  # a vision-language prompt's images
     image_embeds: dict[int, torch.Tensor] = field(default_factory=dict)  # encoded images still being computed
@@ -135,7 +137,7 @@ class InputBatch:
                 num_prompt_tokens=new.num_prompt_tokens, sampling_params=new.sampling_params,
                 block_ids=list(new.block_ids), num_computed_tokens=new.num_computed_tokens,
                 grammar=self._grammar(new.request_id, new.sampling_params, new.token_ids[new.num_prompt_tokens:]),
-                pooling_params=new.pooling_params, images=list(new.images))
+                pooling_params=new.pooling_params, images=list(new.images), lora_request=new.lora_request)
         for diff in plan.cached_requests:
             state = self.requests.get(diff.request_id)
             if state is None:

@@ -21,6 +21,7 @@ from worker.compiled_forward import ModelForward, inductor_available
 from worker.cuda_graphs import with_decode_graphs
 from worker.cuda_memory_profiling import cuda_memory_profile
 from worker.heap_tuning import keep_freed_memory_mapped
+from worker.lora_slots import LoRASlots
 from worker.input_batch import InputBatch
 from worker.kv_cache import allocate_kv_caches, kv_cache_spec, num_blocks_for
 from worker.kv_scales import read_kv_scales
@@ -102,6 +103,9 @@ class Worker:
         self.grammar_compiler = GrammarCompiler(config.tokenizer or self.model_dir, int(self.hf_config.vocab_size),
                                                 eos_ids)
         self.grammar_compiler.start_warm_up()  # alongside the model's warm-up, which leaves a core mostly idle
+        # Multi-LoRA: adapter slots on the layers before the step is compiled (worker.lora_slots).
+        self.lora = (LoRASlots(self.model, config.max_loras, config.resolved_max_cpu_loras(), config.max_lora_rank)
+                     if config.enable_lora else None)
         self.forward = ModelForward(self.model, self.kv_caches, self.backend, max_model_len=self.max_model_len,
                                     compile=compile_step, kv_scales=self.kv_scales)
         self.forward.warm_up(config.block_size)
@@ -110,7 +114,9 @@ class Worker:
         speculator = (Speculator(config.speculative_config, self.draft_model)
                       if config.speculative_config is not None else None)
         # CUDA: decode steps replay CUDA graphs; elsewhere this is self.forward itself.
-        step_forward = with_decode_graphs(self.forward, config, backend_name=config.resolved_attention_backend(),
+        # (no CUDA graphs with LoRA: the delta op groups tokens by adapter in Python each step)
+        step_forward = with_decode_graphs(self.forward, config.replace(max_cudagraph_batch_size=0)
+                                          if config.enable_lora else config, backend_name=config.resolved_attention_backend(),
                                           max_model_len=self.max_model_len, device=self.device,
                                           world_size=self.layout.world_size)
         self.runner = ModelRunner(self.model, self.lm_head, self.kv_caches, self.backend, config.block_size,
@@ -189,7 +195,11 @@ class Worker:
         if batch is None:
             return StepResult(step_id=plan.step_id, request_ids=[], sampled_token_ids=[],
                               execute_ns=time.perf_counter_ns() - started)
-        output = self.runner.execute(batch, speculate=plan.speculate)
+        if self.lora is None:
+            output = self.runner.execute(batch, speculate=plan.speculate)
+        else:
+            with self.lora.step(batch.scheduled):
+                output = self.runner.execute(batch, speculate=plan.speculate)
         return StepResult(step_id=plan.step_id, request_ids=output.request_ids,
                           sampled_token_ids=output.sampled_token_ids, execute_ns=time.perf_counter_ns() - started,
                           sampled_logprobs=output.sampled_logprobs, prompt_logprobs=output.prompt_logprobs,

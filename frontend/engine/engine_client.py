@@ -40,6 +40,7 @@ from zmq.utils.monitor import parse_monitor_message
 from common.errors import InvalidRequestError
 from common.protocol import (Abort, EngineError, EngineOutputs, EngineRequest, FrontendHello, MessageType,
                              RequestOutput, parent_request_id, sample_request_id)
+from common.lora_request import LoRARequest
 from common.pooling_params import PoolingParams
 from common.sampling_params import SamplingParams
 from common.transport import MessageDecoder, arecv, encode, make_socket
@@ -135,7 +136,8 @@ class EngineClient:
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams, *,
                        arrival_time: float | None = None, priority: int = 0,
                        cache_salt: str | None = None,
-                       pooling_params: PoolingParams | None = None) -> AsyncIterator[RequestOutput]:
+                       pooling_params: PoolingParams | None = None,
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its outputs until it finishes.
 
         Closing the iterator before the last output (client gone, stop string
@@ -152,7 +154,7 @@ class EngineClient:
         request = EngineRequest(
             request_id=request_id, prompt_token_ids=prompt_token_ids, sampling_params=sampling_params,
             arrival_time=time.time() if arrival_time is None else arrival_time, priority=priority,
-            cache_salt=cache_salt, pooling_params=pooling_params)
+            cache_salt=cache_salt, pooling_params=pooling_params, lora_request=lora_request)
         try:
             frames = encode(request)
         except (OverflowError, TypeError, UnicodeEncodeError, msgspec.EncodeError) as e:  # e.g. an integer beyond 64 bits

@@ -115,7 +115,8 @@ class Generator:
         if self.request_logger is not None:
             self.request_logger.received(request)
         outputs = self.engine.generate(request.request_id, request.prompt_token_ids, request.sampling_params,
-                                       priority=request.priority, cache_salt=request.cache_salt)
+                                       priority=request.priority, cache_salt=request.cache_salt,
+                                       **({"lora_request": request.lora_request} if request.lora_request else {}))
         try:
             async with aclosing(outputs):
                 async for output in outputs:

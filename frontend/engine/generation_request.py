@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from common.lora_request import LoRARequest
 from common.sampling_params import SamplingParams
 
 
@@ -18,3 +19,4 @@ class GenerationRequest:
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0
     cache_salt: str | None = None
+    lora_request: LoRARequest | None = None  # the adapter its `model` named (frontend.lora_modules)

@@ -132,11 +132,13 @@ class ReplicaRouter:
     # --- requests -----------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams, *,
                        arrival_time: float | None = None, priority: int = 0,
-                       cache_salt: str | None = None, pooling_params=None) -> AsyncIterator[RequestOutput]:
+                       cache_salt: str | None = None, pooling_params=None,
+                       lora_request=None) -> AsyncIterator[RequestOutput]:
         """EngineClient.generate on the chosen replica (see the module's docstring)."""
         if request_id in self._owner:
             raise InvalidRequestError(f"request id {request_id!r} is already in flight", param="request_id")
-        hashes = block_hashes(prompt_token_ids, await self._block_size(), cache_salt)
+        salt = cache_salt if lora_request is None else (cache_salt, lora_request.lora_name)  # (any hashable)
+        hashes = block_hashes(prompt_token_ids, await self._block_size(), salt)
         weight = sampling_params.num_samples
         tried: set[int] = set()
         while True:
@@ -151,7 +153,7 @@ class ReplicaRouter:
             try:
                 outputs = replica.engine.generate(request_id, prompt_token_ids, sampling_params,
                                                   arrival_time=arrival_time, priority=priority, cache_salt=cache_salt,
-                                                  pooling_params=pooling_params)
+                                                  pooling_params=pooling_params, lora_request=lora_request)
                 async with aclosing(outputs):
                     async for output in outputs:
                         started = True

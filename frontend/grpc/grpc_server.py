@@ -179,7 +179,8 @@ class PagedServeServicer(pagedserve_pb2_grpc.PagedServeServicer):
         return GenerationRequest(
             request_id=request.request_id or random_id("grpc-"), prompt_token_ids=prompt_ids,
             sampling_params=params, arrival_time=arrival, priority=request.priority,
-            cache_salt=request.cache_salt or None), echo if request.echo else ""
+            cache_salt=request.cache_salt or None,
+            lora_request=state.lora_request(request.model or None)), echo if request.echo else ""
 
     async def _render_chat(self, chat: pb.ChatMessages) -> list[int]:
         if not chat.messages:

@@ -160,6 +160,7 @@ class ModelCard(OpenAIBaseModel):
     created: int
     owned_by: str = "pagedserve"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model
     max_model_len: int | None = None
 
 

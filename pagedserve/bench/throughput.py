@@ -40,8 +40,10 @@ class SamplingChoice:
 
 def run_throughput(config: EngineConfig, requests: list[BenchRequest], *, detokenize: bool = True,
                    use_tqdm: bool = False, workload_name: str = "",
-                   sampling: SamplingChoice = SamplingChoice()) -> dict[str, Any]:
-    """Run `requests` through a fresh engine; returns the result record (see `docs/benchmarks.md`)."""
+                   sampling: SamplingChoice = SamplingChoice(), loras: list | None = None) -> dict[str, Any]:
+    """Run `requests` through a fresh engine; returns the result record (see `docs/benchmarks.md`).
+    `loras`: each request's LoRARequest (or None); the same requests then run on the base model
+    first, in the same engine, and the record compares the two (`lora_vs_base`)."""
     import torch
 
     from pagedserve.offline.llm import LLM
@@ -59,11 +61,23 @@ def run_throughput(config: EngineConfig, requests: list[BenchRequest], *, detoke
 
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
     params = [sampling.params(r.max_tokens) for r in requests]
+    lora_fields: dict[str, Any] = {}
+    if loras is not None:
+        started = time.perf_counter()
+        base_tokens = sum(len(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=use_tqdm))
+        base_rate = base_tokens / (time.perf_counter() - started)
+        adapters = {lora.lora_name: lora for lora in loras if lora is not None}
+        llm.generate(warm_up[:1] * len(adapters), greedy_params(4), use_tqdm=False, lora_request=list(adapters.values()))
+        llm.scheduler.reset_prefix_cache()
     spec_before = _spec_counts(llm)
     started = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
+    outputs = llm.generate(prompts, params, use_tqdm=use_tqdm, lora_request=loras)
     elapsed = time.perf_counter() - started
     gc.unfreeze()
+    if loras is not None:
+        rate = sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed
+        lora_fields = {"lora_adapters": len(adapters), "lora_requests": sum(lora is not None for lora in loras),
+                       "base_output_tokens_per_s": round(base_rate, 2), "lora_vs_base": round(rate / base_rate, 3)}
 
     summary = workload_summary(requests)
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
@@ -98,6 +112,7 @@ def run_throughput(config: EngineConfig, requests: list[BenchRequest], *, detoke
         "peak_kv_gib": round(stats.peak_used_blocks * block_bytes / GiB, 6),
         "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB, 3),
         **_spec_decode_fields(llm, spec_before),
+        **lora_fields,
     }
 
 
@@ -157,3 +172,28 @@ def _sampling_text(sampling: dict[str, Any]) -> str:
         return "greedy"
     text = f"temperature {sampling['temperature']:g}, top_p {sampling['top_p']:g}, top_k {sampling['top_k']}"
     return text + (f", seed {sampling['seed']}" if sampling["seed"] is not None else "")
+
+
+def add_lora_bench_args(parser) -> None:
+    from frontend.lora_modules import add_lora_module_args
+
+    add_lora_module_args(parser)  # with --enable-lora: requests run on these adapters in turn
+    parser.add_argument("--lora-fraction", type=float, default=1.0,
+                        help="with --lora-modules: the share of requests on an adapter, spread evenly (default 1)")
+
+
+def bench_loras(modules: list[tuple[str, str]], fraction: float, count: int) -> list | None:
+    """Request i's LoRARequest: a `fraction` of the requests, spread evenly, on the adapters in
+    turn; None without adapters."""
+    if not modules:
+        return None
+    import os
+
+    from common.lora_request import LoRARequest
+
+    adapters = [LoRARequest(name, i + 1, os.path.abspath(path)) for i, (name, path) in enumerate(modules)]
+    chosen = [i for i in range(count) if int((i + 1) * fraction) > int(i * fraction)]
+    loras: list = [None] * count
+    for n, i in enumerate(chosen):
+        loras[i] = adapters[n % len(adapters)]
+    return loras

@@ -22,6 +22,7 @@ from common.generation_defaults import sampling_defaults
 from common.model_files import local_model_source
 from common.pooling_params import PoolingParams
 from common.prompt_truncation import truncate_prompt
+from common.lora_request import LoRARequest
 from common.protocol import EngineRequest, ImageInput
 from common.sampling_params import SamplingParams
 from common.structured_outputs import check_grammar
@@ -38,7 +39,7 @@ from worker.distributed.parallel_state import close_worker_group
 from common.parallel_layout import check_model_layout
 from worker.encoder_worker import make_worker
 
-__all__ = ["LLM", "BeamSearchParams", "CompletionOutput", "GenerationOutput"]
+__all__ = ["LLM", "LoRARequest", "BeamSearchParams", "CompletionOutput", "GenerationOutput"]
 
 PromptInput = Union[str, list[int], dict]
 
@@ -125,7 +126,9 @@ class LLM:
     # --- public API -------------------------------------------------------
     def generate(self, prompts: PromptInput | Sequence[PromptInput],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[GenerationOutput]:
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[GenerationOutput]:
+        """`lora_request`: the adapter of every prompt, or one per prompt (None: the base model)."""
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
@@ -135,7 +138,8 @@ class LLM:
         encoded = [self._encode(p) if found is None else found[0] for p, found in zip(prompt_list, with_images)]
         encoded = [(text, ids if found else truncate_prompt(ids, params.truncate_prompt_tokens, self.max_model_len))
                    for (text, ids), params, found in zip(encoded, params_list, with_images)]
-        return self._run(encoded, params_list, use_tqdm, [found[1] if found else [] for found in with_images])
+        return self._run(encoded, params_list, use_tqdm, [found[1] if found else [] for found in with_images],
+                         self._lora_requests(lora_request, len(prompt_list)))
 
     def chat(self, messages: list[dict] | Sequence[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -187,8 +191,29 @@ class LLM:
             return None, list(prompt)
         raise InvalidRequestError(f"unsupported prompt type {type(prompt).__name__}", param="prompts")
 
+    def _lora_requests(self, lora_request, count: int) -> list[LoRARequest | None] | None:
+        """One adapter (or None) per prompt, each loaded now: a bad adapter fails before any work."""
+        if lora_request is None:
+            return None
+        loras = [lora_request] * count if isinstance(lora_request, LoRARequest) else list(lora_request)
+        if len(loras) != count:
+            raise InvalidRequestError(f"{len(loras)} lora_requests for {count} prompts", param="lora_request")
+        if any(lora is not None for lora in loras):
+            lora_slots = getattr(self.worker, "lora", None)
+            if lora_slots is None or self.replicas is not None:
+                raise InvalidRequestError("lora_request needs an LLM made with enable_lora=True (one replica)",
+                                          param="lora_request")
+            for lora in loras:
+                if lora is not None:
+                    try:
+                        lora_slots.load(lora)
+                    except ValueError as e:
+                        raise InvalidRequestError(str(e), param="lora_request") from None
+        return loras
+
     def _run(self, encoded: list[tuple[str | None, list[int]]], params_list: list[SamplingParams],
-             use_tqdm: bool, images: list[list[ImageInput]] | None = None) -> list[GenerationOutput]:
+             use_tqdm: bool, images: list[list[ImageInput]] | None = None,
+             loras: list[LoRARequest | None] | None = None) -> list[GenerationOutput]:
         for params in params_list:
             params.validate(self.vocab_size, self.config.max_logprobs)
             check_grammar(params.structured_outputs)
@@ -197,23 +222,25 @@ class LLM:
                 raise InvalidRequestError("image prompts are not supported with data_parallel_size > 1",
                                           param="prompts")
             return run_sharded(self, encoded, params_list, use_tqdm)
-        return self._run_here(encoded, params_list, use_tqdm, images=images)
+        return self._run_here(encoded, params_list, use_tqdm, images=images, loras=loras)
 
     def _run_here(self, encoded: list[tuple[str | None, list[int]]], params_list: list[SamplingParams],
                   use_tqdm: bool, request_ids: list[str] | None = None,
-                  images: list[list[ImageInput]] | None = None) -> list[GenerationOutput]:
+                  images: list[list[ImageInput]] | None = None,
+                  loras: list[LoRARequest | None] | None = None) -> list[GenerationOutput]:
         """Run the prompts on this process's engine (`request_ids`: theirs, else the next ones;
         `images`: each prompt's, see prompt_images)."""
         requests: dict[str, OfflineRequest] = {}
         request_ids = request_ids or [str(next(self._ids)) for _ in encoded]
         images = images or [[] for _ in encoded]
+        loras = loras or [None] * len(encoded)
         try:
-            for (text, token_ids), params, request_id, prompt_images_ in zip(encoded, params_list, request_ids,
-                                                                             images):
+            for (text, token_ids), params, request_id, prompt_images_, lora in zip(
+                    encoded, params_list, request_ids, images, loras):
                 # Raises InvalidRequestError (e.g. prompt too long) before any work starts.
                 self.scheduler.add_request(EngineRequest(request_id=request_id, prompt_token_ids=token_ids,
                                                          sampling_params=params, arrival_time=time.time(),
-                                                         images=prompt_images_))
+                                                         images=prompt_images_, lora_request=lora))
                 requests[request_id] = OfflineRequest(request_id, text, token_ids, params, self.tokenizer)
             self._loop(requests, use_tqdm)
         except BaseException:

@@ -229,3 +229,17 @@ def test_spec_decode_needs_a_speculative_config(tiny):
                            str(root / "tiny.jsonl"), "--model", str(root / "model"), *SMALL_ENGINE], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--speculative-config is required" in proc.stderr
+
+
+def test_throughput_with_lora_adapters_compares_with_the_base(tiny):
+    from peft_adapters import ALL_LINEAR, build_peft_adapter
+
+    root, requests = tiny
+    build_peft_adapter(root / "model", root / "adapter", rank=4, targets=ALL_LINEAR, seed=3)
+    out = bench("throughput", "--workload", str(root / "tiny.jsonl"), "--model", str(root / "model"),
+                "--no-detokenize", "--json", "--enable-lora", "--max-lora-rank", "4",
+                "--lora-modules", f"a={root / 'adapter'}", "--lora-fraction", "0.5", *SMALL_ENGINE)
+    [result] = json_lines(out)
+    assert result["lora_adapters"] == 1 and result["lora_requests"] == 3
+    assert result["output_tokens"] == sum(r.max_tokens for r in requests)
+    assert result["base_output_tokens_per_s"] > 0 and result["lora_vs_base"] > 0

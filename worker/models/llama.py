@@ -28,6 +28,7 @@ from worker.attention.step_context import paged_attention, step_context
 from worker.models.packed_linear import linear, linear_silu, pack_gated, pack_weight, packing_supported
 from worker.models.rotary import RotaryEmbedding, apply_rotary
 from worker.kv_scales import kv_scale_target
+from worker.lora_slots import lora_delta
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -61,6 +62,7 @@ class DecoderLayer(nn.Module):
         # Packed copies of the four matmul weights (see packed_linear); None: plain F.linear.
         for name in PACKED_WEIGHTS:
             self.register_buffer(name + "_packed", None, persistent=False)
+        self.lora_enabled = False  # add each token's LoRA adapter delta to the matmuls (worker.lora_slots)
         self.fused_rotary = False  # q/k rotary embedding through the CPU kernel (bf16, see pack_weights)
         qkv_rows = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
         self.input_norm = _param(s.hidden, dtype=dtype, device=device)
@@ -94,7 +96,7 @@ def decoder_layer(layer: DecoderLayer, hidden: torch.Tensor, cos: torch.Tensor, 
     s = layer.sizes
     num_tokens = hidden.shape[0]
     x = rms_norm(hidden, layer.input_norm, s.eps)
-    qkv, q, k, v = project_qkv(layer, x)
+    qkv, q, k, v = project_qkv(layer, x, layer_index)
     if layer.q_norm is not None:
         q = rms_norm(q.reshape(num_tokens, s.num_heads, s.head_dim), layer.q_norm, s.eps)
         k = rms_norm(k.reshape(num_tokens, s.num_kv_heads, s.head_dim), layer.k_norm, s.eps)
@@ -105,6 +107,8 @@ def decoder_layer(layer: DecoderLayer, hidden: torch.Tensor, cos: torch.Tensor, 
         k = apply_rotary(k.view(num_tokens, s.num_kv_heads, s.head_dim), cos, sin)
     v = v.view(num_tokens, s.num_kv_heads, s.head_dim)
     attn = paged_attention(q, k, v, layer_index, s.head_dim ** -0.5, layer.sliding_window)
+    if layer.lora_enabled:
+        return lora_layer_rest(layer, hidden, attn.reshape(num_tokens, -1), layer_index)
     hidden = hidden + row_parallel(layer, attn.reshape(num_tokens, -1), layer.o_weight, layer.o_bias, layer.o_packed)
 
     x = rms_norm(hidden, layer.post_norm, s.eps)
@@ -114,10 +118,28 @@ def decoder_layer(layer: DecoderLayer, hidden: torch.Tensor, cos: torch.Tensor, 
     return hidden + row_parallel(layer, activated, layer.down_weight, layer.down_bias, layer.down_packed)
 
 
-def project_qkv(layer: DecoderLayer, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The fused q/k/v projection and its three views (flat rows: [T, heads * head_dim])."""
+def lora_layer_rest(layer: DecoderLayer, hidden: torch.Tensor, attn: torch.Tensor, layer_index: int) -> torch.Tensor:
+    """`decoder_layer` after attention, with LoRA deltas on o, gate/up (unfused: the delta goes in
+    before the activation) and down; one rank only (EngineConfig refuses tensor parallelism)."""
+    s = layer.sizes
+    o = linear(attn, layer.o_weight, layer.o_bias, layer.o_packed)
+    hidden = hidden + (o + lora_delta(attn, layer_index, "o", o.shape[-1]))
+    x = rms_norm(hidden, layer.post_norm, s.eps)
+    if layer.mlp is not None:  # adapters on a mixture-of-experts MLP are refused (worker.lora_weights)
+        return hidden + layer.mlp(x)
+    gate_up = F.linear(x, layer.gate_up_weight, layer.gate_up_bias)
+    gate, up = (gate_up + lora_delta(x, layer_index, "gate_up", gate_up.shape[-1])).chunk(2, dim=-1)
+    activated = F.silu(gate) * up
+    down = linear(activated, layer.down_weight, layer.down_bias, layer.down_packed)
+    return hidden + (down + lora_delta(activated, layer_index, "down", down.shape[-1]))
+
+
+def project_qkv(layer: DecoderLayer, x: torch.Tensor, layer_index: int = 0) -> tuple[torch.Tensor, ...]:
+    """The fused q/k/v projection (plus each token's LoRA delta when enabled) and its three views."""
     s = layer.sizes
     qkv = linear(x, layer.qkv_weight, layer.qkv_bias, layer.qkv_packed)
+    if layer.lora_enabled:
+        qkv = qkv + lora_delta(x, layer_index, "qkv", qkv.shape[-1])
     return qkv, *qkv.split([s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.num_kv_heads * s.head_dim],
                            dim=-1)
 

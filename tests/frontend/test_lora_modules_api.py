@@ -1,0 +1,129 @@
+"""--lora-modules on a real frontend process (fake scheduler): an adapter's name picks it as
+`model`, /v1/models lists it with its parent, unknown names are 404s, bad paths refused."""
+import json
+import subprocess
+import sys
+
+import openai
+import pytest
+
+from tests.frontend.conftest import start_frontend
+from tests.frontend.fakes import FakeScheduler  # noqa: F401 (the server fixture's scheduler)
+
+
+@pytest.fixture(scope="module")
+def lora_frontend(server, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("lora-frontend")
+    adapter = tmp / "sql-adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8, "lora_alpha": 16,
+                                                            "target_modules": ["q_proj", "v_proj"]}))
+    (adapter / "adapter_model.safetensors").write_bytes(b"")  # (the frontend checks only that it is there)
+    frontend, base_url, grpc_address = start_frontend(server.frontend_args + ["--lora-modules", f"sql={adapter}"],
+                                                      tmp / "frontend.log")
+    try:
+        client = openai.OpenAI(base_url=base_url + "/v1", api_key="x", max_retries=0)
+        client.grpc_address = grpc_address
+        yield client, adapter
+    finally:
+        frontend.stop()
+
+
+def test_models_list_adapters_with_parent(lora_frontend, server):
+    client, adapter = lora_frontend
+    cards = {card.id: card for card in client.models.list().data}
+    base = next(name for name in cards if name != "sql")
+    assert cards["sql"].parent == base and cards["sql"].root == str(adapter)
+    assert getattr(cards[base], "parent", None) is None
+
+
+def test_adapter_name_selects_the_adapter(lora_frontend, server):
+    client, adapter = lora_frontend
+    response = client.completions.create(model="sql", prompt="Say hello to me.", max_tokens=3)
+    sent = next(r for r in reversed(server.scheduler.snapshot().requests) if r.request_id == response.id + "-0")
+    assert sent.lora_request is not None
+    assert (sent.lora_request.lora_name, sent.lora_request.lora_path) == ("sql", str(adapter))
+    base = client.models.list().data[0].id
+    response = client.chat.completions.create(model=base, messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=2)
+    assert next(r for r in reversed(server.scheduler.snapshot().requests)
+                if r.request_id.startswith(response.id)).lora_request is None
+
+
+def test_unknown_model_is_a_404(lora_frontend):
+    client, _ = lora_frontend
+    with pytest.raises(openai.NotFoundError) as error:
+        client.completions.create(model="no-such-adapter", prompt="x", max_tokens=1)
+    assert error.value.body["code"] == "model_not_found"
+
+
+def test_bad_adapter_path_stops_the_frontend(server, tmp_path):
+    result = subprocess.run([sys.executable, "-m", "frontend.frontend_cli", *server.frontend_args,
+                             "--lora-modules", f"bad={tmp_path / 'missing'}"], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode != 0 and "adapter_config.json" in result.stderr
+
+
+def test_runtime_loading_and_unloading(server, tmp_path):
+    import httpx
+
+    adapter = tmp_path / "chat-adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4}))
+    (adapter / "adapter_model.safetensors").write_bytes(b"")
+    unsupported = tmp_path / "embedding-adapter"
+    unsupported.mkdir()
+    (unsupported / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4,
+                                                                "target_modules": ["embed_tokens"]}))
+    import os
+    os.environ["PAGEDSERVE_ALLOW_RUNTIME_LORA_UPDATING"] = "1"  # the frontend process inherits it
+    try:
+        frontend, base_url, _ = start_frontend(server.frontend_args, tmp_path / "frontend.log")
+    finally:
+        del os.environ["PAGEDSERVE_ALLOW_RUNTIME_LORA_UPDATING"]
+    try:
+        http = httpx.Client(base_url=base_url, timeout=30)
+        bad = http.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(tmp_path / "none")})
+        assert bad.status_code == 400 and "adapter_config.json" in bad.json()["error"]["message"]
+        refused = http.post("/v1/load_lora_adapter", json={"lora_name": "e", "lora_path": str(unsupported)})
+        assert refused.status_code == 400 and "embed_tokens" in refused.json()["error"]["message"]
+        assert http.post("/v1/load_lora_adapter", json={"lora_name": "chat", "lora_path": str(adapter)}).status_code == 200
+        assert http.post("/v1/load_lora_adapter", json={"lora_name": "chat", "lora_path": str(adapter)}).status_code == 400
+        assert "chat" in [card["id"] for card in http.get("/v1/models").json()["data"]]
+        completion = http.post("/v1/completions", json={"model": "chat", "prompt": "Say hello", "max_tokens": 2})
+        assert completion.status_code == 200
+        sent = next(r for r in reversed(server.scheduler.snapshot().requests)
+                    if r.request_id == completion.json()["id"] + "-0")
+        assert sent.lora_request.lora_name == "chat"
+        assert http.post("/v1/unload_lora_adapter", json={"lora_name": "chat"}).status_code == 200
+        gone = http.post("/v1/unload_lora_adapter", json={"lora_name": "chat"})
+        assert gone.status_code == 404 and gone.json()["error"]["code"] == "model_not_found"
+        after = http.post("/v1/completions", json={"model": "chat", "prompt": "Say hello", "max_tokens": 2})
+        assert after.status_code == 404
+    finally:
+        frontend.stop()
+
+
+def test_runtime_updates_are_off_by_default(lora_frontend):
+    client, adapter = lora_frontend
+    response = client._client.post(str(client.base_url).rstrip("/").removesuffix("/v1") + "/v1/load_lora_adapter",
+                                   json={"lora_name": "y", "lora_path": str(adapter)})
+    assert response.status_code == 404
+
+
+def test_grpc_model_field_selects_the_adapter(lora_frontend, server):
+    import grpc
+
+    from common.grpc_gen import pagedserve_pb2 as pb
+    from common.grpc_gen import pagedserve_pb2_grpc
+
+    client, _ = lora_frontend
+    with grpc.insecure_channel(client.grpc_address) as channel:
+        stub = pagedserve_pb2_grpc.PagedServeStub(channel)
+        list(stub.Generate(pb.GenerateRequest(request_id="grpc-lora", model="sql", text="Say hello",
+                                              sampling_params=pb.SamplingParams(max_tokens=2)), timeout=30))
+        with pytest.raises(grpc.RpcError) as error:
+            list(stub.Generate(pb.GenerateRequest(model="nope", text="x"), timeout=30))
+        assert error.value.code() == grpc.StatusCode.NOT_FOUND
+    sent = next(r for r in reversed(server.scheduler.snapshot().requests) if r.request_id == "grpc-lora")
+    assert sent.lora_request.lora_name == "sql"
