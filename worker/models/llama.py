@@ -119,8 +119,7 @@ def decoder_layer(layer: DecoderLayer, hidden: torch.Tensor, cos: torch.Tensor, 
 
 
 def lora_layer_rest(layer: DecoderLayer, hidden: torch.Tensor, attn: torch.Tensor, layer_index: int) -> torch.Tensor:
-    """`decoder_layer` after attention, with LoRA deltas on o, gate/up (unfused: the delta goes in
-    before the activation) and down; one rank only (EngineConfig refuses tensor parallelism)."""
+    """`decoder_layer` after attention with LoRA deltas on o, gate/up (unfused: before the activation), down."""
     s = layer.sizes
     o = linear(attn, layer.o_weight, layer.o_bias, layer.o_packed)
     hidden = hidden + (o + lora_delta(attn, layer_index, "o", o.shape[-1]))
@@ -253,8 +252,7 @@ class LlamaForCausalLM(nn.Module):
                        inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """The pure tensor part of `forward`: needs an open step context and a rotary
         table covering every position (`rotary.reserve`). `layers_fn` runs the layers
-        `group_size` at a time (`layers_function`, or a compiled version of it).
-        `inputs_embeds`: the input embeddings to use instead of `embed(input_ids)` (images)."""
+        `group_size` at a time (`layers_function`, or a compiled one); `inputs_embeds`: instead of embed (images)."""
         s = self.sizes
         layers_fn = layers_fn or type(self).layers_function
         if not self.is_first_stage:  # the previous pipeline stage's output
