@@ -19,7 +19,7 @@ from common.errors import ConfigError
 from common.gguf_convert import convert_gguf_to_hf
 from common.sampling_params import SamplingParams
 from pagedserve.offline.llm import LLM
-from test_model_files import CHAT_TEMPLATE, llama_cpp_permute, load_converted, tiny_vocab
+from test_model_files import llama_cpp_permute, load_converted, tiny_vocab, write_tiny_tokenizer
 from tiny_models import MOE_SIZES, build_tiny_hf_model, hf_greedy, routing_margins
 from worker.quantization import resolved_quantization
 
@@ -68,15 +68,7 @@ def write_moe_or_gemma_gguf(path: str, checkpoint: dict[str, np.ndarray], cfg, a
             writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
         if arch == "qwen2moe":
             writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
-    tokens, merges, types = tiny_vocab()
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("smollm")
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_merges(merges)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_chat_template(CHAT_TEMPLATE)
+    write_tiny_tokenizer(writer)
     name_map = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.upper()), cfg.num_hidden_layers)
     experts: dict[str, list[tuple[int, np.ndarray]]] = {}
     for hf_name, data in checkpoint.items():

@@ -67,6 +67,19 @@ def tiny_vocab() -> tuple[list[str], list[str], list[int]]:
     return tokens, merges, [3] * len(specials) + [1] * (len(tokens) - len(specials))
 
 
+def write_tiny_tokenizer(writer: gguf.GGUFWriter) -> None:
+    """The tiny vocabulary as a GGUF file's gpt2-style tokenizer, with the ChatML template."""
+    tokens, merges, types = tiny_vocab()
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_chat_template(CHAT_TEMPLATE)
+
+
 # phi3: Phi-4-mini's partial rotary (3/4 of each head) with LongRoPE and a sliding window.
 PHI3_ROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
              "short_factor": [1.0 + 0.2 * i for i in range(6)], "long_factor": [2.0 + 3.0 * i for i in range(6)]}
@@ -130,15 +143,7 @@ def write_gguf(path: str, model, arch: str, *, with_tokenizer: bool = True,
         writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], np.float32))
         writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], np.float32))
     if with_tokenizer:
-        tokens, merges, types = tiny_vocab()
-        writer.add_tokenizer_model("gpt2")
-        writer.add_tokenizer_pre("smollm")
-        writer.add_token_list(tokens)
-        writer.add_token_types(types)
-        writer.add_token_merges(merges)
-        writer.add_bos_token_id(1)
-        writer.add_eos_token_id(2)
-        writer.add_chat_template(CHAT_TEMPLATE)
+        write_tiny_tokenizer(writer)
     model_arch = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3,
                   "phi3": gguf.MODEL_ARCH.PHI3}[arch]
     name_map = gguf.get_tensor_name_map(model_arch, cfg.num_hidden_layers)  # llama.cpp's own naming table
