@@ -177,7 +177,10 @@ class InputBatch:
         num_tokens = int(query_start_loc[-1])
 
         input_ids = np.empty(num_tokens, dtype=np.int64)
+        image_chunks: list[ImageChunk] = []  # image rows to merge (worker.image_embeddings)
         for (state, n), start, context in zip(scheduled, query_start_loc.tolist(), context_lens.tolist()):
+            if state.images:
+                image_chunks += plan_image_chunks(state, start, context, n)
             drafts = drafts_of.get(state.request_id)
             if drafts:
                 input_ids[start] = state.token_ids[context]
@@ -235,9 +238,7 @@ class InputBatch:
             drafts=drafts,
             pooling=[(state, start, n) for (state, n), start in zip(scheduled, query_start_loc.tolist())
                      if state.pooling_params is not None],
-            image_chunks=[chunk for (state, n), start, context in zip(scheduled, query_start_loc.tolist(),
-                                                                     context_lens.tolist()) if state.images
-                          for chunk in plan_image_chunks(state, start, context, n)],
+            image_chunks=image_chunks,
         )
 
     @staticmethod
