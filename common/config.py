@@ -242,8 +242,9 @@ class EngineConfig:
         return "triton" if self.resolved_device() == "cuda" else "torch"
 
     def resolved_max_cudagraph_batch_size(self) -> int:
-        """The largest decode batch replayed from a CUDA graph; 0: none (--enforce-eager too)."""
-        if self.enforce_eager:
+        """The largest decode batch replayed from a CUDA graph; 0: none (--enforce-eager too, and
+        LoRA: its delta op groups tokens by adapter on the host every step)."""
+        if self.enforce_eager or self.enable_lora:
             return 0
         wanted = 256 if self.max_cudagraph_batch_size is None else self.max_cudagraph_batch_size
         return min(wanted, self.max_num_seqs)  # a decode step never holds more sequences

@@ -193,7 +193,7 @@ class GraphedForward:
 def with_decode_graphs(forward: Forward, config: Any, *, backend_name: str, max_model_len: int,
                        device: torch.device, world_size: int = 1, capture: GraphCapture | None = None) -> Forward:
     """`forward` with decode graphs captured (a `GraphedForward`) on a CUDA worker, or `forward`
-    itself where they do not apply: CPU (unless a `capture` is given: tests), --enforce-eager or
+    itself where they do not apply: CPU (unless a `capture` is given: tests), --enforce-eager, LoRA or
     --max-cudagraph-batch-size 0, an attention backend that is not graph-safe, a worker group."""
     max_size = config.resolved_max_cudagraph_batch_size()
     if max_size == 0 or (device.type != "cuda" and capture is None):

@@ -114,9 +114,7 @@ class Worker:
         speculator = (Speculator(config.speculative_config, self.draft_model)
                       if config.speculative_config is not None else None)
         # CUDA: decode steps replay CUDA graphs; elsewhere this is self.forward itself.
-        # (no CUDA graphs with LoRA: the delta op groups tokens by adapter in Python each step)
-        step_forward = with_decode_graphs(self.forward, config.replace(max_cudagraph_batch_size=0)
-                                          if config.enable_lora else config, backend_name=config.resolved_attention_backend(),
+        step_forward = with_decode_graphs(self.forward, config, backend_name=config.resolved_attention_backend(),
                                           max_model_len=self.max_model_len, device=self.device,
                                           world_size=self.layout.world_size)
         self.runner = ModelRunner(self.model, self.lm_head, self.kv_caches, self.backend, config.block_size,
