@@ -19,7 +19,7 @@ from common.errors import ConfigError
 from common.gguf_convert import convert_gguf_to_hf
 from common.sampling_params import SamplingParams
 from pagedserve.offline.llm import LLM
-from test_model_files import llama_cpp_permute, load_converted, tiny_vocab, write_tiny_tokenizer
+from test_model_files import llama_cpp_permute, load_converted, tiny_vocab, write_shape, write_tiny_tokenizer
 from tiny_models import MOE_SIZES, build_tiny_hf_model, hf_greedy, routing_margins
 from worker.quantization import resolved_quantization
 
@@ -41,15 +41,8 @@ _EXPERT_PARTS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_p
 def write_moe_or_gemma_gguf(path: str, checkpoint: dict[str, np.ndarray], cfg, arch: str) -> None:
     """The GGUF llama.cpp's converter makes of `checkpoint` (the saved HF tensors)."""
     writer = gguf.GGUFWriter(path, arch)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
+    write_shape(writer, cfg, head_dim)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
     if arch.startswith("gemma"):

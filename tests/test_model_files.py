@@ -67,6 +67,18 @@ def tiny_vocab() -> tuple[list[str], list[str], list[int]]:
     return tokens, merges, [3] * len(specials) + [1] * (len(tokens) - len(specials))
 
 
+def write_shape(writer: gguf.GGUFWriter, cfg, head_dim: int) -> None:
+    """A transformers config's sizes as the GGUF keys every architecture has."""
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+
+
 def write_tiny_tokenizer(writer: gguf.GGUFWriter) -> None:
     """The tiny vocabulary as a GGUF file's gpt2-style tokenizer, with the ChatML template."""
     tokens, merges, types = tiny_vocab()
@@ -119,14 +131,7 @@ def write_gguf(path: str, model, arch: str, *, with_tokenizer: bool = True,
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     rope = cfg.rope_parameters
     writer = gguf.GGUFWriter(path, arch)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
+    write_shape(writer, cfg, head_dim)
     writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
