@@ -124,7 +124,8 @@ class Worker:
         if self.forward.compiled:
             self.forward.compile_seconds += time.perf_counter() - started  # reported with the step's
         self.input_batch = InputBatch(config.block_size, self.device, eos_token_ids=eos_ids,
-                                      grammar_compiler=self.grammar_compiler)
+                                      grammar_compiler=self.grammar_compiler,
+                                      mrope_merge_size=getattr(self.model, "mrope_merge_size", 0))
         logger.info("Worker %s ready: %s on %s (%s, quantization %s, %s), %d KV blocks, max_model_len %d, %d threads",
                     self.layout.describe() if self.layout.world_size > 1 else rank, config.model, self.device, self.dtype_name if self.kv_cache_dtype == self.dtype
                     else f"{self.dtype_name}, KV cache {self.kv_cache_dtype_name}", self.quantization,
