@@ -103,3 +103,13 @@ def test_chat_with_a_data_url_image_equals_transformers(qwen2_vl):
     expected = hf_greedy(model, processor, f"USER: What is this?\n{IMAGE}\nASSISTANT:", [image])
     out = llm.chat(messages, GREEDY, use_tqdm=False, chat_template=CHAT_TEMPLATE)
     assert out[0].outputs[0].token_ids == expected
+
+
+def test_a_draft_model_beside_m_rope_is_refused(qwen2_vl):
+    from common.errors import ConfigError
+    from pagedserve.offline.llm import LLM
+
+    directory = qwen2_vl[2].config.model
+    with pytest.raises(ConfigError, match="M-RoPE"):
+        LLM(model=directory, dtype="float32", device="cpu", attention_backend="torch", enforce_eager=True,
+            speculative_config={"method": "draft_model", "model": directory, "num_speculative_tokens": 2})
