@@ -15,6 +15,7 @@ IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 ONE_IMAGE = f"USER: {IMAGE}What is in this picture? ASSISTANT:"
 TWO_IMAGES = f"USER: {IMAGE} and {IMAGE}: which differs? ASSISTANT:"
 CHUNK = 16  # max_num_batched_tokens: smaller than every image prompt (and than the larger images)
+KV_CACHE_MEMORY = 2 ** 26  # bytes: plenty for these prompts (the default 4 GiB per engine adds up)
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 
@@ -24,7 +25,8 @@ def _engine(tmp_path_factory, qwen25: bool):
     directory = tmp_path_factory.mktemp("qwen25vl" if qwen25 else "qwen2vl")
     model, processor = build_tiny_qwen2_vl(directory, qwen25=qwen25)
     llm = LLM(model=str(directory), dtype="float32", device="cpu", attention_backend="torch", block_size=4,
-              seed=0, enforce_eager=True, max_num_batched_tokens=CHUNK, limit_mm_per_prompt={"image": 2})
+              seed=0, enforce_eager=True, max_num_batched_tokens=CHUNK, limit_mm_per_prompt={"image": 2},
+              kv_cache_memory=KV_CACHE_MEMORY)
     return model, processor, llm
 
 
@@ -112,4 +114,5 @@ def test_a_draft_model_beside_m_rope_is_refused(qwen2_vl):
     directory = qwen2_vl[2].config.model
     with pytest.raises(ConfigError, match="M-RoPE"):
         LLM(model=directory, dtype="float32", device="cpu", attention_backend="torch", enforce_eager=True,
+            kv_cache_memory=KV_CACHE_MEMORY,
             speculative_config={"method": "draft_model", "model": directory, "num_speculative_tokens": 2})
