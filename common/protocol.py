@@ -81,11 +81,13 @@ class ImageInput(msgspec.Struct, **_STRUCT):
     """One image of a prompt: the processor's pixel values, and where its placeholder tokens
     are (prompt_token_ids[offset:offset + length], one per embedding row the vision encoder
     yields). `content_hash` (hex SHA-256 of the pixels) keys the prefix cache, so two images
-    behind the same placeholder ids never share KV blocks."""
+    behind the same placeholder ids never share KV blocks. `grid_thw`: Qwen2-VL's patch grid
+    (t, h, w) of the image, whose pixel_values are its [t*h*w, patch] rows; [] for others."""
     offset: int
     length: int
     content_hash: str
     pixel_values: TensorData
+    grid_thw: list[int] = []
 
 
 class EngineRequest(msgspec.Struct, **_STRUCT):

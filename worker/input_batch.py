@@ -19,6 +19,7 @@ from common.protocol import ImageInput, StepPlan
 from common.sampling_params import SamplingParams
 from worker.attention.metadata import AttentionMetadata
 from worker.image_embeddings import ImageChunk, plan_image_chunks
+from worker.models.mrope import prompt_mrope_positions, step_mrope_positions
 from worker.logprobs import PromptLogprobsRequest, plan_prompt_logprobs
 from worker.sampler import SamplingMetadata
 from worker.structured_output import GrammarCompiler, GrammarMatcher
@@ -40,6 +41,8 @@ class RequestState:
     pooled_so_far: torch.Tensor | None = None  # MEAN: the float32 sum of its chunks; CLS: the first token's
     images: list[ImageInput] = field(default_factory=list)  # a vision-language prompt's images
     image_embeds: dict[int, torch.Tensor] = field(default_factory=dict)  # encoded images still being computed
+    mrope_positions: np.ndarray | None = None  # M-RoPE models: the prompt's [3, P] positions (worker.models.mrope)
+    mrope_delta: int = 0  # ... and what the positions past the prompt add to their index
 
     @property
     def num_tokens(self) -> int:
@@ -55,7 +58,7 @@ class StepBatch:
     """Everything one forward pass needs, in batch order (decodes first)."""
 
     input_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64 (M-RoPE: [3, T] while image placeholders run; worker.models.mrope)
     attn_metadata: AttentionMetadata
     logits_indices: torch.Tensor  # [S] int64: index in [T] of each sampling request's last token
     sampling_states: list[RequestState]  # the S requests that sample, in logits order
@@ -113,8 +116,10 @@ class InputBatch:
     and turns each StepPlan into a StepBatch."""
 
     def __init__(self, block_size: int, device: torch.device | str = "cpu", eos_token_ids: Sequence[int] = (),
-                 grammar_compiler: GrammarCompiler | None = None):
+                 grammar_compiler: GrammarCompiler | None = None, mrope_merge_size: int = 0):
+        """`mrope_merge_size`: the vision merge size of an M-RoPE model (Qwen2-VL), else 0."""
         self.block_size = block_size
+        self.mrope_merge_size = mrope_merge_size
         self.device = torch.device(device)
         self.eos_token_ids = list(eos_token_ids)  # min_tokens keeps them from being sampled
         self.grammar_compiler = grammar_compiler  # None: structured outputs are refused
@@ -138,6 +143,10 @@ class InputBatch:
                 block_ids=list(new.block_ids), num_computed_tokens=new.num_computed_tokens,
                 grammar=self._grammar(new.request_id, new.sampling_params, new.token_ids[new.num_prompt_tokens:]),
                 pooling_params=new.pooling_params, images=list(new.images), lora_request=new.lora_request)
+            if self.mrope_merge_size and new.images:
+                state = self.requests[new.request_id]
+                state.mrope_positions, state.mrope_delta = prompt_mrope_positions(
+                    new.num_prompt_tokens, state.images, self.mrope_merge_size)
         for diff in plan.cached_requests:
             state = self.requests.get(diff.request_id)
             if state is None:
@@ -178,9 +187,12 @@ class InputBatch:
 
         input_ids = np.empty(num_tokens, dtype=np.int64)
         image_chunks: list[ImageChunk] = []  # image rows to merge (worker.image_embeddings)
+        mrope_rows: list[tuple[RequestState, int, int, int]] = []  # M-RoPE requests' rows (worker.models.mrope)
         for (state, n), start, context in zip(scheduled, query_start_loc.tolist(), context_lens.tolist()):
             if state.images:
                 image_chunks += plan_image_chunks(state, start, context, n)
+                if state.mrope_positions is not None:
+                    mrope_rows.append((state, start, context, n))
             drafts = drafts_of.get(state.request_id)
             if drafts:
                 input_ids[start] = state.token_ids[context]
@@ -195,6 +207,7 @@ class InputBatch:
         block_tables = self._block_tables(scheduled, seq_lens)
         block_ids = block_tables[seq_of_token, positions // self.block_size].astype(np.int64)
         slot_mapping = block_ids * self.block_size + positions % self.block_size
+        rope_positions = step_mrope_positions(positions, mrope_rows, bool(image_chunks)) if mrope_rows else positions
 
         samples = np.fromiter((s.num_computed_tokens + n >= s.num_tokens and s.pooling_params is None
                                for s, n in scheduled), dtype=bool, count=num_seqs)
@@ -212,7 +225,7 @@ class InputBatch:
 
         return StepBatch(
             input_ids=self._to_device(input_ids),
-            positions=self._to_device(positions),
+            positions=self._to_device(rope_positions),
             attn_metadata=AttentionMetadata(
                 num_decodes=int(np.count_nonzero(query_lens == 1)),
                 slot_mapping=self._to_device(slot_mapping),

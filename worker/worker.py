@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from common.config import EngineConfig
+from common.errors import ConfigError
 from common.model_files import local_model_source
 from common.parallel_layout import check_model_layout
 from common.protocol import StepPlan, StepResult, WorkerHello
@@ -124,7 +125,8 @@ class Worker:
         if self.forward.compiled:
             self.forward.compile_seconds += time.perf_counter() - started  # reported with the step's
         self.input_batch = InputBatch(config.block_size, self.device, eos_token_ids=eos_ids,
-                                      grammar_compiler=self.grammar_compiler)
+                                      grammar_compiler=self.grammar_compiler,
+                                      mrope_merge_size=getattr(self.model, "mrope_merge_size", 0))
         logger.info("Worker %s ready: %s on %s (%s, quantization %s, %s), %d KV blocks, max_model_len %d, %d threads",
                     self.layout.describe() if self.layout.world_size > 1 else rank, config.model, self.device, self.dtype_name if self.kv_cache_dtype == self.dtype
                     else f"{self.dtype_name}, KV cache {self.kv_cache_dtype_name}", self.quantization,
@@ -135,6 +137,9 @@ class Worker:
         spec = self.config.speculative_config
         if spec is None or spec.method != "draft_model":
             return None
+        if getattr(self.model, "mrope_merge_size", 0):  # its steps' positions are the target's 3-D ones
+            raise ConfigError(f"a draft model cannot run beside {type(self.model).__name__} (M-RoPE positions); "
+                              "use ngram speculation")
         # An 8-bit target cache's scales are the target's: the draft keeps its cache in the model dtype.
         kv_dtype = self.dtype if is_fp8(self.kv_cache_dtype) else self.kv_cache_dtype
         return DraftModelProposer(self.config, self.device, self.dtype, kv_dtype, int(self.hf_config.vocab_size))

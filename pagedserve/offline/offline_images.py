@@ -59,5 +59,5 @@ def chat_image_prompt(llm: Any, conversation: list[dict], **render: Any) -> dict
     from tokenizer_pool.image_decoding import ImageLimits, split_chat_images
 
     processor = image_processor(llm)
-    messages, images = split_chat_images(conversation, processor.image_token, ImageLimits(max_images=image_limit(llm)))
+    messages, images = split_chat_images(conversation, processor.chat_image_text, ImageLimits(max_images=image_limit(llm)))
     return {"prompt": render_chat_prompt(llm.tokenizer, messages, **render), "multi_modal_data": {"image": images}}

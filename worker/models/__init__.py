@@ -17,6 +17,7 @@ from worker.models.mistral import MistralForCausalLM
 from worker.models.mixtral import MixtralForCausalLM
 from worker.models.phi3 import Phi3ForCausalLM
 from worker.models.qwen2 import Qwen2ForCausalLM
+from worker.models.qwen2_vl import Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
 from worker.models.qwen2_moe import Qwen2MoeForCausalLM
 from worker.models.qwen3 import Qwen3ForCausalLM
 from worker.models.qwen3_moe import Qwen3MoeForCausalLM
@@ -31,6 +32,8 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
+    "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
