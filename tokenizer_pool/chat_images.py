@@ -42,7 +42,9 @@ class ChatImages:
         return self._processor
 
     def render(self, tokenizer, job: RenderChatJob, messages: list[dict]) -> TokenizerReply:
-        """The reply to a chat job whose `messages` hold image parts."""
+        """The reply to a chat job whose `messages` hold image parts. The processor tokenizes the
+        rendered text as the offline LLM does (with the tokenizer's own special tokens):
+        job.add_special_tokens does not apply here."""
         processor = self.processor()
         messages, images = split_chat_images(messages, processor.image_token, self.limits)
         text = render_chat_prompt(tokenizer, messages, add_generation_prompt=job.add_generation_prompt,
