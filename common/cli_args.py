@@ -5,11 +5,13 @@ import argparse
 import logging
 import os
 import re
+import json
 import sys
 from typing import NoReturn
 
 from common.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
 from common.errors import ConfigError
+from common.media_args import add_limit_mm_arg
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
                "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tb": 1 << 40,
@@ -245,6 +247,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="LoRA: adapters kept loaded in the worker, least recently used dropped (default: --max-loras)")
     g.add_argument("--model-cache-dir", default=env_default("CACHE_DIR", None),
                    help="where converted GGUF models are kept (default ~/.cache/pagedserve/models)")
+    add_limit_mm_arg(g)
     return parser
 
 
@@ -269,7 +272,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         data_parallel_size=args.data_parallel_size, distributed_init_method=args.distributed_init_method,
         speculative_config=args.speculative_config, runner=args.runner, pooler_config=args.pooler_config,
         enable_lora=args.enable_lora, max_loras=int(args.max_loras), max_lora_rank=int(args.max_lora_rank),
-        max_cpu_loras=None if args.max_cpu_loras is None else int(args.max_cpu_loras))
+        max_cpu_loras=None if args.max_cpu_loras is None else int(args.max_cpu_loras),
+        limit_mm_per_prompt=getattr(args, "limit_mm_per_prompt", None))
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -336,6 +340,8 @@ def engine_argv(config: EngineConfig) -> list[str]:
         argv.append("--trust-remote-code")
     if config.greedy_rescore_near_ties:
         argv.append("--greedy-rescore-near-ties")
+    if config.limit_mm_per_prompt is not None:
+        argv += ["--limit-mm-per-prompt", json.dumps(config.limit_mm_per_prompt)]
     if config.enable_lora:
         argv += ["--enable-lora", "--max-loras", str(config.max_loras), "--max-lora-rank", str(config.max_lora_rank)]
         if config.max_cpu_loras is not None:

@@ -19,6 +19,7 @@ MODEL_FILE_PATTERNS = (
     "config.json", "generation_config.json",
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
     "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
+    "preprocessor_config.json", "processor_config.json",  # vision-language models' image processor
     "*.safetensors", "model.safetensors.index.json",
 )
 TOKENIZER_FILE_PATTERNS = tuple(p for p in MODEL_FILE_PATTERNS if "safetensors" not in p)

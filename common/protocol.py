@@ -355,6 +355,7 @@ class TokenizerReply(msgspec.Struct, **_STRUCT):
     text: str = ""  # detokenized text, or the rendered chat prompt
     error: str | None = None
     status: int = 400  # HTTP-style status of `error`: 4xx bad input, 503 pool unavailable
+    images: list[ImageInput] = []  # a chat with images: each image's pixels and placeholders
 
 
 class TokenizerReady(msgspec.Struct, **_STRUCT):

@@ -15,6 +15,7 @@ from common.cli_args import (MODEL_HELP, SettingsParser, add_log_level_arg, add_
 from common.errors import USAGE_ERROR, ConfigError
 from common.generation_defaults import SOURCES_HELP, generation_config_source
 from common.logging_setup import setup_logging
+from common.media_args import add_limit_mm_arg, image_limit
 from common.proctitle import set_process_title
 from common.tls_files import TlsFiles
 from frontend.frontend_options import add_frontend_options
@@ -78,6 +79,7 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--max-request-body-size", type=parse_size,
                    default=env_default("MAX_REQUEST_BODY_SIZE", DEFAULT_MAX_BODY),
                    help="refuse HTTP bodies larger than this with 413, e.g. 16MiB (default %(default)s)")
+    add_limit_mm_arg(g)
     add_log_level_arg(g)
     add_frontend_options(parser)
     return parser
@@ -159,7 +161,7 @@ async def run_frontend(args: argparse.Namespace) -> None:
                           metrics=metrics, lora_modules=lora_modules,
                           sampling_defaults=sampling_defaults(tokenizer_dir, args.generation_config),
                           tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
-                          response_role=args.response_role,
+                          response_role=args.response_role, image_limit=image_limit(args.limit_mm_per_prompt),
                           return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                           request_logger=(RequestLogger(tokenizer, args.max_log_len)
                                           if args.enable_log_requests else None))

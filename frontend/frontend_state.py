@@ -32,6 +32,7 @@ class FrontendState:
     sampling_defaults: dict[str, float | int] = field(default_factory=dict)
     tool_call_parser: str | None = None  # --tool-call-parser with --enable-auto-tool-choice: "auto" runs
     response_role: str = "assistant"  # --response-role: chat replies that open a new turn
+    image_limit: int = 1  # --limit-mm-per-prompt's images per prompt (the tokenizer pool checks it too)
     return_tokens_as_token_ids: bool = False  # --return-tokens-as-token-ids: logprobs name tokens by id
     responses: ResponseStore = field(default_factory=ResponseStore)  # the Responses API's stored responses
     request_logger: RequestLogger | None = None  # --enable-log-requests

@@ -25,6 +25,7 @@ from common.cli_args import (SettingsParser, add_engine_args, add_log_level_arg,
                              env_default, non_negative_int, positive_float, use_local_model)
 from common.errors import USAGE_ERROR, ConfigError
 from common.logging_setup import setup_logging
+from common.media_args import add_allowed_media_domains_arg, media_argv
 from common.model_files import check_quantization_source
 from common.parallel_layout import check_model_layout
 from common.proctitle import set_process_title
@@ -58,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="fail and abort requests not finished after this many seconds (default: no limit; "
                              "env PAGEDSERVE_REQUEST_TIMEOUT, which the frontend reads)")
     add_chat_template_arg(parser)
+    add_allowed_media_domains_arg(parser)  # (--limit-mm-per-prompt is an engine flag)
     add_log_level_arg(parser)
     parser.add_argument("--disable-log-stats", action="store_true")
     parser.add_argument("--runtime-dir", default=None, help="where internal sockets live (default: a temp dir)")
@@ -92,7 +94,7 @@ def component_commands(args: argparse.Namespace, runtime_dir: str) -> list[Compo
         frontend += ["--tool-call-parser", args.tool_call_parser]
     if args.request_timeout is not None:
         frontend += ["--request-timeout", str(args.request_timeout)]
-    frontend += frontend_options_argv(args)
+    frontend += frontend_options_argv(args) + media_argv(args, domains=False)
     scheduler = ([] if args.max_waiting_requests is None
                  else ["--max-waiting-requests", str(args.max_waiting_requests)])
     scheduler += tls_files_argv(args)  # its control service: TLS with the frontend's key, which trusts it
@@ -101,7 +103,7 @@ def component_commands(args: argparse.Namespace, runtime_dir: str) -> list[Compo
     key_env = {"PAGEDSERVE_API_KEY": args.api_key} if args.api_key else {}
     components = [
         # Not PAGEDSERVE_TOKENIZER_JOIN: this pool is the router (empty means unset).
-        Component("tokenizer", ["tokenizer", *model, *chat_template,
+        Component("tokenizer", ["tokenizer", *model, *chat_template, *media_argv(args),
                                 "--tokenizer-pool-size", str(args.tokenizer_pool_size),
                                 "--frontend-address", addresses["tokenizer"],
                                 "--backend-address", addresses["tokenizer_backend"]],

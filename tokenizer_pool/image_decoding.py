@@ -1,8 +1,9 @@
 """Image content parts of chat messages -> PIL images, within limits.
 
-`image_url` parts carry `data:image/png;base64,...` (or JPEG, ...) URLs. http(s) URLs are
-refused: fetching them is not implemented (vLLM's --allowed-media-domains has no counterpart
-yet). Every failure is the request's: InvalidRequestError (HTTP 400), never a crash.
+`image_url` parts carry `data:image/png;base64,...` (or JPEG, ...) URLs, or http(s) URLs whose
+host is in `allowed_domains` (--allowed-media-domains; none by default: refused), fetched by
+tokenizer_pool.image_fetching. Every failure is the request's: InvalidRequestError (HTTP 400),
+never a crash.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from common.errors import InvalidRequestError
+from tokenizer_pool.image_fetching import DEFAULT_FETCH_TIMEOUT, fetch_image_bytes
 
 DEFAULT_MAX_IMAGE_BYTES = 20 * 2**20  # decoded file size
 DEFAULT_MAX_IMAGE_PIXELS = 4096 * 4096
@@ -23,17 +25,17 @@ class ImageLimits:
     max_images: int = 1  # per prompt (limit_mm_per_prompt's "image")
     max_bytes: int = DEFAULT_MAX_IMAGE_BYTES
     max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    allowed_domains: tuple[str, ...] = ()  # hosts whose http(s) image URLs are fetched (lower case)
+    fetch_timeout: float = DEFAULT_FETCH_TIMEOUT
 
 
 def decode_image_url(url: Any, limits: ImageLimits = ImageLimits()):
-    """The RGB PIL image a data URL holds."""
-    from PIL import Image
-
+    """The RGB PIL image a data URL (or an allowed http(s) URL) holds."""
     if not isinstance(url, str):
         raise InvalidRequestError("image_url.url must be a string", param="messages")
     if url.startswith(("http://", "https://")):
-        raise InvalidRequestError("image URLs over http(s) are not enabled on this server; send the image "
-                                  "as a data URL (data:image/png;base64,...)", param="messages")
+        return open_image(fetch_image_bytes(url, limits.allowed_domains, limits.max_bytes, limits.fetch_timeout),
+                          limits)
     header, comma, payload = url.partition(",")
     if not (url.startswith("data:image/") and comma and header.endswith(";base64")):
         raise InvalidRequestError("image_url.url must be a data URL: data:image/<type>;base64,<data>",
@@ -44,6 +46,13 @@ def decode_image_url(url: Any, limits: ImageLimits = ImageLimits()):
         data = base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
         raise InvalidRequestError("the image's base64 data is broken", param="messages") from None
+    return open_image(data, limits)
+
+
+def open_image(data: bytes, limits: ImageLimits):
+    """The RGB PIL image in an image file's bytes, within the pixel limit."""
+    from PIL import Image
+
     try:
         with Image.open(io.BytesIO(data)) as image:
             width, height = image.size

@@ -1,4 +1,5 @@
-"""What a tokenizer worker does with one job: a pure function of (tokenizer, job).
+"""What a tokenizer worker does with one job: a function of (tokenizer, job), and for chat
+jobs with images of the worker's ChatImages (its limits and its model's processor).
 
 Every failure becomes `TokenizerReply(error=...)`: a bad request must cost the
 client an error message, never the worker its life.
@@ -10,19 +11,20 @@ import logging
 from common.errors import InvalidRequestError
 from common.protocol import ChatMessage, DetokenizeJob, RenderChatJob, TokenizeJob, TokenizerReply
 from common.tokenizer import render_chat_prompt
+from tokenizer_pool.chat_images import ChatImages, has_image_parts
 
 logger = logging.getLogger(__name__)
 
 Job = TokenizeJob | RenderChatJob | DetokenizeJob
 
 
-def run_job(tokenizer, job: Job) -> TokenizerReply:
+def run_job(tokenizer, job: Job, images: ChatImages | None = None) -> TokenizerReply:
     try:
         if isinstance(job, TokenizeJob):
             ids = tokenizer.encode(job.text, add_special_tokens=job.add_special_tokens)
             return TokenizerReply(job_id=job.job_id, token_ids=list(ids))
         if isinstance(job, RenderChatJob):
-            return render_chat(tokenizer, job)
+            return render_chat(tokenizer, job, images)
         if isinstance(job, DetokenizeJob):
             return TokenizerReply(job_id=job.job_id, text=detokenize(tokenizer, job))
         raise InvalidRequestError(f"not a tokenizer job: {type(job).__name__}")
@@ -33,9 +35,14 @@ def run_job(tokenizer, job: Job) -> TokenizerReply:
         return TokenizerReply(job_id=job.job_id, error=f"{type(e).__name__}: {e}")
 
 
-def render_chat(tokenizer, job: RenderChatJob) -> TokenizerReply:
+def render_chat(tokenizer, job: RenderChatJob, images: ChatImages | None = None) -> TokenizerReply:
+    messages = [message_to_dict(m) for m in job.messages]
+    if has_image_parts(messages):
+        if images is None:
+            raise InvalidRequestError("this tokenizer pool takes no images", param="messages")
+        return images.render(tokenizer, job, messages)
     text = render_chat_prompt(
-        tokenizer, [message_to_dict(m) for m in job.messages],
+        tokenizer, messages,
         add_generation_prompt=job.add_generation_prompt,
         continue_final_message=job.continue_final_message,
         chat_template_kwargs=job.chat_template_kwargs or None)

@@ -17,6 +17,7 @@ import zmq
 from common.proctitle import set_process_title
 from common.tokenizer import load_chat_template
 from common.transport import stop_authenticator
+from tokenizer_pool.image_decoding import ImageLimits
 from tokenizer_pool.router import Router
 from tokenizer_pool.pool_supervisor import WorkerSupervisor
 from tokenizer_pool.tokenize_worker import DEFAULT_HEARTBEAT_INTERVAL
@@ -29,9 +30,10 @@ DEFAULT_LIVENESS_TIMEOUT = 5.0
 def run_tokenizer_pool(model: str, frontend_addr: str, backend_addr: str, pool_size: int = 2, *,
                        model_cache_dir: str | None = None, heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL,
                        liveness_timeout: float = DEFAULT_LIVENESS_TIMEOUT, log_level: str | None = None,
-                       chat_template: str | None = None) -> None:
+                       chat_template: str | None = None, image_limits: ImageLimits = ImageLimits()) -> None:
     """Router + `pool_size` local workers (0: a router that only remote workers
-    serve), until SIGTERM or SIGINT. `chat_template`: the --chat-template value."""
+    serve), until SIGTERM or SIGINT. `chat_template`: the --chat-template value;
+    `image_limits`: what chat images may be (see tokenize_worker.worker_main)."""
     set_process_title("pagedserve: tokenizer")
     model_dir = _resolve(model, model_cache_dir) if pool_size > 0 else ""
     template = load_chat_template(chat_template)  # a bad one fails before anything is bound
@@ -39,7 +41,7 @@ def run_tokenizer_pool(model: str, frontend_addr: str, backend_addr: str, pool_s
     router = Router(ctx, frontend_addr, backend_addr, liveness_timeout=liveness_timeout)
     supervisor = WorkerSupervisor(pool_size, model_dir, local_connect_address(backend_addr),
                                   heartbeat_interval=heartbeat_interval, log_level=log_level,
-                                  chat_template=template)
+                                  chat_template=template, image_limits=image_limits)
     try:
         _run(supervisor, router)
     finally:
@@ -50,12 +52,13 @@ def run_tokenizer_pool(model: str, frontend_addr: str, backend_addr: str, pool_s
 
 def run_join_workers(model: str, router_backend_addr: str, pool_size: int = 1, *,
                      model_cache_dir: str | None = None, heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL,
-                     log_level: str | None = None, chat_template: str | None = None) -> None:
+                     log_level: str | None = None, chat_template: str | None = None,
+                     image_limits: ImageLimits = ImageLimits()) -> None:
     """`pool_size` workers that join the router at `router_backend_addr`."""
     set_process_title("pagedserve: tokenizer (join)")
     supervisor = WorkerSupervisor(pool_size, _resolve(model, model_cache_dir), router_backend_addr,
                                   heartbeat_interval=heartbeat_interval, log_level=log_level,
-                                  chat_template=load_chat_template(chat_template))
+                                  chat_template=load_chat_template(chat_template), image_limits=image_limits)
     logger.info("starting %d tokenizer worker(s) for the router at %s", pool_size, router_backend_addr)
     _run(supervisor, None)
 

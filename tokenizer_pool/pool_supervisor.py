@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 
+from tokenizer_pool.image_decoding import ImageLimits
 from tokenizer_pool.tokenize_worker import DEFAULT_HEARTBEAT_INTERVAL, worker_main
 
 logger = logging.getLogger(__name__)
@@ -40,9 +41,10 @@ class WorkerSlot:
 class WorkerSupervisor:
     def __init__(self, count: int, model_dir: str, backend_addr: str, *,
                  heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL, log_level: str | None = None,
-                 chat_template: str | None = None):
+                 chat_template: str | None = None, image_limits: ImageLimits = ImageLimits()):
         self._mp = multiprocessing.get_context("spawn")
         self._chat_template = chat_template
+        self._image_limits = image_limits
         self._model_dir = model_dir
         self._backend_addr = backend_addr
         self._heartbeat_interval = heartbeat_interval
@@ -61,7 +63,7 @@ class WorkerSupervisor:
         slot.process = self._mp.Process(
             target=worker_main, name=f"tokenizer-{slot.index}",
             args=(self._model_dir, self._backend_addr, slot.worker_id, slot.index, os.getpid(),
-                  self._heartbeat_interval, self._log_level, self._chat_template))
+                  self._heartbeat_interval, self._log_level, self._chat_template, self._image_limits))
         slot.process.start()
         slot.started_at = time.monotonic()
         slot.restart_at = None

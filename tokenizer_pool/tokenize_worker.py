@@ -22,6 +22,7 @@ from common.logging_setup import setup_logging
 from common.proctitle import set_process_title
 from common.protocol import MessageType, TokenizerReady
 from common.transport import MessageDecoder, make_socket, recv, send
+from tokenizer_pool.image_decoding import ImageLimits
 
 logger = logging.getLogger(__name__)
 
@@ -34,10 +35,11 @@ _PR_SET_PDEATHSIG = 1
 
 def serve(tokenizer, backend_addr: str, worker_id: str, *,
           heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL, ctx: zmq.Context | None = None,
-          stopping: threading.Event | None = None) -> None:
+          stopping: threading.Event | None = None, images=None) -> None:
     """Answer jobs until `stopping` is set (SIGTERM sets it in a worker process), then finish the
     job at hand, tell the router this worker is leaving, and return. The router then gives
-    anything it sent meanwhile to another worker, uncharged: a stop is not a crash."""
+    anything it sent meanwhile to another worker, uncharged: a stop is not a crash. `images`: the
+    ChatImages chat jobs with image parts use (None: such jobs are refused)."""
     from tokenizer_pool.jobs import run_job  # imports transformers: keep it out of the router process
 
     ctx = ctx or zmq.Context.instance()
@@ -54,7 +56,7 @@ def serve(tokenizer, backend_addr: str, worker_id: str, *,
             if not sock.poll(STOP_POLL_MS):
                 continue
             job = recv(sock, decoder)  # bad frames are logged and dropped
-            send(sock, run_job(tokenizer, job))
+            send(sock, run_job(tokenizer, job, images))
             served.add()
         heartbeat.stop()
         heartbeat.join()  # no heartbeat may follow the goodbye and sign this worker up again
@@ -126,9 +128,10 @@ def die_with_parent(parent_pid: int) -> None:
 
 def worker_main(model_dir: str, backend_addr: str, worker_id: str, index: int, parent_pid: int,
                 heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL, log_level: str | None = None,
-                chat_template: str | None = None) -> None:
+                chat_template: str | None = None, image_limits: ImageLimits = ImageLimits()) -> None:
     """Process entry point (spawned by tokenizer_pool.pool_supervisor). `chat_template`:
-    the template text replacing the model's (--chat-template)."""
+    the template text replacing the model's (--chat-template); `image_limits`: what chat
+    images may be (--limit-mm-per-prompt, --allowed-media-domains)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the parent stops us
     die_with_parent(parent_pid)
     set_process_title(f"pagedserve: tokenizer {index}")
@@ -138,4 +141,7 @@ def worker_main(model_dir: str, backend_addr: str, worker_id: str, index: int, p
     stopping = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())  # finish the job at hand, then leave
     tokenizer = load_tokenizer(model_dir, chat_template)
-    serve(tokenizer, backend_addr, worker_id, heartbeat_interval=heartbeat_interval, stopping=stopping)
+    from tokenizer_pool.chat_images import ChatImages
+
+    serve(tokenizer, backend_addr, worker_id, heartbeat_interval=heartbeat_interval, stopping=stopping,
+          images=ChatImages(model_dir, image_limits))

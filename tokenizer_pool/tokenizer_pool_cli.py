@@ -21,7 +21,9 @@ from common.addresses import default_address
 from common.cli_args import (MODEL_HELP, SettingsParser, add_log_level_arg, add_model_source_args, env_default,
                              env_setting)
 from common.logging_setup import setup_logging
+from common.media_args import add_allowed_media_domains_arg, add_limit_mm_arg, image_limit
 from common.tokenizer import load_chat_template
+from tokenizer_pool.image_decoding import ImageLimits
 from tokenizer_pool.pool import DEFAULT_LIVENESS_TIMEOUT, run_join_workers, run_tokenizer_pool
 from tokenizer_pool.tokenize_worker import DEFAULT_HEARTBEAT_INTERVAL
 
@@ -53,6 +55,8 @@ def add_tokenizer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     g.add_argument("--model-cache-dir", default=env_default("CACHE_DIR", None),
                    help="where converted GGUF models are kept (default ~/.cache/pagedserve/models)")
     add_chat_template_arg(g)
+    add_limit_mm_arg(g)
+    add_allowed_media_domains_arg(g)
     g.add_argument("--heartbeat-interval", type=float, default=DEFAULT_HEARTBEAT_INTERVAL,
                    help="seconds between a worker's heartbeats (default %(default)s)")
     g.add_argument("--liveness-timeout", type=float, default=DEFAULT_LIVENESS_TIMEOUT,
@@ -71,15 +75,16 @@ def run(args: argparse.Namespace) -> int:
         # tokenizer process loads the same local directory.
         args.model = resolve_tokenizer_dir(args.model, args.model_cache_dir, revision=args.revision,
                                            gguf_file=args.gguf_file)
+        images = image_limits(args)
         if args.join:
             run_join_workers(args.model, args.join, args.tokenizer_pool_size, model_cache_dir=args.model_cache_dir,
                              heartbeat_interval=args.heartbeat_interval, log_level=args.log_level,
-                             chat_template=args.chat_template)
+                             chat_template=args.chat_template, image_limits=images)
         else:
             run_tokenizer_pool(args.model, args.frontend_address, args.backend_address, args.tokenizer_pool_size,
                                model_cache_dir=args.model_cache_dir, heartbeat_interval=args.heartbeat_interval,
                                liveness_timeout=args.liveness_timeout, log_level=args.log_level,
-                               chat_template=args.chat_template)
+                               chat_template=args.chat_template, image_limits=images)
     except ConfigError as e:  # a model without a usable tokenizer: a usage error, which a restart would repeat
         logger.error("%s", e)
         return USAGE_ERROR
@@ -87,6 +92,12 @@ def run(args: argparse.Namespace) -> int:
         logger.error("cannot start the tokenizer pool: %s", e)
         return 1
     return 0
+
+
+def image_limits(args: argparse.Namespace) -> ImageLimits:
+    """What chat images may be: --limit-mm-per-prompt, --allowed-media-domains."""
+    return ImageLimits(max_images=image_limit(args.limit_mm_per_prompt),
+                       allowed_domains=tuple(args.allowed_media_domains))
 
 
 def build_parser() -> SettingsParser:

@@ -38,7 +38,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from common.errors import InvalidRequestError
-from common.protocol import (Abort, EngineError, EngineOutputs, EngineRequest, FrontendHello, MessageType,
+from common.protocol import (Abort, EngineError, EngineOutputs, EngineRequest, FrontendHello, ImageInput, MessageType,
                              RequestOutput, parent_request_id, sample_request_id)
 from common.lora_request import LoRARequest
 from common.pooling_params import PoolingParams
@@ -137,7 +137,8 @@ class EngineClient:
                        arrival_time: float | None = None, priority: int = 0,
                        cache_salt: str | None = None,
                        pooling_params: PoolingParams | None = None,
-                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
+                       lora_request: LoRARequest | None = None,
+                       images: list[ImageInput] | None = None) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its outputs until it finishes.
 
         Closing the iterator before the last output (client gone, stop string
@@ -154,7 +155,8 @@ class EngineClient:
         request = EngineRequest(
             request_id=request_id, prompt_token_ids=prompt_token_ids, sampling_params=sampling_params,
             arrival_time=time.time() if arrival_time is None else arrival_time, priority=priority,
-            cache_salt=cache_salt, pooling_params=pooling_params, lora_request=lora_request)
+            cache_salt=cache_salt, pooling_params=pooling_params, lora_request=lora_request,
+            images=images or [])
         try:
             frames = encode(request)
         except (OverflowError, TypeError, UnicodeEncodeError, msgspec.EncodeError) as e:  # e.g. an integer beyond 64 bits

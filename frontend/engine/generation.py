@@ -116,7 +116,8 @@ class Generator:
             self.request_logger.received(request)
         outputs = self.engine.generate(request.request_id, request.prompt_token_ids, request.sampling_params,
                                        priority=request.priority, cache_salt=request.cache_salt,
-                                       **({"lora_request": request.lora_request} if request.lora_request else {}))
+                                       **({"lora_request": request.lora_request} if request.lora_request else {}),
+                                       **({"images": request.images} if request.images else {}))
         try:
             async with aclosing(outputs):
                 async for output in outputs:

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from common.lora_request import LoRARequest
+from common.protocol import ImageInput
 from common.sampling_params import SamplingParams
 
 
@@ -20,3 +21,4 @@ class GenerationRequest:
     priority: int = 0
     cache_salt: str | None = None
     lora_request: LoRARequest | None = None  # the adapter its `model` named (frontend.lora_modules)
+    images: list[ImageInput] = field(default_factory=list)  # from the tokenizer pool, passed on untouched

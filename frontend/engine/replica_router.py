@@ -133,7 +133,7 @@ class ReplicaRouter:
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams, *,
                        arrival_time: float | None = None, priority: int = 0,
                        cache_salt: str | None = None, pooling_params=None,
-                       lora_request=None) -> AsyncIterator[RequestOutput]:
+                       lora_request=None, images=None) -> AsyncIterator[RequestOutput]:
         """EngineClient.generate on the chosen replica (see the module's docstring)."""
         if request_id in self._owner:
             raise InvalidRequestError(f"request id {request_id!r} is already in flight", param="request_id")
@@ -153,7 +153,8 @@ class ReplicaRouter:
             try:
                 outputs = replica.engine.generate(request_id, prompt_token_ids, sampling_params,
                                                   arrival_time=arrival_time, priority=priority, cache_salt=cache_salt,
-                                                  pooling_params=pooling_params, lora_request=lora_request)
+                                                  pooling_params=pooling_params, lora_request=lora_request,
+                                                  images=images)
                 async with aclosing(outputs):
                     async for output in outputs:
                         started = True

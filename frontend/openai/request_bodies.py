@@ -212,16 +212,29 @@ class ChatMessageParam(OpenAIBaseModel):
 
     def text_content(self, index: int) -> str | None:
         """Content as one string: text parts joined by newlines (what text-only
-        chat templates expect); any other part type is a 400."""
+        chat templates expect), image parts left out; any other part type is a 400."""
         if self.content is None or isinstance(self.content, str):
             return self.content
         texts = []
         for part in self.content:
+            if part.get("type") == "image_url":
+                continue
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise NotSupportedError(f"messages.{index}.content",
                                         f"content part of type {part.get('type')!r} (only 'text')")
             texts.append(part["text"])
         return "\n".join(texts)
+
+    def num_images(self) -> int:
+        return sum(part.get("type") == "image_url" for part in self.content) if isinstance(self.content, list) else 0
+
+    def template_content(self, index: int) -> str | list[dict[str, Any]] | None:
+        """What the tokenizer pool gets: text_content, or a message with images its parts as they
+        are (text and image_url only), which the pool decodes and renders."""
+        if not self.num_images():
+            return self.text_content(index)
+        self.text_content(index)  # the same 400 for any other part type
+        return list(self.content)
 
 
 class ChatTemplateRequest(RequestBody):
@@ -248,10 +261,13 @@ class ChatTemplateRequest(RequestBody):
         extra = {"tools": getattr(self, "tools", None), "documents": self.documents}
         return {**{name: value for name, value in extra.items() if value}, **(self.chat_template_kwargs or {})}
 
+    def num_images(self) -> int:
+        return sum(message.num_images() for message in self.messages)
+
     def template_messages(self) -> list[dict[str, Any]]:
         messages = []
         for index, message in enumerate(self.messages):
-            entry: dict[str, Any] = {"role": message.role, "content": message.text_content(index)}
+            entry: dict[str, Any] = {"role": message.role, "content": message.template_content(index)}
             for name in ("name", "tool_calls", "tool_call_id"):
                 if getattr(message, name) is not None:
                     entry[name] = getattr(message, name)

@@ -10,7 +10,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from common.errors import InvalidRequestError
-from common.protocol import TokenLogprobs
+from common.protocol import ImageInput, TokenLogprobs
 from common.sampling_params import SamplingParams
 from frontend.openai import sse
 from frontend.engine.beam_search_stream import beam_search_deltas, beam_search_params
@@ -90,7 +90,11 @@ async def start_chat_generation(state: FrontendState, body: ChatCompletionReques
         await generator.vocab_size(), state.sampling_defaults, max_logprobs=max_logprobs))
     max_tokens, max_tokens_param = body.requested_max_tokens()
     beams = beam_search_params(body, max_tokens, max_logprobs)
-    prompt_ids = await truncated_prompt(state, await render_chat_prompt(state, body), params)
+    prompt_ids, images = await render_chat_prompt(state, body)
+    if images and (params.truncate_prompt_tokens is not None or beams is not None):
+        raise InvalidRequestError("truncate_prompt_tokens and beam search do not take images",
+                                  param="truncate_prompt_tokens" if beams is None else "use_beam_search")
+    prompt_ids = await truncated_prompt(state, prompt_ids, params)
     await generator.validate(prompt_ids, max_tokens, min_tokens=params.min_tokens, prompt_param="messages",
                              max_tokens_param=max_tokens_param, structured_output=body.structured_output())
     await state.engine.ensure_connected()
@@ -101,20 +105,25 @@ async def start_chat_generation(state: FrontendState, body: ChatCompletionReques
                    as_token_ids=body.tokens_as_ids(state.return_tokens_as_token_ids))
     request = GenerationRequest(request_id=engine_id, prompt_token_ids=prompt_ids, sampling_params=params,
                                 arrival_time=arrival, priority=body.priority, cache_salt=body.cache_salt,
-                                lora_request=state.lora_request(body.model))
+                                lora_request=state.lora_request(body.model), images=images)
     return reply, generator.generate(request) if beams is None else beam_search_deltas(generator, request, beams)
 
 
-async def render_chat_prompt(state: FrontendState, body: ChatTemplateRequest) -> list[int]:
-    """The prompt's token ids: the messages through the chat template, in the tokenizer pool."""
+async def render_chat_prompt(state: FrontendState, body: ChatTemplateRequest) -> tuple[list[int], list[ImageInput]]:
+    """The prompt's token ids and images: the messages through the chat template, in the tokenizer
+    pool (which decodes the image parts and expands their placeholders)."""
+    if (count := body.num_images()) > state.image_limit:
+        raise InvalidRequestError(f"{count} images in one prompt; at most {state.image_limit} "
+                                  "(--limit-mm-per-prompt)", param="messages")
     try:
-        return await state.tokenizer_client.render_chat(
+        reply = await state.tokenizer_client.render_chat_reply(
             body.template_messages(), add_generation_prompt=body.add_generation_prompt,
             continue_final_message=body.continue_final_message, chat_template_kwargs=body.template_kwargs(),
             add_special_tokens=bool(body.add_special_tokens))
     except InvalidRequestError as e:  # the pool's reply names no parameter; the messages are at fault
         e.param = e.param or "messages"
         raise
+    return reply.token_ids, reply.images
 
 
 async def collect_chat_completion(reply: _Reply, deltas: AsyncIterator[GenerationDelta]) -> ChatCompletionResponse:

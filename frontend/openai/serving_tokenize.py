@@ -56,7 +56,7 @@ async def tokenize(state: FrontendState, body: TokenizeRequest) -> TokenizeRespo
                                                      add_special_tokens=body.add_special_tokens is not False)
     else:
         body.check_template_options()
-        tokens = await render_chat_prompt(state, body)
+        tokens, _ = await render_chat_prompt(state, body)
     token_strs = state.tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
     return TokenizeResponse(count=len(tokens), max_model_len=await state.max_model_len(), tokens=tokens,
                             token_strs=token_strs)

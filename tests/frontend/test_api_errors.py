@@ -128,7 +128,7 @@ def test_malformed_bodies(server):
     assert_error(post(server, "/completions", {"prompt": []}), 400, "prompt", "empty")
     assert_error(post(server, "/completions", '{"prompt": "Hi",'), 400, None, "JSON")
     image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
-    assert_error(post(server, "/chat/completions", {"messages": image}), 400, "messages.0.content", "image_url")
+    assert_error(post(server, "/chat/completions", {"messages": image}), 400, "messages", "takes no images")
     assert_error(post(server, "/completions", {"prompt": "Hi", "stream_options": {"include_usage": True}}),
                  400, "stream_options")
 
