@@ -46,7 +46,7 @@ class ChatImages:
         rendered text as the offline LLM does (with the tokenizer's own special tokens):
         job.add_special_tokens does not apply here."""
         processor = self.processor()
-        messages, images = split_chat_images(messages, processor.image_token, self.limits)
+        messages, images = split_chat_images(messages, processor.chat_image_text, self.limits)
         text = render_chat_prompt(tokenizer, messages, add_generation_prompt=job.add_generation_prompt,
                                   continue_final_message=job.continue_final_message,
                                   chat_template_kwargs=job.chat_template_kwargs or None)
