@@ -135,14 +135,18 @@ def test_grpc_model_field_selects_the_adapter(lora_frontend, server):
     from common.grpc_gen import pagedserve_pb2 as pb
     from common.grpc_gen import pagedserve_pb2_grpc
 
-    client, _ = lora_frontend
+    client, adapter = lora_frontend
     with grpc.insecure_channel(client.grpc_address) as channel:
         stub = pagedserve_pb2_grpc.PagedServeStub(channel)
         list(stub.Generate(pb.GenerateRequest(request_id="grpc-lora", model="sql", text="Say hello",
                                               sampling_params=pb.SamplingParams(max_tokens=2)), timeout=30))
         with pytest.raises(grpc.RpcError) as error:
             list(stub.Generate(pb.GenerateRequest(model="nope", text="x"), timeout=30))
-        assert error.value.code() == grpc.StatusCode.NOT_FOUND
+        assert error.value.code() == grpc.StatusCode.NOT_FOUND and "nope" in error.value.details()
+        models = {m.id: m for m in stub.ListModels(pb.ListModelsRequest(), timeout=30).models}
+    base = client.models.list().data[0].id
+    assert models["sql"].parent == base and models["sql"].root == str(adapter)  # as /v1/models
+    assert models[base].parent == ""
     sent = next(r for r in reversed(server.scheduler.snapshot().requests) if r.request_id == "grpc-lora")
     assert sent.lora_request.lora_name == "sql"
 
