@@ -21,7 +21,7 @@ from worker.compiled_forward import ModelForward, inductor_available
 from worker.cuda_graphs import with_decode_graphs
 from worker.cuda_memory_profiling import cuda_memory_profile
 from worker.heap_tuning import keep_freed_memory_mapped
-from worker.lora_slots import LoRASlots
+from worker.lora_slots import LoRAAdapterError, LoRASlots
 from worker.input_batch import InputBatch
 from worker.kv_cache import allocate_kv_caches, kv_cache_spec, num_blocks_for
 from worker.kv_scales import read_kv_scales
@@ -189,10 +189,13 @@ class Worker:
         """
         started = time.perf_counter_ns()
         self.input_batch.apply_plan(plan)
-        batch = self.input_batch.build(plan.num_scheduled_tokens, plan.draft_token_ids)
+        failed = self._drop_unusable_adapters(plan.num_scheduled_tokens) if self.lora is not None else {}
+        scheduled = ({r: n for r, n in plan.num_scheduled_tokens.items() if r not in failed} if failed
+                     else plan.num_scheduled_tokens)
+        batch = self.input_batch.build(scheduled, plan.draft_token_ids)
         if batch is None:
             return StepResult(step_id=plan.step_id, request_ids=[], sampled_token_ids=[],
-                              execute_ns=time.perf_counter_ns() - started)
+                              execute_ns=time.perf_counter_ns() - started, failed=failed)
         if self.lora is None:
             output = self.runner.execute(batch, speculate=plan.speculate)
         else:
@@ -202,7 +205,28 @@ class Worker:
                           sampled_token_ids=output.sampled_token_ids, execute_ns=time.perf_counter_ns() - started,
                           sampled_logprobs=output.sampled_logprobs, prompt_logprobs=output.prompt_logprobs,
                           accepted_draft_ids=output.accepted_draft_ids, draft_logprobs=output.draft_logprobs,
-                          proposals=output.proposals, pooled=output.pooled)
+                          proposals=output.proposals, pooled=output.pooled, failed=failed)
+
+    def _drop_unusable_adapters(self, scheduled: dict[str, int]) -> dict[str, str]:
+        """Load the adapters of the scheduled requests before the step (a no-op for loaded ones);
+        a request whose adapter cannot be loaded (shapes that do not fit the model, files changed
+        or gone) is dropped here and returned with the reason, for the scheduler to fail with a 400:
+        an adapter never takes the worker, or the rest of the step, down."""
+        failed: dict[str, str] = {}
+        for request_id in scheduled:
+            state = self.input_batch.requests.get(request_id)
+            if state is None or state.lora_request is None:
+                continue
+            try:
+                self.lora.load(state.lora_request)
+            except Exception as e:  # LoRAAdapterError, or whatever else reading the files raised
+                if not isinstance(e, LoRAAdapterError):
+                    logger.exception("loading LoRA adapter %r failed", state.lora_request.lora_name)
+                failed[request_id] = str(e) if isinstance(e, LoRAAdapterError) else (
+                    f"LoRA adapter {state.lora_request.lora_name!r} cannot be loaded: {type(e).__name__}: {e}")
+        for request_id in failed:
+            del self.input_batch.requests[request_id]
+        return failed
 
 
 def _model_max_len(hf_config: Any) -> int:
