@@ -13,6 +13,7 @@ import torch
 from common.config import EngineConfig
 from common.model_files import local_model_source
 from common.parallel_layout import check_model_layout
+from common.lora_request import LoRARequest
 from common.protocol import StepPlan, StepResult, WorkerHello
 from common.tokenizer import eos_token_ids
 from worker.attention import get_attention_backend
@@ -213,17 +214,23 @@ class Worker:
         or gone) is dropped here and returned with the reason, for the scheduler to fail with a 400:
         an adapter never takes the worker, or the rest of the step, down."""
         failed: dict[str, str] = {}
+        errors: dict[LoRARequest, str | None] = {}  # each adapter once per step
         for request_id in scheduled:
             state = self.input_batch.requests.get(request_id)
-            if state is None or state.lora_request is None:
+            lora = None if state is None else state.lora_request
+            if lora is None:
                 continue
-            try:
-                self.lora.load(state.lora_request)
-            except Exception as e:  # LoRAAdapterError, or whatever else reading the files raised
-                if not isinstance(e, LoRAAdapterError):
-                    logger.exception("loading LoRA adapter %r failed", state.lora_request.lora_name)
-                failed[request_id] = str(e) if isinstance(e, LoRAAdapterError) else (
-                    f"LoRA adapter {state.lora_request.lora_name!r} cannot be loaded: {type(e).__name__}: {e}")
+            if lora not in errors:
+                errors[lora] = None
+                try:
+                    self.lora.load(lora)
+                except LoRAAdapterError as e:
+                    errors[lora] = str(e)
+                except Exception as e:  # whatever else reading the files raised
+                    logger.exception("loading LoRA adapter %r failed", lora.lora_name)
+                    errors[lora] = f"LoRA adapter {lora.lora_name!r} cannot be loaded: {type(e).__name__}: {e}"
+            if errors[lora] is not None:
+                failed[request_id] = errors[lora]
         for request_id in failed:
             del self.input_batch.requests[request_id]
         return failed
