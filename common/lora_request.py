@@ -6,11 +6,16 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import struct
 
 import msgspec
 
 # The PEFT target modules served: the projections of attention and of the dense MLP.
 SUPPORTED_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# A PEFT weight's name: base_model.model.model.layers.<layer>.<self_attn|mlp>.<part>.lora_<A|B>.weight
+WEIGHT_KEY = re.compile(r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+WEIGHTS_FILE = "adapter_model.safetensors"
 
 
 class LoRARequest(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -60,3 +65,63 @@ def read_adapter_config(path: str, max_rank: int | None = None) -> dict:
         if config.get(key) not in allowed:
             raise LoRAAdapterError(f"LoRA adapter {path!r}: {key}={config.get(key)!r} is not supported")
     return config
+
+
+def check_adapter_files(path: str, max_rank: int | None = None) -> dict:
+    """What can be checked without the model (the frontend at load time, before accepting an
+    adapter): a directory with a servable adapter_config.json and adapter_model.safetensors whose
+    header names only lora_A/lora_B weights of supported modules, of rank `r`. Shapes against
+    the base model are the worker's check (a request with an adapter that fails it gets a 400)."""
+    if not os.path.isdir(path):
+        raise LoRAAdapterError(f"LoRA adapter {path!r}: no such directory")
+    config = read_adapter_config(path, max_rank)
+    weights_file = os.path.join(path, WEIGHTS_FILE)
+    if not os.path.isfile(weights_file):
+        pickled = os.path.isfile(os.path.join(path, "adapter_model.bin"))
+        raise LoRAAdapterError(f"LoRA adapter {path!r}: no {WEIGHTS_FILE}" + (
+            " (adapter_model.bin is a pickle, never loaded: save the adapter with safe_serialization=True)"
+            if pickled else ""))
+    for key, shape in safetensors_shapes(weights_file).items():
+        match = WEIGHT_KEY.search(key)
+        if match is None or match.group(2) not in SUPPORTED_TARGETS:
+            raise LoRAAdapterError(f"LoRA adapter {path!r}: unsupported weight {key!r}")
+        rank_dim = shape[0] if match.group(3) == "A" else shape[-1]
+        if len(shape) != 2 or rank_dim != config["r"]:
+            raise LoRAAdapterError(f"LoRA adapter {path!r}: weight {key!r} of shape {shape} is not of rank "
+                                   f"r={config['r']}")
+    return config
+
+
+def safetensors_shapes(file: str) -> dict[str, list[int]]:
+    """Tensor name -> shape from a safetensors file's header (an 8-byte little-endian length,
+    then that much JSON), checked for consistency with the file's size; the data is not read."""
+    def bad(why: str) -> LoRAAdapterError:
+        return LoRAAdapterError(f"{file!r} is not a valid safetensors file: {why}")
+
+    size = os.path.getsize(file)
+    with open(file, "rb") as f:
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise bad("too short")
+        (length,) = struct.unpack("<Q", prefix)
+        if length > min(size - 8, 100 << 20):
+            raise bad(f"a header of {length} bytes in a file of {size}")
+        try:
+            header = json.loads(f.read(length))
+        except ValueError as e:
+            raise bad(f"unreadable header ({e})") from None
+    if not isinstance(header, dict):
+        raise bad("the header is not a JSON object")
+    shapes, data_size = {}, size - 8 - length
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            begin, end = info["data_offsets"]
+            shape = [int(d) for d in info["shape"]]
+        except (TypeError, KeyError, ValueError):
+            raise bad(f"tensor {name!r} has no shape and data_offsets") from None
+        if not 0 <= begin <= end <= data_size:
+            raise bad(f"tensor {name!r} lies outside the file (truncated?)")
+        shapes[name] = shape
+    return shapes

@@ -276,6 +276,7 @@ class StepResult(msgspec.Struct, **_STRUCT):
     draft_logprobs: dict[str, list[TokenLogprobs]] = {}
     proposals: dict[str, list[int]] = {}
     pooled: dict[str, list[float]] = {}  # pooling requests whose prompt ended this step: their vectors
+    failed: dict[str, str] = {}  # requests not run (an unusable LoRA adapter) -> why; the scheduler fails them
 
 
 class Shutdown(msgspec.Struct, **_STRUCT):

@@ -12,13 +12,14 @@ import socket
 from common.addresses import default_address
 from common.cli_args import (MODEL_HELP, SettingsParser, add_log_level_arg, add_model_source_args, env_default,
                              env_setting, env_switch, parse_size, port_number, positive_float)
-from common.errors import USAGE_ERROR, ConfigError
+from common.errors import USAGE_ERROR, ConfigError, InvalidRequestError
 from common.generation_defaults import SOURCES_HELP, generation_config_source
 from common.logging_setup import setup_logging
 from common.media_args import add_limit_mm_arg, image_limit
 from common.proctitle import set_process_title
 from common.tls_files import TlsFiles
 from frontend.frontend_options import add_frontend_options
+from frontend.lora_modules import add_max_lora_rank_arg
 from frontend.tool_parsers.tool_parser_registry import TOOL_PARSERS, TOOL_PARSERS_HELP, check_tool_choice_args
 
 logger = logging.getLogger(__name__)
@@ -80,6 +81,7 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    default=env_default("MAX_REQUEST_BODY_SIZE", DEFAULT_MAX_BODY),
                    help="refuse HTTP bodies larger than this with 413, e.g. 16MiB (default %(default)s)")
     add_limit_mm_arg(g)
+    add_max_lora_rank_arg(g)
     add_log_level_arg(g)
     add_frontend_options(parser)
     return parser
@@ -147,9 +149,9 @@ async def run_frontend(args: argparse.Namespace) -> None:
     prometheus_client.disable_created_metrics()
     names = served_names(args)
     try:
-        lora_modules = LoRAModules(args.lora_modules)
-    except ValueError as e:  # a --lora-modules path without an adapter
-        raise SystemExit(f"error: --lora-modules: {e}") from None
+        lora_modules = LoRAModules(args.lora_modules, args.max_lora_rank)
+    except InvalidRequestError as e:  # an adapter that cannot be served: a usage error, no traceback
+        raise ConfigError(f"--lora-modules: {e.message}") from None
     tokenizer_dir = resolve_tokenizer_dir(args.model, args.model_cache_dir, revision=args.revision,
                                           gguf_file=args.gguf_file)
     tokenizer = load_tokenizer(tokenizer_dir)

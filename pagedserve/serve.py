@@ -26,6 +26,7 @@ from common.cli_args import (SettingsParser, add_engine_args, add_log_level_arg,
 from common.errors import USAGE_ERROR, ConfigError
 from common.logging_setup import setup_logging
 from common.media_args import add_allowed_media_domains_arg, media_argv
+from common.lora_request import LoRAAdapterError, check_adapter_files
 from common.model_files import check_quantization_source
 from common.parallel_layout import check_model_layout
 from common.proctitle import set_process_title
@@ -73,6 +74,11 @@ def component_commands(args: argparse.Namespace, runtime_dir: str) -> list[Compo
     config = engine_config(args)  # ConfigError for one that cannot run
     if getattr(args, "lora_modules", None) and not config.enable_lora:
         raise ConfigError("--lora-modules needs --enable-lora")
+    for name, path in getattr(args, "lora_modules", None) or []:  # before any component starts
+        try:
+            check_adapter_files(path, config.max_lora_rank)
+        except (LoRAAdapterError, OSError) as e:
+            raise ConfigError(f"--lora-modules {name}: {e}") from None
     ipc = lambda name: f"ipc://{runtime_dir}/{name}"  # noqa: E731
     addresses = {"tokenizer": ipc("tokenizer"), "tokenizer_backend": ipc("tokenizer-backend")}
     replicas = replica_addresses(config, runtime_dir)

@@ -17,8 +17,14 @@ def check_lora_request(engine_request: EngineRequest, config: EngineConfig) -> N
 
 
 def exceeds_lora_slots(running: Iterable, request, max_loras: int) -> bool:
-    """Whether admitting `request` would put more than `max_loras` adapters in the running set."""
-    if request.lora_request is None:
+    """Whether admitting `request` would put more than `max_loras` adapters in the running set,
+    or two versions of one adapter name (unloaded and loaded again: the worker holds one adapter
+    per name, so the new version waits until the old one's requests are done)."""
+    lora = request.lora_request
+    if lora is None:
         return False
-    names = {r.lora_request.lora_name for r in running if r.lora_request is not None}
-    return request.lora_request.lora_name not in names and len(names) >= max_loras
+    running_loras = {r.lora_request for r in running if r.lora_request is not None}
+    if lora in running_loras:
+        return False
+    names = {other.lora_name for other in running_loras}
+    return lora.lora_name in names or len(names) >= max_loras

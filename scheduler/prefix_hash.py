@@ -43,9 +43,11 @@ def block_extra_keys(block_index: int, cache_salt: str | None, lora_name: str | 
 
 
 def lora_cache_key(lora_request) -> str | None:
-    """What keys a LoRA request's blocks: its adapter's name and path (a name reloaded from
-    another path is another adapter); None without one."""
-    return None if lora_request is None else f"{lora_request.lora_name}\x00{lora_request.lora_path}"
+    """What keys a LoRA request's blocks: its adapter's name, path and id (a name reloaded, from
+    another path or the same, gets a new id: another adapter); None without one."""
+    if lora_request is None:
+        return None
+    return f"{lora_request.lora_name}\x00{lora_request.lora_path}\x00{lora_request.lora_int_id}"
 
 
 def image_extra_keys(start: int, end: int, images: Sequence[tuple[int, int, str]]) -> tuple:

@@ -21,7 +21,9 @@ Failures it survives (see docs/operations.md):
 - too many waiting requests (`max_waiting_requests`): new ones are refused
   with status 429, and every frontend is told while the queue is full;
 - a request that was in the step of two worker deaths: it is failed (status
-  500) instead of being handed to the next worker.
+  500) instead of being handed to the next worker;
+- a request the worker could not run (an unusable LoRA adapter, StepResult.failed):
+  it is failed (status 400) and aborted; the rest of the step is applied.
 """
 from __future__ import annotations
 
@@ -156,6 +158,8 @@ class SchedulerService:
                 logger.warning("ignoring a stale step result (step %d) from %s", msg.step_id, _name(peer))
                 return
             self.step_in_flight = None
+            if msg.failed:
+                self._fail_unrunnable(msg.failed)
             outputs = self.scheduler.update(plan, msg)
             self.frontend_requests.publish(outputs)
             self.stats_logger.record_step(plan, outputs)
@@ -241,6 +245,19 @@ class SchedulerService:
                 f"the model worker died {deaths} times while running this request; it was failed so that it "
                 f"cannot take down the next one"))
         self.frontend_requests.abort(suspects)
+
+    def _fail_unrunnable(self, failed: dict[str, str]) -> None:
+        """Requests the worker could not run (their LoRA adapter does not fit the model, or its
+        files changed): each fails with a 400 and is aborted, its KV blocks freed; the rest of
+        the step's results apply as usual."""
+        reasons: dict[str, str] = {}
+        for request_id, reason in failed.items():
+            reasons.setdefault(self.scheduler.client_request_id(request_id), reason)
+        for request_id, reason in reasons.items():
+            logger.warning("request %s failed: %s", request_id, reason)
+            if request_id in self.frontend_requests.owner:
+                self.frontend_requests.fail(request_id, 400, reason)
+        self.frontend_requests.abort(list(reasons))
 
     def _start_step(self) -> None:
         plan = self.scheduler.schedule()

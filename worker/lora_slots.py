@@ -98,19 +98,21 @@ class LoRASlots:
             self.stacks.append(per_module)
         self.loaded: OrderedDict[str, LoRAAdapter] = OrderedDict()  # name -> adapter (CPU), LRU order
         self.slot_of: OrderedDict[str, int] = OrderedDict()  # name -> device slot, LRU order
+        self.sources: dict[str, LoRARequest] = {}  # name -> the request its loaded adapter was read for
         for layer in model.layers:
             layer.lora_enabled = True
 
     def load(self, request: LoRARequest) -> LoRAAdapter:
         """The adapter of `request`, read from its path unless loaded (LoRAAdapterError if unusable)."""
         adapter = self.loaded.get(request.lora_name)
-        if adapter is not None and adapter.path != request.lora_path:  # the name reloaded from elsewhere
-            self.remove(request.lora_name)
+        if adapter is not None and self.sources.get(request.lora_name) != request:  # the name reloaded
+            self.remove(request.lora_name)  # (another path, or a new id: its files may have changed)
             adapter = None
         if adapter is None:
             adapter = load_adapter(request.lora_name, request.lora_path, self.model.sizes, self.num_layers,
                                    self.max_rank, self.model.dtype, self.has_dense_mlp)
             self.loaded[request.lora_name] = adapter
+            self.sources[request.lora_name] = request
             while len(self.loaded) > self.max_cpu_loras:
                 evicted = next(name for name in self.loaded if name != request.lora_name)
                 self.remove(evicted)
@@ -120,6 +122,7 @@ class LoRASlots:
     def remove(self, name: str) -> bool:
         """Forget adapter `name` (a later request with it loads it again); whether it was loaded."""
         self.slot_of.pop(name, None)
+        self.sources.pop(name, None)
         return self.loaded.pop(name, None) is not None
 
     def _slot(self, adapter: LoRAAdapter, in_use: set[int]) -> int:

@@ -13,18 +13,16 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from dataclasses import dataclass
 
 import torch
 
-from common.lora_request import SUPPORTED_TARGETS, LoRAAdapterError, read_adapter_config
+from common.lora_request import SUPPORTED_TARGETS, WEIGHT_KEY, WEIGHTS_FILE, LoRAAdapterError, read_adapter_config
 
 # The model's fused matmuls (worker.models.llama), in module-id order, with their PEFT parts.
 FUSED_MODULES = ("qkv", "o", "gate_up", "down")
 MODULE_PARTS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
                 "down": ("down_proj",)}
-_KEY = re.compile(r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
 
 @dataclass(slots=True)
@@ -52,16 +50,16 @@ def load_adapter(name: str, path: str, sizes, num_layers: int, max_rank: int, dt
     rank = config["r"]
     alpha = config.get("lora_alpha", rank)
     scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-    weights_file = os.path.join(path, "adapter_model.safetensors")
+    weights_file = os.path.join(path, WEIGHTS_FILE)
     if not os.path.isfile(weights_file):
-        raise LoRAAdapterError(f"LoRA adapter {path!r}: no adapter_model.safetensors")
+        raise LoRAAdapterError(f"LoRA adapter {path!r}: no {WEIGHTS_FILE}")
     try:
         tensors = load_file(weights_file)
     except Exception as e:  # a damaged file: safetensors raises its own error types
         raise LoRAAdapterError(f"LoRA adapter {path!r}: unreadable adapter_model.safetensors: {e}") from None
     parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
-        match = _KEY.search(key)
+        match = WEIGHT_KEY.search(key)
         if match is None or match.group(2) not in SUPPORTED_TARGETS:
             raise LoRAAdapterError(f"LoRA adapter {path!r}: unsupported weight {key!r}")
         layer, part, which = int(match.group(1)), match.group(2), match.group(3)

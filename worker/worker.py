@@ -14,6 +14,7 @@ from common.config import EngineConfig
 from common.errors import ConfigError
 from common.model_files import local_model_source
 from common.parallel_layout import check_model_layout
+from common.lora_request import LoRARequest
 from common.protocol import StepPlan, StepResult, WorkerHello
 from common.tokenizer import eos_token_ids
 from worker.attention import get_attention_backend
@@ -22,7 +23,7 @@ from worker.compiled_forward import ModelForward, inductor_available
 from worker.cuda_graphs import with_decode_graphs
 from worker.cuda_memory_profiling import cuda_memory_profile
 from worker.heap_tuning import keep_freed_memory_mapped
-from worker.lora_slots import LoRASlots
+from worker.lora_slots import LoRAAdapterError, LoRASlots
 from worker.input_batch import InputBatch
 from worker.kv_cache import allocate_kv_caches, kv_cache_spec, num_blocks_for
 from worker.kv_scales import read_kv_scales
@@ -194,10 +195,13 @@ class Worker:
         """
         started = time.perf_counter_ns()
         self.input_batch.apply_plan(plan)
-        batch = self.input_batch.build(plan.num_scheduled_tokens, plan.draft_token_ids)
+        failed = self._drop_unusable_adapters(plan.num_scheduled_tokens) if self.lora is not None else {}
+        scheduled = ({r: n for r, n in plan.num_scheduled_tokens.items() if r not in failed} if failed
+                     else plan.num_scheduled_tokens)
+        batch = self.input_batch.build(scheduled, plan.draft_token_ids)
         if batch is None:
             return StepResult(step_id=plan.step_id, request_ids=[], sampled_token_ids=[],
-                              execute_ns=time.perf_counter_ns() - started)
+                              execute_ns=time.perf_counter_ns() - started, failed=failed)
         if self.lora is None:
             output = self.runner.execute(batch, speculate=plan.speculate)
         else:
@@ -207,7 +211,34 @@ class Worker:
                           sampled_token_ids=output.sampled_token_ids, execute_ns=time.perf_counter_ns() - started,
                           sampled_logprobs=output.sampled_logprobs, prompt_logprobs=output.prompt_logprobs,
                           accepted_draft_ids=output.accepted_draft_ids, draft_logprobs=output.draft_logprobs,
-                          proposals=output.proposals, pooled=output.pooled)
+                          proposals=output.proposals, pooled=output.pooled, failed=failed)
+
+    def _drop_unusable_adapters(self, scheduled: dict[str, int]) -> dict[str, str]:
+        """Load the adapters of the scheduled requests before the step (a no-op for loaded ones);
+        a request whose adapter cannot be loaded (shapes that do not fit the model, files changed
+        or gone) is dropped here and returned with the reason, for the scheduler to fail with a 400:
+        an adapter never takes the worker, or the rest of the step, down."""
+        failed: dict[str, str] = {}
+        errors: dict[LoRARequest, str | None] = {}  # each adapter once per step
+        for request_id in scheduled:
+            state = self.input_batch.requests.get(request_id)
+            lora = None if state is None else state.lora_request
+            if lora is None:
+                continue
+            if lora not in errors:
+                errors[lora] = None
+                try:
+                    self.lora.load(lora)
+                except LoRAAdapterError as e:
+                    errors[lora] = str(e)
+                except Exception as e:  # whatever else reading the files raised
+                    logger.exception("loading LoRA adapter %r failed", lora.lora_name)
+                    errors[lora] = f"LoRA adapter {lora.lora_name!r} cannot be loaded: {type(e).__name__}: {e}"
+            if errors[lora] is not None:
+                failed[request_id] = errors[lora]
+        for request_id in failed:
+            del self.input_batch.requests[request_id]
+        return failed
 
 
 def _model_max_len(hf_config: Any) -> int:

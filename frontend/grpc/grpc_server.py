@@ -135,7 +135,10 @@ class PagedServeServicer(pagedserve_pb2_grpc.PagedServeServicer):
         max_model_len = await self.state.max_model_len() or 0
         return pb.ListModelsResponse(models=[
             pb.Model(id=name, owned_by="pagedserve", created=self.state.created, root=self.state.model_root,
-                     max_model_len=max_model_len) for name in self.state.served_model_names])
+                     max_model_len=max_model_len) for name in self.state.served_model_names] + [
+            pb.Model(id=name, owned_by="pagedserve", created=self.state.created, root=lora.lora_path,
+                     parent=self.state.model_name, max_model_len=max_model_len)
+            for name, lora in self.state.lora_modules.requests.items()])
 
     async def Embed(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext) -> pb.EmbedResponse:
         try:

@@ -1,10 +1,12 @@
 """vLLM's runtime LoRA endpoints: POST /v1/load_lora_adapter {"lora_name", "lora_path"} and
 POST /v1/unload_lora_adapter {"lora_name"}. Served only when PAGEDSERVE_ALLOW_RUNTIME_LORA_UPDATING
 (or vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING) is true, as in vLLM: anyone reaching the API could
-otherwise make the worker read files. A loaded adapter is then a model name of this frontend;
-the worker reads its files the first time a request uses it (and keeps up to --max-cpu-loras),
-and adapters are keyed by name and path, so reloading a name with another path never reuses
-the old adapter's weights or cached KV."""
+otherwise make the worker read files. The frontend checks the adapter first (400 if bad; see
+frontend.lora_modules). A loaded adapter is then a model name of this frontend; the worker reads
+its files the first time a request uses it (and keeps up to --max-cpu-loras). Unloading removes
+the name here; the worker drops its copy lazily (LRU): each load gets a new lora_int_id and the
+worker and prefix cache key adapters by name, path and id, so a name loaded again (another path,
+or the same with changed files) never reuses the old adapter's weights or cached KV."""
 from __future__ import annotations
 
 import os

@@ -266,6 +266,8 @@ class LLM:
                 stats.peak_used_blocks = max(stats.peak_used_blocks, kv.num_total_blocks - kv.num_free_blocks)
                 t1 = clock()
                 result = self.group.execute(plan)
+                if result.failed:  # an adapter that cannot run (checked again when re-read): as a bad one at the start
+                    raise InvalidRequestError(next(iter(result.failed.values())), param="lora_request")
                 t2 = clock()
                 outputs = self.scheduler.update(plan, result)
                 t3 = clock()

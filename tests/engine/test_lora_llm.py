@@ -3,11 +3,16 @@ for every request, transformers + peft's greedy tokens."""
 from __future__ import annotations
 
 import random
+import shutil
+import time
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
 from common.errors import ConfigError
 from common.lora_request import LoRARequest
+from common.protocol import EngineRequest
 from common.sampling_params import SamplingParams
 from peft_adapters import ALL_LINEAR, build_peft_adapter, peft_reference
 from tiny_models import build_tiny_hf_model, hf_greedy
@@ -61,3 +66,42 @@ def test_lora_settings_are_checked(lora_models):
         LLM(model=str(lora_models / "base"), skip_tokenizer_init=True, enable_lora=True, max_loras=0)
     with pytest.raises(ConfigError, match="tensor_parallel_size"):
         LLM(model=str(lora_models / "base"), skip_tokenizer_init=True, enable_lora=True, tensor_parallel_size=2)
+
+
+def test_an_adapter_that_does_not_fit_fails_only_its_requests(lora_models):
+    """The worker reads an adapter when a request first needs it; one whose shapes do not fit the
+    model (found only then) makes the step skip that request and report it in StepResult.failed,
+    while the rest of the step runs. Here the serving loop's part is played by hand: abort the
+    failed request (as the scheduler service does, with a 400 to its client) and go on."""
+    root = lora_models
+    if not (root / "misshapen").exists():
+        shutil.copytree(root / "attn", root / "misshapen")
+        tensors = load_file(str(root / "misshapen" / "adapter_model.safetensors"))
+        key = next(k for k in tensors if "q_proj.lora_A" in k)
+        tensors[key] = torch.zeros(tensors[key].shape[0], tensors[key].shape[1] + 8)
+        save_file(tensors, str(root / "misshapen" / "adapter_model.safetensors"))
+    llm = LLM(model=str(root / "base"), skip_tokenizer_init=True, dtype="float32", device="cpu",
+              attention_backend="torch", block_size=4, enable_lora=True, max_loras=2, max_lora_rank=8)
+    adapters = {"full": LoRARequest("full", 1, str(root / "full")),
+                "misshapen": LoRARequest("misshapen", 2, str(root / "misshapen")), None: None}
+    prompts = {"full": [7, 8, 9, 10, 11, 12], "misshapen": [7, 8, 9, 10, 11, 12, 13], None: [20, 21, 22, 23, 24]}
+    for name, prompt in prompts.items():
+        llm.scheduler.add_request(EngineRequest(request_id=str(name), prompt_token_ids=prompt,
+                                                sampling_params=GREEDY, arrival_time=time.time(),
+                                                lora_request=adapters[name]))
+    tokens: dict[str, list[int]] = {"full": [], "None": []}
+    failed: dict[str, str] = {}
+    while llm.scheduler.has_unfinished_requests():
+        plan = llm.scheduler.schedule()
+        result = llm.worker.execute(plan)
+        failed.update(result.failed)
+        llm.scheduler.abort_requests(list(result.failed))
+        for out in llm.scheduler.update(plan, result):
+            tokens[out.request_id] += out.new_token_ids
+    assert list(failed) == ["misshapen"] and "q_proj" in failed["misshapen"], failed
+    assert llm.scheduler.stats().num_free_blocks == llm.scheduler.stats().num_total_blocks  # none leaked
+    for name in ("full", None):
+        reference = peft_reference(root / "base", None if name is None else root / name)
+        assert tokens[str(name)] == hf_greedy(reference, prompts[name], NEW_TOKENS), name
+    again = llm.generate([prompts["full"]], GREEDY, use_tqdm=False, lora_request=adapters["full"])
+    assert again[0].outputs[0].token_ids == tokens["full"]  # the engine serves on

@@ -53,3 +53,20 @@ def test_adapter_requests_need_enable_lora():
     scheduler, _ = make_scheduler()
     with pytest.raises(InvalidRequestError, match="enable_lora"):
         scheduler.add_request(lora_request("x", A))
+
+
+def test_a_reloaded_name_is_another_adapter():
+    """Unloaded and loaded again (a new id), from the same path or another: no shared KV with the old
+    version, and its requests wait while the old version's run (the worker holds one per name)."""
+    manager = KVCacheManager(num_blocks=30, block_size=BLOCK_SIZE)
+    assert admitted_hits(manager, "a1", A) == 0
+    assert admitted_hits(manager, "a-again", LoRARequest("a", 3, "/a")) == 0
+    assert admitted_hits(manager, "a-elsewhere", LoRARequest("a", 4, "/elsewhere")) == 0
+    assert admitted_hits(manager, "a2", A) == 12
+
+    scheduler, _ = make_scheduler(num_blocks=40, enable_lora=True, max_loras=2)
+    for request_id, lora in (("old", A), ("new", LoRARequest("a", 3, "/a")), ("base", None)):
+        scheduler.add_request(lora_request(request_id, lora, prompt=[5, 6, 7], max_tokens=4))
+    assert list(scheduler.schedule().num_scheduled_tokens) == ["old"]  # no overtaking: "base" waits too
+    scheduler.abort_requests(["old"])
+    assert list(scheduler.schedule().num_scheduled_tokens) == ["new", "base"]
