@@ -1,16 +1,18 @@
-"""Multi-LoRA on the worker: adapters loaded (LRU), device slots, and the batched delta op.
+"""Multi-LoRA on the worker: adapters loaded (LRU), device slots, and the batched LoRA op.
 
-Every decoder layer of a LoRA-enabled model adds `lora_delta(x, layer, module)` to the output
-of its four fused matmuls (qkv, o, gate_up, down; see worker.lora_weights), never merging an
-adapter into the base weights (which may be packed for the CPU kernel). The adapters of one
-step sit in `max_loras` device slots, each slot's A and B in stacked tensors per layer and
-module; a step's tokens are grouped by slot (one index tensor per slot in use), and each
-group's delta is two matmuls on its gathered rows, copied back into place: the batch mixes
-adapters and the base model, computed adapter by adapter, never request by request.
+Every decoder layer of a LoRA-enabled model passes the output of its four fused matmuls (qkv,
+o, gate_up, down; see worker.lora_weights) through `lora_add(y, x, layer, module)`, which adds
+each token's adapter delta, never merging an adapter into the base weights (which may be packed
+for the CPU kernel). The adapters of one step sit in `max_loras` device slots, each slot's A
+[P*R, in] and B^T [P*R, out] in stacked tensors per layer and module. A step of few tokens per
+adapter (decode) multiplies every token by the A of every slot in use, zeroes the columns of
+the slots that are not the token's (a mask built once per step), and multiplies by every
+slot's B^T added to y: three ops per module whatever the mix. A longer step (prefill) groups
+its tokens by slot and runs each group's two matmuls on its gathered rows, added back in place.
 
-As attention (worker.attention.step_context), the delta reads the step's state (the token
-groups and the stacks) from a context the worker opens around the forward pass, and under
-torch.compile it is the opaque custom op `pagedserve::lora_delta`, so one compiled graph
+As attention (worker.attention.step_context), the op reads the step's state (the groups, the
+masks and the stacks) from a context the worker opens around the forward pass, and under
+torch.compile it is the opaque custom op `pagedserve::lora_add`, so one compiled graph
 serves every mix of adapters.
 """
 from __future__ import annotations
@@ -30,47 +32,78 @@ from worker.lora_weights import FUSED_MODULES, MODULE_PARTS, LoRAAdapter, LoRAAd
 MODULE_IDS = {name: i for i, name in enumerate(FUSED_MODULES)}  # the op's `module` argument
 
 
+# Steps of at most this many tokens per slot in use multiply every token by every slot's A and
+# B at once (a few large matmuls: small ones cost mostly their fixed overhead, which dominates
+# decode steps); longer steps (prefill) multiply each adapter's gathered tokens by its own.
+ALL_SLOTS_MAX_TOKENS = 128
+
+
 @dataclass(slots=True)
 class LoRAStep:
-    stacks: list[list[tuple[torch.Tensor, torch.Tensor]]]  # [layer][module] -> (A [S, P*R, in], B [S, out, P*R])
+    stacks: list[list[tuple[torch.Tensor, torch.Tensor]]]  # [layer][module] -> (A [S, P*R, in], B^T [S, P*R, out])
     groups: list[tuple[int, torch.Tensor | None]]  # (slot, token indices; None: every token)
+    num_slots: int  # the step's adapters sit in slots 0 .. num_slots - 1
+    masks: dict[int, torch.Tensor]  # width P*R -> [T, num_slots * P*R], 1 on a token's own slot; {}: by group
 
 
 _current: LoRAStep | None = None
 
 
-def _delta(x: torch.Tensor, layer: int, module: int, out_features: int) -> torch.Tensor:
-    out = x.new_zeros(x.shape[0], out_features)
+def step_masks(groups: list[tuple[int, torch.Tensor | None]], num_tokens: int, widths: set[int],
+               dtype: torch.dtype, device: torch.device) -> tuple[int, dict[int, torch.Tensor]]:
+    """(num_slots, masks) of a step for the all-slots path (see ALL_SLOTS_MAX_TOKENS); no masks
+    for a step by group: one adapter for every token, or many tokens per slot."""
+    num_slots = 1 + max((slot for slot, _ in groups), default=-1)
+    if not groups or groups[0][1] is None or num_tokens > ALL_SLOTS_MAX_TOKENS * len(groups):
+        return num_slots, {}
+    token_slot = torch.full((num_tokens,), -1, dtype=torch.long)
+    for slot, index in groups:
+        token_slot[index.cpu()] = slot
+    token_slot = token_slot.to(device)
+    return num_slots, {width: (torch.arange(num_slots * width, device=device) // width == token_slot[:, None]).to(dtype)
+                       for width in widths}
+
+
+def _lora_add(y: torch.Tensor, x: torch.Tensor, layer: int, module: int) -> torch.Tensor:
     step = _current
-    if step is None:
-        return out
-    a_stack, b_stack = step.stacks[layer][module]
+    if step is None or not step.groups:
+        return y.clone()
+    a_stack, bt_stack = step.stacks[layer][module]
+    width = a_stack.shape[1]
+    mask = step.masks.get(width)
+    if mask is not None:  # every slot's A, the other slots' columns zeroed, then every slot's B
+        n = step.num_slots
+        h = torch.mm(x, a_stack[:n].reshape(n * width, -1).t()).mul_(mask)
+        return torch.addmm(y, h, bt_stack[:n].reshape(n * width, -1))
+    slot, index = step.groups[0]
+    if index is None:  # every token on one adapter
+        return torch.addmm(y, torch.mm(x, a_stack[slot].t()), bt_stack[slot])
+    out = y.clone()
     for slot, index in step.groups:
-        if index is None:  # every token on one adapter
-            return torch.mm(torch.mm(x, a_stack[slot].t()), b_stack[slot].t())
         rows = x.index_select(0, index)
-        out.index_copy_(0, index, torch.mm(torch.mm(rows, a_stack[slot].t()), b_stack[slot].t()))
+        out.index_add_(0, index, torch.mm(torch.mm(rows, a_stack[slot].t()), bt_stack[slot]))
     return out
 
 
 _library = torch.library.Library("pagedserve", "FRAGMENT")
-_library.define("lora_delta(Tensor x, SymInt layer, SymInt module, SymInt out_features) -> Tensor")
-_library.impl("lora_delta", _delta, "CompositeExplicitAutograd")
+_library.define("lora_add(Tensor y, Tensor x, SymInt layer, SymInt module) -> Tensor")
+_library.impl("lora_add", _lora_add, "CompositeExplicitAutograd")
 
 
-@torch.library.register_fake("pagedserve::lora_delta")
-def _(x: torch.Tensor, layer: int, module: int, out_features: int) -> torch.Tensor:
-    return x.new_empty(x.shape[0], out_features)
+@torch.library.register_fake("pagedserve::lora_add")
+def _(y: torch.Tensor, x: torch.Tensor, layer: int, module: int) -> torch.Tensor:
+    return y.new_empty(y.shape)
 
 
-lora_delta_op = torch.ops.pagedserve.lora_delta.default
+lora_add_op = torch.ops.pagedserve.lora_add.default
 
 
-def lora_delta(x: torch.Tensor, layer: int, module: str, out_features: int) -> torch.Tensor:
-    """x [T, in] -> [T, out_features]: each token's adapter delta of `module` (zero without one)."""
+def lora_add(y: torch.Tensor, x: torch.Tensor, layer: int, module: str) -> torch.Tensor:
+    """y [T, out] (the output of `module` for the input x [T, in]) plus each token's adapter
+    delta of `module` (nothing without one), as a new tensor."""
     if torch.compiler.is_compiling():
-        return lora_delta_op(x, layer, MODULE_IDS[module], out_features)
-    return _delta(x, layer, MODULE_IDS[module], out_features)
+        return lora_add_op(y, x, layer, MODULE_IDS[module])
+    return _lora_add(y, x, layer, MODULE_IDS[module])
 
 
 class LoRASlots:
@@ -94,7 +127,7 @@ class LoRASlots:
                 in_features, out_rows = shapes[name]
                 width = len(MODULE_PARTS[name]) * max_rank
                 per_module.append((torch.zeros(max_loras, width, in_features, dtype=dtype, device=device),
-                                   torch.zeros(max_loras, sum(out_rows), width, dtype=dtype, device=device)))
+                                   torch.zeros(max_loras, width, sum(out_rows), dtype=dtype, device=device)))
             self.stacks.append(per_module)
         self.loaded: OrderedDict[str, LoRAAdapter] = OrderedDict()  # name -> adapter (CPU), LRU order
         self.slot_of: OrderedDict[str, int] = OrderedDict()  # name -> device slot, LRU order
@@ -155,7 +188,7 @@ class LoRASlots:
                 a, b = pair
                 for part in range(len(MODULE_PARTS[name])):
                     a_stack[slot, part * big_r:part * big_r + r] = a[part * r:(part + 1) * r]
-                    b_stack[slot, :, part * big_r:part * big_r + r] = b[:, part * r:(part + 1) * r]
+                    b_stack[slot, part * big_r:part * big_r + r] = b[:, part * r:(part + 1) * r].t()
 
     def step_groups(self, scheduled: Sequence[tuple[Any, int]]) -> list[tuple[int, torch.Tensor | None]]:
         """(slot, token indices) of every adapter among the scheduled (state, tokens) in batch order."""
@@ -176,7 +209,7 @@ class LoRASlots:
         for name, ranges in spans.items():
             slot = self._slot(adapters[name], in_use)
             in_use.add(slot)
-            if len(spans) == 1 and ranges == [(0, start)]:
+            if len(spans) == 1 and sum(hi - lo for lo, hi in ranges) == start:  # every token
                 groups.append((slot, None))
             else:
                 index = torch.cat([torch.arange(lo, hi) for lo, hi in ranges]).to(self.model.device)
@@ -187,11 +220,15 @@ class LoRASlots:
     def step(self, scheduled: Sequence[tuple[Any, int]]) -> Iterator[None]:
         """Open the step's LoRA context around a forward pass of the `scheduled` batch."""
         global _current
-        previous, _current = _current, LoRAStep(self.stacks, self.step_groups(scheduled))
+        groups = self.step_groups(scheduled)
+        widths = {len(parts) * self.max_rank for parts in MODULE_PARTS.values()}
+        num_slots, masks = step_masks(groups, sum(n for _, n in scheduled), widths, self.model.dtype,
+                                      self.model.device)
+        previous, _current = _current, LoRAStep(self.stacks, groups, num_slots, masks)
         try:
             yield
         finally:
             _current = previous
 
 
-__all__ = ["LoRAAdapterError", "LoRASlots", "lora_delta"]
+__all__ = ["LoRAAdapterError", "LoRASlots", "lora_add"]

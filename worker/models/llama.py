@@ -28,7 +28,7 @@ from worker.attention.step_context import paged_attention, step_context
 from worker.models.packed_linear import linear, linear_silu, pack_gated, pack_weight, packing_supported
 from worker.models.rotary import RotaryEmbedding, apply_rotary
 from worker.kv_scales import kv_scale_target
-from worker.lora_slots import lora_delta
+from worker.lora_slots import lora_add
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -122,15 +122,15 @@ def lora_layer_rest(layer: DecoderLayer, hidden: torch.Tensor, attn: torch.Tenso
     """`decoder_layer` after attention with LoRA deltas on o, gate/up (unfused: before the activation), down."""
     s = layer.sizes
     o = linear(attn, layer.o_weight, layer.o_bias, layer.o_packed)
-    hidden = hidden + (o + lora_delta(attn, layer_index, "o", o.shape[-1]))
+    hidden = hidden + lora_add(o, attn, layer_index, "o")
     x = rms_norm(hidden, layer.post_norm, s.eps)
     if layer.mlp is not None:  # adapters on a mixture-of-experts MLP are refused (worker.lora_weights)
         return hidden + layer.mlp(x)
     gate_up = F.linear(x, layer.gate_up_weight, layer.gate_up_bias)
-    gate, up = (gate_up + lora_delta(x, layer_index, "gate_up", gate_up.shape[-1])).chunk(2, dim=-1)
+    gate, up = lora_add(gate_up, x, layer_index, "gate_up").chunk(2, dim=-1)
     activated = F.silu(gate) * up
     down = linear(activated, layer.down_weight, layer.down_bias, layer.down_packed)
-    return hidden + (down + lora_delta(activated, layer_index, "down", down.shape[-1]))
+    return hidden + lora_add(down, activated, layer_index, "down")
 
 
 def project_qkv(layer: DecoderLayer, x: torch.Tensor, layer_index: int = 0) -> tuple[torch.Tensor, ...]:
@@ -138,7 +138,7 @@ def project_qkv(layer: DecoderLayer, x: torch.Tensor, layer_index: int = 0) -> t
     s = layer.sizes
     qkv = linear(x, layer.qkv_weight, layer.qkv_bias, layer.qkv_packed)
     if layer.lora_enabled:
-        qkv = qkv + lora_delta(x, layer_index, "qkv", qkv.shape[-1])
+        qkv = lora_add(qkv, x, layer_index, "qkv")
     return qkv, *qkv.split([s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.num_kv_heads * s.head_dim],
                            dim=-1)
 
