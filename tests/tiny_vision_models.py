@@ -18,22 +18,15 @@ def build_tiny_llava(directory: Path, *, seed: int = 0):
     model with the default model's tokenizer plus an `<image>` token) and its LlavaProcessor,
     both saved to `directory`; returns (model, processor)."""
     import transformers
-    from transformers import (AutoTokenizer, CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig,
+    from transformers import (CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig,
                               LlavaForConditionalGeneration, LlavaProcessor)
 
-    from common.model_files import resolve_model_dir
     from tests.tiny_models import TINY_SIZES
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    tokenizer_dir = resolve_model_dir("smollm2-135m-instruct")
-    staging = directory / "_tokenizer"
-    staging.mkdir(exist_ok=True)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(f"{tokenizer_dir}/{name}", staging / name)
-    tokenizer = AutoTokenizer.from_pretrained(staging, local_files_only=True)
+    tokenizer = _default_tokenizer(directory)
     tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
-    shutil.rmtree(staging)
     image_token_id = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
     text = LlamaConfig(**{**TINY_SIZES, "vocab_size": image_token_id + 8, "initializer_range": 0.2,
                           "eos_token_id": 2, "bos_token_id": 1})
@@ -72,7 +65,7 @@ def build_tiny_qwen2_vl(directory: Path, *, qwen25: bool = False, seed: int = 0)
     blocks, window attention in all but block 1) with the default model's tokenizer plus the
     vision tokens and the PIL image processor, saved to `directory`; returns (model, processor):
     transformers' Qwen2VLProcessor over the same parts, the reference of the prompt processing."""
-    from transformers import (AutoTokenizer, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig,
+    from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig,
                               Qwen2VLForConditionalGeneration)
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
