@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from worker.attention.kv_rotation import kv_rotations
 from worker.attention.metadata import AttentionMetadata
 from worker.attention.step_context import step_context
 
@@ -84,6 +85,7 @@ class ModelForward:
         self.model = model
         self.kv_caches = kv_caches
         self.kv_scales = kv_scales  # an 8-bit cache's per-layer (k_scale, v_scale)
+        self.kv_rotation = kv_rotations(kv_caches, kv_scales)  # 8-bit caches: q, k rotated
         self.backend = backend
         self.dtype: torch.dtype = model.dtype
         self.device: torch.device = model.device
@@ -116,7 +118,7 @@ class ModelForward:
         """`inputs_embeds`: the step's input embeddings when not the token lookup (images)."""
         self.model.rotary.reserve(meta.max_seq_len, self.dtype, self.device)  # a no-op once reserved
         embeds = {} if inputs_embeds is None else {"inputs_embeds": inputs_embeds}
-        with step_context(self.backend, meta, self.kv_caches, self.kv_scales):
+        with step_context(self.backend, meta, self.kv_caches, self.kv_scales, self.kv_rotation):
             if self._compiled is None:
                 return self.model.forward_tokens(input_ids, positions, **embeds)
             try:

@@ -50,17 +50,28 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
 def fp8_rounded_kv_attention(dtype: torch.dtype, scales: dict[int, tuple[float, float]] | None = None):
     """transformers' SDPA attention over K/V rounded through the 8-bit format (divided by the layer's
     scales, saturated, rounded, multiplied back): what attention over an 8-bit cache computes,
-    independently of our cache and kernels."""
+    independently of our cache and kernels. Without checkpoint scales, queries and keys are first
+    rotated by the same Hadamard matrix (scores unchanged; the cache holds rotated keys)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     largest = torch.finfo(dtype).max
 
     def attention(module, query, key, value, *args, **kwargs):
         layer_scales = (scales or {}).get(module.layer_idx, (1.0, 1.0))
+        if scales is None:
+            rotation = hadamard_matrix(query.shape[-1])
+            query, key = ((t.float() @ rotation).to(t.dtype) for t in (query, key))
         key, value = ((t.float() / s).clamp(-largest, largest).to(dtype).float().mul(s).to(query.dtype)
                       for t, s in zip((key, value), layer_scales))
         return sdpa_attention_forward(module, query, key, value, *args, **kwargs)
     return attention
+
+
+def hadamard_matrix(dim: int) -> torch.Tensor:
+    """The normalized Sylvester Hadamard matrix (dim a power of two), built by scipy."""
+    from scipy.linalg import hadamard
+
+    return torch.tensor(hadamard(dim), dtype=torch.float32) / dim ** 0.5
 
 
 def rounded_greedy(hf_model, batch: list[list[int]], dtype: torch.dtype,

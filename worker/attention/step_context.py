@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from worker.attention.kv_rotation import rotate
 from worker.attention.metadata import AttentionMetadata
 
 
@@ -27,6 +28,7 @@ class StepContext:
     meta: AttentionMetadata
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     kv_scales: list[tuple[float, float]] | None = None  # per layer (k_scale, v_scale) of an 8-bit cache
+    kv_rotation: dict[int, torch.Tensor] | None = None  # head_dim -> rotation of q and k (kv_rotation.py)
 
 
 _current: StepContext | None = None
@@ -34,9 +36,10 @@ _current: StepContext | None = None
 
 @contextlib.contextmanager
 def step_context(backend: Any, meta: AttentionMetadata, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 kv_scales: list[tuple[float, float]] | None = None) -> Iterator[StepContext]:
+                 kv_scales: list[tuple[float, float]] | None = None,
+                 kv_rotation: dict[int, torch.Tensor] | None = None) -> Iterator[StepContext]:
     global _current
-    previous, _current = _current, StepContext(backend, meta, kv_caches, kv_scales)
+    previous, _current = _current, StepContext(backend, meta, kv_caches, kv_scales, kv_rotation)
     try:
         yield _current
     finally:
@@ -58,6 +61,9 @@ def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: 
                              "cannot apply attention logit soft-capping (attn_logit_softcapping); "
                              "use the torch or triton backend")
         extra["softcap"] = softcap
+    if ctx.kv_rotation is not None:  # scores unchanged, keys cached rotated
+        rotation = ctx.kv_rotation[query.shape[-1]]
+        query, key = rotate(query, rotation), rotate(key, rotation)
     return ctx.backend.forward(query, key, value, k_cache, v_cache, ctx.meta, scale=scale, sliding_window=window,
                                **extra)
 
