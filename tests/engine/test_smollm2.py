@@ -46,11 +46,15 @@ def test_smollm2_greedy_equals_transformers(model_dir):
 @pytest.mark.slow
 def test_smollm2_fp8_kv_cache_equals_transformers_over_rounded_kv(model_dir):
     """--kv-cache-dtype fp8 on the default model (float32, scale 1: its K/V stay far inside e4m3's
-    +-448): the tokens of transformers with K/V rounded through e4m3 the same way."""
+    +-448): the tokens of transformers with K/V rounded through e4m3 the same way (keys, and the
+    queries with them, rotated by the normalized Hadamard matrix first, as the cache stores them)."""
+    from scipy.linalg import hadamard
     from transformers import AttentionInterface, AutoTokenizer, LlamaForCausalLM
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     def rounded(module, query, key, value, *args, **kwargs):
+        rotation = torch.tensor(hadamard(query.shape[-1]), dtype=torch.float32) / query.shape[-1] ** 0.5
+        query, key = (t.float() @ rotation for t in (query, key))
         key, value = (t.float().clamp(-448, 448).to(torch.float8_e4m3fn).to(query.dtype) for t in (key, value))
         return sdpa_attention_forward(module, query, key, value, *args, **kwargs)
 
