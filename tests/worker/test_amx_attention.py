@@ -1,5 +1,6 @@
 """The AMX tile attention kernel (worker/csrc/amx_attention.h) against the loop-by-loop reference:
-prefill and extend chunks of several sequences at once, over shuffled paged blocks. Runs only
+prefill and extend chunks of several sequences at once, and decodes several to a tile, over
+shuffled paged blocks of bfloat16 or 8-bit float (e4m3, e5m2, scales other than 1) caches. Runs only
 where the CPU has AMX-BF16 (elsewhere the kernel is not built and the tests skip); the
 shared-prefix decode kernel's bfloat16 tests cover its AMX path on such CPUs too."""
 from __future__ import annotations
@@ -7,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from worker.attention.fp8_kv import to_cache
 from worker.attention.reference import reference_attention
 from worker.kernels import cpu_ops
 
@@ -18,7 +20,7 @@ def _amx():
 
 
 def _batch(decodes, chunks, block_size, heads, kv_heads, dim, make_metadata, make_block_tables, seed=0,
-           query_scale=1.0, rising=False):
+           query_scale=1.0, rising=False, cache_dtype=torch.bfloat16, scales=(1.0, 1.0)):
     g = torch.Generator().manual_seed(seed)
     contexts = list(decodes) + [c for c, _ in chunks]
     query_lens = [1] * len(decodes) + [q for _, q in chunks]
@@ -28,8 +30,7 @@ def _batch(decodes, chunks, block_size, heads, kv_heads, dim, make_metadata, mak
     meta = make_metadata(contexts, query_lens, tables, block_size, len(decodes))
     tokens = sum(query_lens)
     shape = (num_blocks, block_size, kv_heads, dim)
-    k_cache = torch.randn(shape, generator=g).bfloat16()
-    v_cache = torch.randn(shape, generator=g).bfloat16()
+    k_cache, v_cache = (to_cache(torch.randn(shape, generator=g), cache_dtype, s) for s in scales)
     query = (torch.randn(tokens, heads, dim, generator=g) * query_scale).bfloat16()
     key = torch.randn(tokens, kv_heads, dim, generator=g).bfloat16()
     value = torch.randn(tokens, kv_heads, dim, generator=g).bfloat16()
@@ -38,7 +39,7 @@ def _batch(decodes, chunks, block_size, heads, kv_heads, dim, make_metadata, mak
         query = direction.expand(tokens, heads, dim).bfloat16()
         key = (direction * torch.arange(tokens).view(-1, 1, 1) / 8).expand(tokens, kv_heads, dim).bfloat16()
     expected = reference_attention(query, key, value, k_cache, v_cache, meta, scale=dim ** -0.5,
-                                   sliding_window=None)  # also writes the new K/V into the caches
+                                   sliding_window=None, k_scale=scales[0], v_scale=scales[1])  # also writes K/V
     return meta, query, k_cache, v_cache, expected
 
 
@@ -70,6 +71,33 @@ def test_chunks_match_the_reference(shape, block_size, threads, make_metadata, m
     torch.testing.assert_close(out[rows].float(), expected[rows].float(), atol=2e-2, rtol=2e-2)
 
 
+# Decodes of lengths around the 16- and 32-key steps, one of a single position, and long ones.
+DECODES = (0, 14, 15, 16, 31, 32, 47, 200, 5, 64, 100, 129, 3)
+CACHES = {"bf16": (torch.bfloat16, (1.0, 1.0)), "e4m3": (torch.float8_e4m3fn, (0.3, 1.7)),
+          "e5m2": (torch.float8_e5m2, (2.5, 0.6))}
+
+
+@pytest.mark.parametrize("block_size,with_chunks", [(16, False), (32, False), (64, False), (32, True)],
+                         ids=["decodes_16", "decodes_32", "decodes_64", "mixed_32"])
+@pytest.mark.parametrize("cache", list(CACHES))
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_decodes_and_fp8_caches_match_the_reference(shape, cache, block_size, with_chunks, make_metadata,
+                                                    make_block_tables) -> None:
+    """Every sequence of a batch to the kernel: decodes go 16 / gq to a tile (partly filled tiles,
+    members of different lengths), chunks by rows; 8-bit caches widen K and V to bfloat16."""
+    heads, kv_heads, dim = SHAPES[shape]
+    cache_dtype, scales = CACHES[cache]
+    chunks = CHUNKS if with_chunks else ()
+    meta, query, k_cache, v_cache, expected = _batch(DECODES, chunks, block_size, heads, kv_heads, dim,
+                                                     make_metadata, make_block_tables, seed=1,
+                                                     cache_dtype=cache_dtype, scales=scales)
+    out = torch.full_like(query, float("nan"))
+    cpu_ops.amx_prefill_attention(out, query, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
+                                  meta.seq_lens, torch.arange(meta.num_seqs, dtype=torch.int32), dim ** -0.5,
+                                  *scales)
+    torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
 def test_scores_far_apart_stay_finite(make_metadata, make_block_tables) -> None:
     """Large scores (probabilities near 0 and 1 side by side) must not overflow the softmax."""
     meta, query, k_cache, v_cache, expected = _batch((), ((30, 50),), 16, 2, 1, 32, make_metadata,
@@ -98,6 +126,11 @@ def test_bad_arguments_are_refused(make_metadata, make_block_tables) -> None:
     meta, query, k_cache, v_cache, _ = _batch((), ((0, 20),), 16, 2, 1, 32, make_metadata, make_block_tables)
     args = (meta.block_tables, meta.query_start_loc, meta.seq_lens)
     seqs = torch.tensor([0], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="and 1 unless"):
+        cpu_ops.amx_prefill_attention(torch.empty_like(query), query, k_cache, v_cache, *args, seqs, 1.0, 2.0)
+    with pytest.raises(RuntimeError, match="8-bit floats"):
+        cpu_ops.amx_prefill_attention(torch.empty_like(query), query, k_cache.half(), v_cache.half(), *args, seqs,
+                                      1.0)
     with pytest.raises(RuntimeError, match="contiguous bfloat16"):
         cpu_ops.amx_prefill_attention(query.float(), query.float(), k_cache, v_cache, *args, seqs, 1.0)
     with pytest.raises(RuntimeError, match="block_size % 16"):

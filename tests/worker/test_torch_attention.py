@@ -123,16 +123,19 @@ SPLIT_CASE = Case(decode_contexts=(40, 3, 70), chunks=((9, 5), (0, 40), (33, 24)
 
 
 @pytest.mark.parametrize("window", [None, 20])
-@pytest.mark.parametrize("route", ["kernel", "sdpa", "amx"])
+@pytest.mark.parametrize("route", ["kernel", "sdpa", "amx", "amx_paged_decodes"])
 def test_prefill_chunks_split_off_match_the_reference(route: str, window: int | None, make_metadata,
                                                       make_block_tables) -> None:
     """The AMX split (bfloat16 prefill chunks to SDPA or the AMX tile kernel, the rest to the
-    paged kernel) forced on and off; a window keeps long chunks on SDPA."""
+    paged kernel, or with "amx" every sequence to the AMX kernel) forced on and off; a window
+    keeps long chunks on SDPA and the rest on the paged kernel."""
     from worker.kernels import cpu_ops
     case = Case(**{**SPLIT_CASE.__dict__, "sliding_window": window})
-    if route == "amx" and not cpu_ops.amx_attention_available():
+    amx = route.startswith("amx")
+    if amx and not cpu_ops.amx_attention_available():
         pytest.skip("no AMX-BF16 tiles here")
-    backend = TorchAttentionBackend(sdpa_prefill=route != "kernel", amx_attention=route == "amx")
+    backend = TorchAttentionBackend(sdpa_prefill=route != "kernel", amx_attention=amx,
+                                    amx_decodes=route == "amx")
     if route != "kernel" and not backend.use_cpu_kernel:
         pytest.skip("the CPU kernel is unavailable: there is nothing to split")
     actual, expected, caches, ref_caches = run_case(case, make_metadata, make_block_tables, backend=backend)

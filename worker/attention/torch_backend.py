@@ -16,6 +16,8 @@ chunks through explicit matmuls instead of SDPA: neither the C++ kernel nor SDPA
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -24,6 +26,8 @@ from worker.attention.fp8_kv import as_indexable, from_cache, is_fp8, to_cache
 from worker.attention.metadata import AttentionMetadata
 from worker.attention.prefill_split import KernelSplitter
 from worker.attention.shared_prefix import SharedPrefixPlanner
+
+AMX_DECODES_SWITCH = "PAGEDSERVE_AMX_DECODES"  # 1: decodes too on AMX tiles (else the paged kernel)
 
 
 class TorchAttentionBackend:
@@ -35,13 +39,16 @@ class TorchAttentionBackend:
     builds, True insists on it (raises if it cannot be built), False never uses it.
     `sdpa_prefill`: whether the kernel leaves bfloat16 prefill chunks of many rows to another
     route; None (default): on CPUs with AMX. `amx_attention`: whether that route is the AMX
-    tile kernel (bfloat16 caches) rather than SDPA; None (default): where it runs."""
+    tile kernel (bfloat16 or 8-bit float caches) rather than SDPA; None (default): where it runs.
+    `amx_decodes`: whether the AMX kernel also takes the decodes and short chunks of such steps
+    (decodes several to a tile) rather than the paged kernel; None (default): only with
+    PAGEDSERVE_AMX_DECODES=1 (measured slower than the paged kernel on L1-shaped decodes)."""
 
     name = "torch"
     supports_softcap = True
 
     def __init__(self, use_cpu_kernel: bool | None = None, sdpa_prefill: bool | None = None,
-                 amx_attention: bool | None = None) -> None:
+                 amx_attention: bool | None = None, amx_decodes: bool | None = None) -> None:
         self._plans_meta: AttentionMetadata | None = None
         self._decode_plans: dict[tuple, DecodePlan] = {}
         self.use_cpu_kernel = use_cpu_kernel is not False and cpu_ops.load() is not None
@@ -56,6 +63,10 @@ class TorchAttentionBackend:
             cpu_ops.amx_attention_available()
         if amx_attention and not self._amx_attention:
             raise RuntimeError("AMX attention needs the CPU kernel, the prefill split and AMX-BF16 tiles")
+        if amx_decodes is None:
+            amx_decodes = os.environ.get(AMX_DECODES_SWITCH, "0").strip().lower() in ("1", "true", "yes", "on")
+        self._amx_decodes = self._amx_attention and amx_decodes
+        self._all_seqs: tuple[AttentionMetadata | None, torch.Tensor | None] = (None, None)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
@@ -76,8 +87,16 @@ class TorchAttentionBackend:
                      else None)
             shared = self._shared_prefix.plan(meta, query, k_cache, sliding_window,
                                               split.sdpa_set if split else frozenset())
+            amx = self._amx_attention and sliding_window is None and amx_shapes(query, k_cache)
             if shared is not None:  # decodes sharing prefix blocks attend them together
                 output = shared.attend(query, k_cache, v_cache, meta, scale)
+            elif amx and self._amx_decodes:  # every sequence on AMX tiles
+                query = query.contiguous()
+                output = torch.empty(query.shape, dtype=query.dtype)
+                cpu_ops.amx_prefill_attention(output, query, k_cache, v_cache, meta.block_tables,
+                                              meta.query_start_loc, meta.seq_lens, self._every_seq(meta), scale,
+                                              k_scale, v_scale)
+                return output
             elif split is None:
                 output = torch.empty(query.shape, dtype=query.dtype)
                 cpu_ops.paged_attention(output, query.contiguous(), k_cache, v_cache, meta.block_tables,
@@ -93,9 +112,10 @@ class TorchAttentionBackend:
                                             k_scale=k_scale, v_scale=v_scale)
             if split is None:
                 return output
-            if self._amx_attention and sliding_window is None and amx_shapes(query, k_cache):
+            if amx:
                 cpu_ops.amx_prefill_attention(output, query, k_cache, v_cache, meta.block_tables,
-                                              meta.query_start_loc, meta.seq_lens, split.sdpa_index, scale)
+                                              meta.query_start_loc, meta.seq_lens, split.sdpa_index, scale,
+                                              k_scale, v_scale)
             else:
                 self._sdpa_chunks(split.sdpa_seqs, output, query, key, value, k_cache, v_cache, meta, scale,
                                   sliding_window, (k_scale, v_scale))
@@ -122,6 +142,12 @@ class TorchAttentionBackend:
                 query[start:end], key[start:end], value[start:end], k_cache, v_cache,
                 meta.block_tables[seq], meta.seq_lens_cpu[seq], scale, sliding_window, scales, softcap)
 
+    def _every_seq(self, meta: AttentionMetadata) -> torch.Tensor:
+        """Every sequence index of the step (int32), made once per step."""
+        if self._all_seqs[0] is not meta:
+            self._all_seqs = (meta, torch.arange(meta.num_seqs, dtype=torch.int32))
+        return self._all_seqs[1]
+
     def _decode_plan(self, meta: AttentionMetadata, k_cache: torch.Tensor,
                      sliding_window: int | None) -> "DecodePlan":
         if meta is not self._plans_meta:  # a new step
@@ -136,10 +162,10 @@ class TorchAttentionBackend:
 
 
 def amx_shapes(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether the AMX attention kernel takes these tensors: bfloat16 queries and cache, head_dim
-    a multiple of 32, blocks a multiple of 16 tokens."""
-    return (query.dtype == torch.bfloat16 and k_cache.dtype == torch.bfloat16 and query.shape[2] % 32 == 0
-            and k_cache.shape[1] % 16 == 0)
+    """Whether the AMX attention kernel takes these tensors: bfloat16 queries, a bfloat16 or 8-bit
+    float cache, head_dim a multiple of 32, blocks a multiple of 16 tokens."""
+    return (query.dtype == torch.bfloat16 and (k_cache.dtype == torch.bfloat16 or is_fp8(k_cache.dtype))
+            and query.shape[2] % 32 == 0 and k_cache.shape[1] % 16 == 0)
 
 
 def kernel_dtypes(query_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:

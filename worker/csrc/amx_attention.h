@@ -11,9 +11,11 @@
 // and add to acc [row][dim] on the tiles. Tiles: 0-1 scores, 2 K, 3 Q; then 2 the
 // probabilities, 0, 1 and 3 V; 4-7 acc. V is packed once for the whole span (it stays in L2),
 // so each row block runs alone through it with its acc on tiles. Needs block_size % 16 == 0
-// (16 keys never straddle blocks) and head_dim % 32 == 0.
+// (16 keys never straddle blocks) and head_dim % 32 == 0. 8-bit float caches: K rows are widened
+// to bfloat16 per 16 keys (amx_cache_rows.h) and V while it is packed.
 #pragma once
 
+#include "amx_cache_rows.h"
 #include "vector_helpers.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
@@ -76,6 +78,7 @@ struct Scratch {
   std::vector<uint32_t> values;
   std::vector<uint32_t> member_probs;       // attend_members: [member][row][key pair]
   std::vector<c10::BFloat16> padded_keys;  // attend_members: a partial group of 16 K rows
+  std::vector<c10::BFloat16> keys;         // attend_rows over an 8-bit cache: 32 widened K rows
 };
 
 // The B tiles of 16 rows' queries: qt[c][pair][row] (dim / 32 tiles), from rows of bfloat16
@@ -111,13 +114,13 @@ inline __m512i pair_index() {
 template <typename ValueAt>
 inline void pack_values(ValueAt&& value_rows, int64_t stride, int64_t first, int64_t hi, int64_t dim, uint32_t* values) {
   for (int64_t half = 0; half < 2; ++half) {
-    const c10::BFloat16* v = first + half * 16 < hi ? value_rows(first + half * 16) : nullptr;
+    const auto* v = first + half * 16 < hi ? value_rows(first + half * 16) : nullptr;
     for (int64_t p = 0; p < 8; ++p) {
       const int64_t pos = first + half * 16 + 2 * p;
       const __mmask16 a_ok = v != nullptr && pos < hi ? 0xFFFF : 0, b_ok = v != nullptr && pos + 1 < hi ? 0xFFFF : 0;
       for (int64_t g = 0; g < dim / 16; ++g) {
-        const __m256i a = _mm256_maskz_loadu_epi16(a_ok, a_ok ? v + (2 * p) * stride + g * 16 : nullptr);
-        const __m256i b = _mm256_maskz_loadu_epi16(b_ok, b_ok ? v + (2 * p + 1) * stride + g * 16 : nullptr);
+        const __m256i a = bf16x16(a_ok, a_ok ? v + (2 * p) * stride + g * 16 : nullptr);
+        const __m256i b = bf16x16(b_ok, b_ok ? v + (2 * p + 1) * stride + g * 16 : nullptr);
         const __m512i ab = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
         _mm512_storeu_si512(values + (g * 16 + half * 8 + p) * 16, _mm512_permutexvar_epi16(pair_index(), ab));
       }
@@ -277,6 +280,10 @@ void attend_rows(const uint32_t* qt, int64_t blocks, int64_t dim, KeyAt&& key_ro
   if (static_cast<int64_t>(s.values.size()) < chunks * chunk_words) s.values.resize(chunks * chunk_words);
   pack_span(value_rows, stride, start, all_hi, dim, s.values.data());
   const bool resident = dim <= 64;
+  using T = std::remove_cv_t<std::remove_pointer_t<decltype(key_rows(lo))>>;
+  constexpr bool widen = !std::is_same_v<T, c10::BFloat16>;  // an 8-bit cache's K rows
+  if (widen && static_cast<int64_t>(s.keys.size()) < 32 * dim) s.keys.resize(32 * dim);
+  const int64_t key_bytes = widen ? dim * 2 : row_bytes;
   __m512i pairs[16];
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t bhi = block_hi[b];
@@ -287,16 +294,24 @@ void attend_rows(const uint32_t* qt, int64_t blocks, int64_t dim, KeyAt&& key_ro
     if (resident) PAGEDSERVE_ACC_TILES(_tile_loadd, block_acc, dim);
     for (int64_t first = start; first < bhi; first += CHUNK) {
       const bool second = first + 16 < bhi;  // the second 16 keys are visible to some row
-      const c10::BFloat16* k0 = key_rows(first);
-      const c10::BFloat16* k1 = second ? key_rows(first + 16) : nullptr;
+      const c10::BFloat16 *k0, *k1 = nullptr;
+      if constexpr (widen) {
+        k0 = s.keys.data(), k1 = k0 + 16 * dim;
+        widen_rows(key_rows(first), stride, std::min<int64_t>(16, bhi - first), dim, s.keys.data());
+        if (second)
+          widen_rows(key_rows(first + 16), stride, std::min<int64_t>(16, bhi - first - 16), dim, s.keys.data() + 16 * dim);
+      } else {
+        k0 = key_rows(first);
+        if (second) k1 = key_rows(first + 16);
+      }
       _tile_zero(0);
       _tile_zero(1);
       for (int64_t c = 0; c < dim / 32; ++c) {
         _tile_loadd(3, q + c * 256, 64);
-        _tile_loadd(2, k0 + c * 32, row_bytes);
+        _tile_loadd(2, k0 + c * 32, key_bytes);
         _tile_dpbf16ps(0, 2, 3);
         if (second) {
-          _tile_loadd(2, k1 + c * 32, row_bytes);
+          _tile_loadd(2, k1 + c * 32, key_bytes);
           _tile_dpbf16ps(1, 2, 3);
         }
       }

@@ -40,16 +40,12 @@ void attend_members(const uint32_t* qt, int64_t members, int64_t gq, int64_t dim
   // K rows of 16 positions from `first` for member j; past its end they would be another
   // sequence's (or stale) values, which the zero query rows of other members could not cancel
   // if they were not finite, so a partial group is copied beside zeros.
+  // An 8-bit cache's K rows are always widened there.
   auto keys_at = [&](int64_t j, int64_t first) -> std::pair<const c10::BFloat16*, int64_t> {
-    const c10::BFloat16* k = key_rows(j, first);
-    if (first + 16 <= hi[j]) return {k, row_bytes};
-    for (int64_t i = 0; i < 16; ++i) {
-      c10::BFloat16* dst = s.padded_keys.data() + i * dim;
-      if (first + i < hi[j])
-        std::memcpy(dst, k + i * stride, dim * sizeof(c10::BFloat16));
-      else
-        std::memset(dst, 0, dim * sizeof(c10::BFloat16));
-    }
+    const auto* k = key_rows(j, first);
+    if constexpr (std::is_same_v<std::remove_cv_t<std::remove_pointer_t<decltype(k)>>, c10::BFloat16>)
+      if (first + 16 <= hi[j]) return {k, row_bytes};
+    widen_rows(k, stride, std::min<int64_t>(16, hi[j] - first), dim, s.padded_keys.data());
     return {s.padded_keys.data(), dim * 2};
   };
   __m512i pairs[16];

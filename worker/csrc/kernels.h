@@ -22,10 +22,10 @@ void shared_prefix_attention(torch::Tensor out, torch::Tensor query, torch::Tens
                              double scale);
 bool shared_prefix_attention_available();
 // amx_prefill_attention.cpp: paged_attention's output rows of the sequences `seqs` (bfloat16
-// queries and caches, on AMX tiles); whether this build and CPU run it.
+// queries, bfloat16 or 8-bit float caches, on AMX tiles); whether this build and CPU run it.
 void amx_prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_tables, torch::Tensor query_start, torch::Tensor seq_lens,
-                           torch::Tensor seqs, double scale);
+                           torch::Tensor seqs, double scale, double k_scale, double v_scale);
 bool amx_attention_available();
 // kv_cache_write.cpp: the new tokens' K/V [T, KVH, D] into their slots of the caches (8-bit caches:
 // divided by k_scale/v_scale, saturated, rounded to nearest even).

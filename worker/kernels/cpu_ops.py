@@ -73,12 +73,13 @@ def amx_attention_available() -> bool:
 
 def amx_prefill_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                          seqs: torch.Tensor, scale: float) -> None:
+                          seqs: torch.Tensor, scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Fill the rows of `out` of the sequences `seqs` (int32 indices into the batch) with causal
-    attention over the paged cache, on AMX tiles: bfloat16 queries and caches, head_dim a multiple
-    of 32, blocks a multiple of 16 tokens (see worker/csrc/amx_prefill_attention.cpp)."""
+    attention over the paged cache, on AMX tiles: bfloat16 queries, bfloat16 or 8-bit float caches
+    (k_scale/v_scale: their scales), head_dim a multiple of 32, blocks a multiple of 16 tokens;
+    decodes go several to a tile (see worker/csrc/amx_prefill_attention.cpp)."""
     cpu_extension._module.amx_prefill_attention(out, query, k_cache, v_cache, block_tables, query_start_loc,
-                                                seq_lens, seqs, float(scale))
+                                                seq_lens, seqs, float(scale), float(k_scale), float(v_scale))
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
