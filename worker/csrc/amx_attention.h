@@ -16,14 +16,12 @@
 #pragma once
 
 #include "amx_cache_rows.h"
-#include "vector_helpers.h"
+#include "amx_tiles.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define PAGEDSERVE_AMX_ATTENTION 1
-#include <sys/syscall.h>
 #include <memory>
 #include <optional>
-#include <unistd.h>
 
 namespace {
 namespace amx {
@@ -31,35 +29,6 @@ namespace amx {
 constexpr int64_t ROWS = 16;   // query rows of a tile
 constexpr int64_t CHUNK = 32;  // keys per step
 constexpr int64_t MAX_BLOCKS = 16;  // blocks of 16 rows attended together
-
-// Linux hands out the AMX tile state only on request (once per process).
-inline bool permitted() {
-  static const bool ok = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Configures eight 16 x 64-byte tiles for this thread while alive (other code, oneDNN's
-// included, configures its own, so every call sets ours again).
-struct TileScope {
-  TileScope() {
-    TileConfig config;
-    for (int i = 0; i < 8; ++i) {
-      config.colsb[i] = 64;
-      config.rows[i] = 16;
-    }
-    _tile_loadconfig(&config);
-  }
-  ~TileScope() { _tile_release(); }
-};
 
 // Flushes denormal results to zero (and reads denormals as zero) while alive. Masked scores
 // make 2^-200 and the like; without FTZ every such vector takes a microcode assist that costs

@@ -21,6 +21,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("f32_linear_available", torch::wrap_pybind_function(f32_linear_available), "f32_linear_available");
   m.def("gguf_dequantize", torch::wrap_pybind_function(gguf_dequantize), "gguf_dequantize");
   m.def("int8_linear_available", torch::wrap_pybind_function(int8_linear_available), "int8_linear_available");
+  m.def("int8_amx_available", torch::wrap_pybind_function(int8_amx_available), "int8_amx_available");
+  m.def("set_int8_amx_rows", torch::wrap_pybind_function(set_int8_amx_rows), "set_int8_amx_rows");
   m.def("screened_argmax", torch::wrap_pybind_function(screened_argmax), "screened_argmax");
   m.def("screened_argmax_available", torch::wrap_pybind_function(screened_argmax_available),
         "screened_argmax_available");

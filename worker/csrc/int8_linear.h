@@ -33,6 +33,14 @@ inline void store_out(c10::BFloat16* out, __mmask16 valid, __m512 y) {
   _mm256_mask_storeu_epi16(out, valid, bf16_bits(round_bf16_ps(y)));
 }
 
+// v as computed: an empty asm that the compiler must assume reads and changes v, so that
+// -ffast-math can neither reassociate nor fuse the operations on either side of it. The epilogue
+// is inlined into the VNNI and the AMX loops (int8_amx.h); pinned, both round the same way.
+inline __m512 pin(__m512 v) {
+  asm("" : "+v"(v));
+  return v;
+}
+
 // The epilogue: rows of y [m, ldo]; per row its activation scale and zero point, per column the
 // weight's scale, its sum and the bias (gated: the up columns `up` entries after the gates').
 template <typename Out>
@@ -52,17 +60,17 @@ struct Int8Sink {
   inline __m512 value(int r, int64_t c, __mmask16 valid, __m512 acc) const {
     const __m512i offset = _mm512_mullo_epi32(_mm512_set1_epi32(row_zero[r]), _mm512_maskz_loadu_epi32(valid, col_sum + c));
     const __m512i exact = _mm512_sub_epi32(_mm512_castps_si512(acc), offset);
-    const __m512 y = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(exact), _mm512_set1_ps(row_scale[r])),
-                                   _mm512_maskz_loadu_ps(valid, col_scale + c));
-    return bias ? _mm512_add_ps(y, _mm512_maskz_loadu_ps(valid, bias + c)) : y;
+    const __m512 y = pin(_mm512_mul_ps(pin(_mm512_mul_ps(_mm512_cvtepi32_ps(exact), _mm512_set1_ps(row_scale[r]))),
+                                       _mm512_maskz_loadu_ps(valid, col_scale + c)));
+    return bias ? pin(_mm512_add_ps(y, _mm512_maskz_loadu_ps(valid, bias + c))) : y;
   }
   void put(int r, int v, __mmask16 valid, __m512 acc) const {
     store_out(out + r * ldo + v * LINEAR_LANES, valid, value(r, v * LINEAR_LANES, valid, acc));
   }
   void put_gated(int r, int v, __mmask16 valid, __m512 gate, __m512 upv) const {
     const __m512 g = value(r, v * LINEAR_LANES, valid, gate), u = value(r, v * LINEAR_LANES + up, valid, upv);
-    const __m512 denominator = _mm512_add_ps(_mm512_set1_ps(1.0f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g)));
-    store_out(out + r * ldo + v * LINEAR_LANES, valid, _mm512_mul_ps(_mm512_div_ps(g, denominator), u));
+    const __m512 denominator = pin(_mm512_add_ps(_mm512_set1_ps(1.0f), pin(exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
+    store_out(out + r * ldo + v * LINEAR_LANES, valid, pin(_mm512_mul_ps(pin(_mm512_div_ps(g, denominator)), u)));
   }
 };
 
@@ -86,16 +94,24 @@ inline float quantize_row(const In* x, int64_t k, uint8_t* u8, int32_t* zero) {
   const int32_t z = std::min(255, std::max(0, static_cast<int32_t>(std::nearbyint(-low * inv))));
   *zero = z;
   const __m512 scale = _mm512_set1_ps(inv);
-  const __m512i offset = _mm512_set1_epi32(z), bottom = _mm512_setzero_si512(), top = _mm512_set1_epi32(255);
+  const __m512i offset = _mm512_set1_epi32(z), top = _mm512_set1_epi32(255);
+  // The quarter-lane order the two packs leave, back to value order (dword e <- dword idx[e]).
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   const int64_t padded = (k + INT8_UNIT - 1) / INT8_UNIT * INT8_UNIT;
-  for (int64_t i = 0; i < padded; i += 16) {
-    const int64_t n = std::min<int64_t>(16, padded - i);
-    const __mmask16 store = n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1);
-    const __mmask16 m = k - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)(k > i ? (1u << (k - i)) - 1 : 0);
-    const __m512 scaled = _mm512_mul_ps(load(i, m), scale);
-    __m512i v = _mm512_add_epi32(_mm512_cvt_roundps_epi32(scaled, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), offset);
-    v = _mm512_min_epi32(_mm512_max_epi32(v, bottom), top);
-    _mm_mask_storeu_epi8(u8 + i, store, _mm512_cvtepi32_epi8(v));
+  for (int64_t i = 0; i < padded; i += 64) {  // 64 values a store: 4 vectors packed with saturation
+    __m512i v[4];
+    for (int j = 0; j < 4; ++j) {
+      const int64_t left = k - i - 16 * j;
+      const __mmask16 m = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)(left > 0 ? (1u << left) - 1 : 0);
+      const __m512 scaled = _mm512_mul_ps(load(i + 16 * j, m), scale);
+      // round + zero, at most 255; the packs clamp below at 0 (unsigned saturation)
+      v[j] = _mm512_min_epi32(
+          _mm512_add_epi32(_mm512_cvt_roundps_epi32(scaled, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), offset), top);
+    }
+    const __m512i bytes = _mm512_packus_epi16(_mm512_packus_epi32(v[0], v[1]), _mm512_packus_epi32(v[2], v[3]));
+    const int64_t n = std::min<int64_t>(64, padded - i);
+    const __mmask64 store = n >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << n) - 1);
+    _mm512_mask_storeu_epi8(u8 + i, store, _mm512_permutexvar_epi32(order, bytes));
   }
   return range > 0.0f ? range / steps : 0.0f;
 }

@@ -48,6 +48,9 @@ bool f32_linear_available();
 torch::Tensor gguf_dequantize(torch::Tensor packed, int64_t k);
 // int8_linear.cpp (operators int8_linear, int8_linear_silu, int8_quantize_rows): whether this build runs them.
 bool int8_linear_available();
+// Whether batches run on AMX-INT8 tiles here, and the fewest rows that do (set, returns the previous).
+bool int8_amx_available();
+int64_t set_int8_amx_rows(int64_t rows);
 // lm_head_argmax.cpp: each row's argmax of x @ W.T (operator packed_linear_argmax), and the same
 // screened with W's int16 packing.
 torch::Tensor packed_linear_argmax(torch::Tensor x, torch::Tensor packed, int64_t out_features);

@@ -1,8 +1,11 @@
 """The Python side of the W8A8 kernels (worker/csrc/int8_linear.cpp): whether they run here,
-the fakes compiled graphs trace them with, and their entry points."""
+the fakes compiled graphs trace them with, their entry points, and which batches take the AMX
+tiles (`amx_rows`: the tests and benchmarks compare them with the VNNI loop)."""
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 
 import torch
 
@@ -25,6 +28,23 @@ def int8_linear_available() -> bool:
             torch.library.register_fake("pagedserve::int8_quantize_rows")(_quantize_shapes)
             _registered = True
     return True
+
+
+def int8_amx_available() -> bool:
+    """Whether batches multiply on AMX-INT8 tiles here (the build has them, the OS grants them)."""
+    return int8_linear_available() and bool(cpu_extension.require().int8_amx_available())
+
+
+@contextlib.contextmanager
+def amx_rows(rows: int) -> Iterator[None]:
+    """While inside: batches of `rows` rows or more take the AMX tiles (where they run), fewer the
+    VNNI loop; a huge `rows` keeps every batch on VNNI. Process-wide: for tests and benchmarks."""
+    module = cpu_extension.require()
+    previous = module.set_int8_amx_rows(rows)
+    try:
+        yield
+    finally:
+        module.set_int8_amx_rows(previous)
 
 
 def _linear_shape(x: torch.Tensor, packed: torch.Tensor, col_scale: torch.Tensor, col_sum: torch.Tensor,
