@@ -15,7 +15,7 @@ from common.lora_request import LoRARequest
 from common.pooling_params import PoolerInfo, PoolingParams
 from common.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: StepPlan.kv_copies (partial prefix hits)
 
 
 class MessageType(enum.IntEnum):
@@ -259,6 +259,8 @@ class StepPlan(msgspec.Struct, **_STRUCT):
     # Such a request's num_scheduled_tokens counts them: 1 + len(drafts).
     draft_token_ids: dict[str, list[int]] = {}
     speculate: bool = False  # propose drafts for the requests that sample this step
+    # Partial prefix hits, done before any KV is written: copy the first n slots of block src into dst.
+    kv_copies: list[tuple[int, int, int]] = []  # (src, dst, n)
 
 
 class StepResult(msgspec.Struct, **_STRUCT):

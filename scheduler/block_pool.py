@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
+from scheduler.partial_block_index import PartialBlockIndex
 from scheduler.prefix_hash import BlockHash
 
 logger = logging.getLogger(__name__)
@@ -110,6 +111,7 @@ class BlockPool:
         # the same step, only the first to finish is registered.
         self.cached_block_hash_to_block: dict[BlockHash, KVBlock] = {}
         self.num_evicted_blocks = 0  # cached free blocks whose slot was reused
+        self.partial_index = PartialBlockIndex()  # registered blocks by parent, for partial hits
 
     # --- sizes ------------------------------------------------------------
     @property
@@ -133,17 +135,21 @@ class BlockPool:
     def get_cached_block(self, block_hash: BlockHash) -> KVBlock | None:
         return self.cached_block_hash_to_block.get(block_hash)
 
-    def cache_full_blocks(self, blocks: list[KVBlock], block_hashes: list[BlockHash]) -> None:
-        """Register full, computed blocks under their hashes (same length lists)."""
+    def cache_full_blocks(self, blocks: list[KVBlock], block_hashes: list[BlockHash],
+                          contents: list[tuple[BlockHash, list[int]] | None] | None = None) -> None:
+        """Register full, computed blocks under their hashes (same length lists). `contents`, if
+        given, has per block its parent's hash and its token ids (None: not for partial hits)."""
         if not self.enable_caching:
             return
-        for block, block_hash in zip(blocks, block_hashes, strict=True):
+        for index, (block, block_hash) in enumerate(zip(blocks, block_hashes, strict=True)):
             if block.block_hash is not None:
                 continue
             if block_hash in self.cached_block_hash_to_block:
                 continue  # same content already cached in another block
             block.block_hash = block_hash
             self.cached_block_hash_to_block[block_hash] = block
+            if contents is not None and contents[index] is not None:
+                self.partial_index.add(block, *contents[index])
 
     def _evict(self, block: KVBlock) -> None:
         """Forget a free block's cached content because its slot is reused."""
@@ -152,6 +158,7 @@ class BlockPool:
         if self.cached_block_hash_to_block.get(block.block_hash) is block:
             del self.cached_block_hash_to_block[block.block_hash]
         block.block_hash = None
+        self.partial_index.remove(block)
         self.num_evicted_blocks += 1
 
     def reset_prefix_cache(self) -> bool:
@@ -164,6 +171,7 @@ class BlockPool:
         for block in self.cached_block_hash_to_block.values():
             block.block_hash = None
         self.cached_block_hash_to_block.clear()
+        self.partial_index.clear()
         return True
 
     # --- allocation -------------------------------------------------------

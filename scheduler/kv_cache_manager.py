@@ -47,6 +47,20 @@ class KVCacheManager:
             hits.append(block)
         return hits, len(hits) * self.block_size
 
+    def get_partial_hit(self, request: Request, num_hit_blocks: int) -> tuple[KVBlock, int] | None:
+        """After the request's `num_hit_blocks` whole-block hits: a cached block with the same
+        parent whose first tokens equal the request's next ones, and how many (leaving the
+        last known token to compute). Their KV is copied, not computed (`partial_block_index`)."""
+        if (not self.enable_caching or request.computes_whole_prompt or request.images
+                or not 0 < num_hit_blocks <= len(request.block_hashes)):
+            return None  # the first block's hash holds the salt and adapter; images change KV
+        start = num_hit_blocks * self.block_size
+        limit = min(self.block_size, request.num_tokens - 1 - start)
+        if limit <= 0:
+            return None
+        return self.block_pool.partial_index.longest_match(
+            request.block_hashes[num_hit_blocks - 1], request.all_token_ids[start:start + limit])
+
     def uncached_block_hashes(self, requests: Iterable[Request]) -> set:
         """Hashes of the full blocks these requests hold but have not registered yet
         (being computed, or scheduled to be)."""
@@ -73,21 +87,25 @@ class KVCacheManager:
             self.prefix_cache_hits += num_hit_tokens
 
     # --- allocation -------------------------------------------------------
-    def allocate_slots(self, request: Request, num_new_tokens: int,
-                       new_computed_blocks: Sequence[KVBlock] = ()) -> list[int] | None:
+    def allocate_slots(self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[KVBlock] = (),
+                       partial_hit: tuple[KVBlock, int] | None = None) -> list[int] | None:
         """Make room for `num_new_tokens` tokens after the request's computed
         ones (its own plus `new_computed_blocks`, prefix hits of a request
-        being admitted). Returns the ids of the blocks added to the request's
-        table (hits first), or None, changing nothing, when too few blocks are
-        free."""
+        being admitted, plus the tokens of `partial_hit` that the first fresh
+        block receives by copy). Returns the ids of the blocks added to the
+        request's table (hits first), or None, changing nothing, when too few
+        blocks are free."""
         blocks = self.req_to_blocks.get(request.request_id, [])
-        if new_computed_blocks and blocks:
+        if (new_computed_blocks or partial_hit) and blocks:
             raise ValueError(f"{request.request_id}: prefix hits are only taken on admission")
-        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        num_copied = partial_hit[1] if partial_hit else 0
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size + num_copied
         num_required = cdiv(num_computed + num_new_tokens, self.block_size)
         num_fresh = max(0, num_required - len(blocks) - len(new_computed_blocks))
-        # Hits sitting in the free queue stop being free once touched.
-        num_revived = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
+        # Hits sitting in the free queue stop being free once touched; so does the copy's
+        # source while fresh blocks are taken (the worker copies before this step writes any KV).
+        held = [*new_computed_blocks, partial_hit[0]] if partial_hit else new_computed_blocks
+        num_revived = sum(1 for block in held if block.ref_cnt == 0)
         if num_fresh > self.block_pool.num_free_blocks - num_revived:
             return None
 
@@ -96,7 +114,11 @@ class KVCacheManager:
             self.num_cached_blocks[request.request_id] = len(new_computed_blocks)
         # Touch before popping fresh blocks, so the hits cannot be evicted.
         self.block_pool.touch(new_computed_blocks)
+        if partial_hit:
+            self.block_pool.touch([partial_hit[0]])
         added = list(new_computed_blocks) + self.block_pool.get_new_blocks(num_fresh)
+        if partial_hit:
+            self.block_pool.free_blocks([partial_hit[0]])
         blocks.extend(added)
         return [block.block_id for block in added]
 
@@ -130,7 +152,11 @@ class KVCacheManager:
         if num_full <= start:
             return
         blocks = self.req_to_blocks[request_id]
-        self.block_pool.cache_full_blocks(blocks[start:num_full], request.block_hashes[start:num_full])
+        hashes, size, tokens = request.block_hashes, self.block_size, request.all_token_ids
+        contents = None if request.images else [
+            (hashes[index - 1], tokens[index * size:(index + 1) * size]) if index else None
+            for index in range(start, num_full)]
+        self.block_pool.cache_full_blocks(blocks[start:num_full], hashes[start:num_full], contents)
         self.num_cached_blocks[request_id] = num_full
 
     def trim(self, request: Request, num_tokens: int) -> bool:

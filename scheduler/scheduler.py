@@ -56,6 +56,7 @@ class Scheduler:
         self.waiting = WaitingQueue()
         self.running: list[Request] = []  # admission order; the last one is preempted first
         self._finished_ids: dict[str, None] = {}  # for the next plan (ordered set)
+        self._kv_copies: list[tuple[int, int, int]] = []  # partial prefix hits: (source, destination, tokens)
         self._next_arrival = 0
         self._next_step_id = 0
         self.num_preemptions = 0
@@ -215,9 +216,10 @@ class Scheduler:
             request.num_computed_tokens += num_new
         plan = StepPlan(step_id=self._next_step_id, new_requests=new_requests, cached_requests=cached_requests,
                         num_scheduled_tokens=num_scheduled_tokens, finished_request_ids=list(self._finished_ids),
-                        draft_token_ids=drafts, speculate=speculate)
+                        draft_token_ids=drafts, speculate=speculate, kv_copies=self._kv_copies)
         self._next_step_id += 1
         self._finished_ids.clear()
+        self._kv_copies = []
         return plan
 
     def _admit_waiting(self, budget: int, scheduled: list[tuple[Request, int, list[int]]], lookahead: int) -> None:
@@ -232,13 +234,17 @@ class Scheduler:
             if (in_flight and kv.next_block_in_flight(request, len(hit_blocks), in_flight)) or (
                     self.config.enable_lora and exceeds_lora_slots(self.running, request, self.config.max_loras)):
                 break
+            partial = kv.get_partial_hit(request, len(hit_blocks))  # copied into its first fresh block
+            num_hit_tokens += partial[1] if partial else 0
             num_new = min(request.num_tokens - num_hit_tokens, budget)
             if self.whole_prompts and num_new < request.num_tokens:
                 break  # waits for a step with room for all of it
             ahead = lookahead_slots(request, num_hit_tokens, num_new, lookahead, self.max_model_len)
-            new_block_ids = kv.allocate_slots(request, num_new + ahead, hit_blocks)
+            new_block_ids = kv.allocate_slots(request, num_new + ahead, hit_blocks, partial)
             if new_block_ids is None:
                 break
+            if partial:
+                self._kv_copies.append((partial[0].block_id, new_block_ids[len(hit_blocks)], partial[1]))
             self.waiting.pop()
             kv.record_prefix_lookup(request.num_tokens, num_hit_tokens)
             request.num_computed_tokens = num_hit_tokens

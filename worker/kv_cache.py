@@ -95,3 +95,14 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.devic
     if torch.device(device).type == "cpu":
         return zeros_on_huge_pages(shape, dtype)  # scattered block reads: fewer TLB misses
     return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def copy_block_prefixes(kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                        copies: list[tuple[int, int, int]]) -> None:
+    """For each (src, dst, n): the first n token slots of block src into block dst, in every
+    layer's K and V (a partial prefix hit, `scheduler.partial_block_index`). Run before the
+    step writes any KV: src may be handed out again in the same step."""
+    for src, dst, num_tokens in copies:
+        for k_cache, v_cache in kv_caches:
+            k_cache[dst, :num_tokens] = k_cache[src, :num_tokens]
+            v_cache[dst, :num_tokens] = v_cache[src, :num_tokens]

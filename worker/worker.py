@@ -25,7 +25,7 @@ from worker.cuda_memory_profiling import cuda_memory_profile
 from worker.heap_tuning import keep_freed_memory_mapped
 from worker.lora_slots import LoRAAdapterError, LoRASlots
 from worker.input_batch import InputBatch
-from worker.kv_cache import allocate_kv_caches, kv_cache_spec, num_blocks_for
+from worker.kv_cache import allocate_kv_caches, copy_block_prefixes, kv_cache_spec, num_blocks_for
 from worker.kv_scales import read_kv_scales
 from worker.distributed.cpu_binding import bind_rank_cores
 from worker.distributed.parallel_state import group_minimum, init_worker_group
@@ -194,6 +194,10 @@ class Worker:
         A plan with nothing scheduled (only finished ids) just updates state.
         """
         started = time.perf_counter_ns()
+        if plan.kv_copies:
+            copy_block_prefixes(self.kv_caches, plan.kv_copies)
+            if self.draft_model is not None:
+                copy_block_prefixes(self.draft_model.kv_caches, plan.kv_copies)
         self.input_batch.apply_plan(plan)
         failed = self._drop_unusable_adapters(plan.num_scheduled_tokens) if self.lora is not None else {}
         scheduled = ({r: n for r, n in plan.num_scheduled_tokens.items() if r not in failed} if failed

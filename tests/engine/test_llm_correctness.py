@@ -64,6 +64,7 @@ def test_greedy_matches_transformers_with_chunked_prefill(tmp_path, architecture
     hf_model = build_tiny_hf_model(architecture, tmp_path / "model", **overrides)
     prompts = random_prompts(8, hf_model.config.vocab_size, [3, 17, 40, 9, 64, 1, 25, 33])
     prompts[6] = prompts[2][:20] + prompts[6][:5]  # shares five blocks with prompt 2
+    prompts[7] = prompts[2][:22] + prompts[7][:9]  # and five blocks and two tokens (a partial hit)
     expected = [hf_greedy(hf_model, p, NEW_TOKENS) for p in prompts]
     # A 24-token budget forces long prompts through several prefill chunks, mixed with decodes;
     # 39 blocks (156 token slots) for up to 96 tokens a sequence force preemptions. Where every
@@ -150,6 +151,33 @@ def test_prefix_cache_reuses_exactly_the_shared_blocks(tiny_llama):
                    enable_prefix_caching=False, skip_tokenizer_init=True)
     assert generate_ids(uncached, [first, second]) == [out_first[0], result.outputs[0].token_ids]
     assert [out_first[0], result.outputs[0].token_ids] == [hf_greedy(hf_model, p, NEW_TOKENS) for p in (first, second)]
+
+
+def test_partial_prefix_hit_copies_kv_that_computing_would_give(tiny_llama):
+    """A prompt sharing 3 whole blocks and 2 tokens of the next with a cached one: the 2 tokens'
+    KV is copied from the cached block (StepPlan.kv_copies), and the logprobs are the uncached run's."""
+    hf_model, directory = tiny_llama
+    shared = random_prompts(1, 256, [14], seed=4)[0]  # 3 full blocks of 4 tokens, then 2 more
+    first, second = shared + [5, 6, 7], shared + [9, 10, 11, 12]
+    settings = dict(model=str(directory), dtype="float32", block_size=4, num_gpu_blocks_override=64,
+                    skip_tokenizer_init=True)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
+    llm = LLM(**settings)
+    plans = recorded_plans(llm)
+    llm.generate([{"prompt_token_ids": first}], params, use_tqdm=False)
+    first_blocks = next(r.block_ids for p in plans for r in p.new_requests)
+    plans.clear()
+    cached = llm.generate([{"prompt_token_ids": second}], params, use_tqdm=False)[0]
+    new_request = next(r for p in plans for r in p.new_requests)
+    assert new_request.num_computed_tokens == 14 and cached.num_cached_tokens == 14
+    assert [c for p in plans for c in p.kv_copies] == [(first_blocks[3], new_request.block_ids[3], 2)]
+    assert_no_leaked_blocks(llm)
+
+    uncached = LLM(enable_prefix_caching=False, **settings)
+    reference = uncached.generate([{"prompt_token_ids": second}], params, use_tqdm=False)[0].outputs[0]
+    assert cached.outputs[0].token_ids == reference.token_ids == hf_greedy(hf_model, second, NEW_TOKENS)
+    torch.testing.assert_close(torch.tensor([s.logprob for s in cached.outputs[0].logprobs]),
+                               torch.tensor([s.logprob for s in reference.logprobs]), atol=1e-5, rtol=0)
 
 
 def test_preemption_keeps_outputs_identical(tiny_llama, caplog):

@@ -5,11 +5,13 @@ state between steps, applies NewRequestData / CachedRequestData, drops the
 state of finished ids, and samples for a request when its scheduled chunk
 reaches the end of the tokens it knows (appending the sampled token itself).
 
-It also models the KV cache: every computed token is "written" to its slot
-(block_id * block_size + offset), and before sampling it checks that every
-position of the sequence reads back the right token through the block table.
-A block shared wrongly, overwritten while in use, or a bad prefix hit fails
-here, like it would corrupt attention in the real worker.
+It also models the KV cache: every computed token "writes" to its slot
+(block_id * block_size + offset) a key of the whole prefix up to it (real KV
+depends on every earlier token), the plan's `kv_copies` copy slots, and
+before sampling it checks that every position of the sequence reads back its
+prefix's key through the block table. A block shared wrongly, overwritten
+while in use, or a bad prefix hit (whole or partial) fails here, like it
+would corrupt attention in the real worker.
 """
 from __future__ import annotations
 
@@ -45,11 +47,16 @@ class FakeWorker:
         self.vocab_size = vocab_size
         self.sample_fn = sample_fn or (lambda request_id, token_ids: self.rng.randrange(self.vocab_size))
         self.requests: dict[str, FakeRequestState] = {}
-        self.kv: list[int | None] = [None] * (num_blocks * block_size)  # token id stored in each slot
+        self.kv: list[int | None] = [None] * (num_blocks * block_size)  # prefix key stored in each slot
         self.num_steps = 0
         self.num_computed_tokens_total = 0
 
     def execute(self, plan: StepPlan) -> StepResult:
+        for src, dst, num_tokens in plan.kv_copies:  # before anything this step writes
+            assert 0 < num_tokens <= self.block_size and src != dst, (src, dst, num_tokens)
+            for offset in range(num_tokens):
+                assert self.kv[src * self.block_size + offset] is not None, "copied an unwritten slot"
+                self.kv[dst * self.block_size + offset] = self.kv[src * self.block_size + offset]
         for request_id in plan.finished_request_ids:
             self.requests.pop(request_id, None)
         for new in plan.new_requests:
@@ -79,9 +86,9 @@ class FakeWorker:
             assert len(state.block_ids) * self.block_size >= end, f"{request_id}: too few blocks"
             assert 0 not in state.block_ids, "the null block was handed out"
             assert all(0 < b < self.num_blocks for b in state.block_ids)
-            known = state.token_ids + drafts
+            keys = prefix_keys(state.token_ids + drafts)
             for position in range(start, end):
-                self.kv[self._slot(state, position)] = known[position]
+                self.kv[self._slot(state, position)] = keys[position]
             state.num_computed_tokens = end
             self.num_computed_tokens_total += num_tokens
             if end >= len(state.token_ids):
@@ -112,10 +119,21 @@ class FakeWorker:
 
     def _check_kv(self, request_id: str, state: FakeRequestState) -> None:
         """What attention would read back for the whole sequence."""
+        keys = prefix_keys(state.token_ids)
         for position in range(state.num_computed_tokens):
             stored = self.kv[self._slot(state, position)]
-            assert stored == state.token_ids[position], (
-                f"{request_id}: KV at position {position} holds token {stored}, expected {state.token_ids[position]}")
+            assert stored == keys[position], (
+                f"{request_id}: KV at position {position} is not that of token {state.token_ids[position]} "
+                f"after its own prefix")
+
+
+def prefix_keys(token_ids: list[int]) -> list[int]:
+    """Per position a key of every token up to it: what the KV written there depends on."""
+    keys, key = [], 0
+    for token in token_ids:
+        key = hash((key, token))
+        keys.append(key)
+    return keys
 
 
 def make_request(request_id: str, prompt: list[int], *, max_tokens: int | None = 16, priority: int = 0,

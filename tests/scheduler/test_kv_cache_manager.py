@@ -186,3 +186,64 @@ def test_no_window_frees_nothing_early():
     request = new_request("w", list(range(20)))
     admit(manager, request)
     assert manager.free_out_of_window(request) == 0 and 0 not in manager.get_block_ids("w")
+
+
+def admit_with_partial(manager: KVCacheManager, request: Request) -> tuple[list[int], tuple[int, int, int] | None]:
+    """The scheduler's admission with partial hits: the block ids added and the copy, if any."""
+    hits, num_hit = manager.get_computed_blocks(request)
+    partial = manager.get_partial_hit(request, len(hits))
+    num_hit += partial[1] if partial else 0
+    block_ids = manager.allocate_slots(request, request.num_tokens - num_hit, hits, partial)
+    request.num_computed_tokens = request.num_tokens
+    manager.cache_blocks(request)
+    return block_ids, (partial[0].block_id, block_ids[len(hits)], partial[1]) if partial else None
+
+
+def test_partial_hit_copies_the_shared_start_of_the_next_block():
+    manager = KVCacheManager(num_blocks=11, block_size=BLOCK_SIZE)
+    shared = list(range(6))  # one full block and half of the next
+    a = new_request("a", shared + [100, 101, 102])
+    assert admit_with_partial(manager, a) == ([1, 2, 3], None)
+    b = new_request("b", shared + [200, 201, 202])
+    # block 0 is a whole hit; tokens 4, 5 are copied from a's block 2 into b's first fresh block
+    assert admit_with_partial(manager, b) == ([1, 4, 5], (2, 4, 2))
+    c = new_request("c", [0, 1, 2, 3, 4, 7, 7, 7])
+    assert admit_with_partial(manager, c)[1] in ((2, 6, 1), (4, 6, 1))  # a's or b's block: both start with 4
+
+
+def test_partial_hit_leaves_the_last_token_to_compute():
+    manager = KVCacheManager(num_blocks=11, block_size=BLOCK_SIZE)
+    prompt = list(range(8))  # two full blocks
+    admit_with_partial(manager, new_request("a", prompt))
+    block_ids, copy = admit_with_partial(manager, new_request("b", prompt))
+    assert block_ids == [1, 3] and copy == (2, 3, 3)  # block 0 hit, 3 of block 1 copied, token 7 computed
+
+
+def test_no_partial_hit_from_another_salt_a_first_block_or_an_evicted_block():
+    manager = KVCacheManager(num_blocks=5, block_size=BLOCK_SIZE)
+    a = new_request("a", list(range(6)) + [100, 101, 102])
+    admit_with_partial(manager, a)
+    salted = new_request("s", list(range(6)) + [200], cache_salt="other")
+    assert manager.get_partial_hit(salted, len(manager.get_computed_blocks(salted)[0])) is None
+    first_block = new_request("f", [0, 1, 9, 9, 9])  # shares only part of block 0: no parent hash to match
+    assert manager.get_partial_hit(first_block, 0) is None
+    manager.free(a)
+    admit_with_partial(manager, new_request("x", [50 + i for i in range(16)]))  # reuses every block
+    assert len(manager.block_pool.partial_index) == 3  # x's own blocks 1-3 (block 0 is never indexed)
+    b = new_request("b", list(range(6)) + [200, 201])
+    assert manager.get_computed_blocks(b) == ([], 0)
+
+
+def test_partial_source_in_the_free_queue_is_not_taken_as_a_fresh_block():
+    manager = KVCacheManager(num_blocks=7, block_size=BLOCK_SIZE)
+    a = new_request("a", list(range(6)) + [100, 101])
+    assert admit_with_partial(manager, a)[0] == [1, 2]
+    x = new_request("x", [50 + i for i in range(8)])
+    assert admit_with_partial(manager, x)[0] == [3, 4]
+    manager.free(a)
+    assert admit_with_partial(manager, new_request("z", [70 + i for i in range(8)]))[0] == [5, 6]
+    manager.free(x)
+    assert free_ids(manager) == [2, 1, 4, 3]  # a's block 2, the copy's source, is next to be handed out
+    b = new_request("b", list(range(6)) + [200, 201, 202, 203, 204, 205])
+    assert admit_with_partial(manager, b) == ([1, 4, 3], (2, 4, 2))
+    assert free_ids(manager) == [2] and manager.block_pool.blocks[2].block_hash is not None

@@ -61,6 +61,8 @@ def check_invariants(scheduler) -> None:
         assert (block.ref_cnt == 0) == (block.block_id in free)
     for block_hash, block in pool.cached_block_hash_to_block.items():
         assert block.block_hash == block_hash
+    for block in pool.partial_index.blocks():  # partial hits only copy from registered blocks
+        assert block.block_hash is not None and pool.cached_block_hash_to_block[block.block_hash] is block
     # A block held by two requests is a full, computed block at the same
     # position of both, holding the same tokens: a cached prefix block, or a
     # prompt block a sample forked from (read-only either way).
