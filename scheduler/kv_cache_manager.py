@@ -28,6 +28,7 @@ class KVCacheManager:
         # tokens found, counted once per successful admission.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self.pending_copies: list[tuple[int, int, int]] = []  # partial hits for the next plan's kv_copies
 
     # --- lookups ----------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
@@ -119,8 +120,14 @@ class KVCacheManager:
         added = list(new_computed_blocks) + self.block_pool.get_new_blocks(num_fresh)
         if partial_hit:
             self.block_pool.free_blocks([partial_hit[0]])
+            self.pending_copies.append((partial_hit[0].block_id, added[len(new_computed_blocks)].block_id, num_copied))
         blocks.extend(added)
         return [block.block_id for block in added]
+
+    def take_copies(self) -> list[tuple[int, int, int]]:
+        """The partial hits' copies since the last call: (source block, destination block, tokens)."""
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
 
     def fork(self, parent: Request, child: Request) -> int:
         """Give `child`, a new sample of the parent's prompt, read-only shares

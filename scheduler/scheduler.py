@@ -56,7 +56,6 @@ class Scheduler:
         self.waiting = WaitingQueue()
         self.running: list[Request] = []  # admission order; the last one is preempted first
         self._finished_ids: dict[str, None] = {}  # for the next plan (ordered set)
-        self._kv_copies: list[tuple[int, int, int]] = []  # partial prefix hits: (source, destination, tokens)
         self._next_arrival = 0
         self._next_step_id = 0
         self.num_preemptions = 0
@@ -94,9 +93,8 @@ class Scheduler:
         for index in range(num_samples):
             sample = resumed.get(index)
             if sample is None or not sample.finished:
-                samples[index] = Request(engine_request, self._next_arrival, self.max_model_len, self.block_size,
-                                         self.kv_cache_manager.enable_caching, index,
-                                         sample.output_token_ids if sample is not None else [])
+                samples[index] = self._new_request(engine_request, index, self._next_arrival,
+                                                   sample.output_token_ids if sample is not None else [])
         self._next_arrival += 1
         if num_samples > 1:
             self._groups[engine_request.request_id] = SampleGroup.resumed(engine_request, num_samples, samples)
@@ -116,14 +114,13 @@ class Scheduler:
         request = self._requests.get(request_id)
         return request.external_id if request is not None else request_id
 
-    def _new_request(self, engine_request: EngineRequest, sample_index: int, arrival_order: int) -> Request:
-        return Request(engine_request, arrival_order, self.max_model_len, self.block_size,
-                       self.kv_cache_manager.enable_caching, sample_index)
+    def _new_request(self, engine_request: EngineRequest, index: int, arrival: int, outputs: list[int] = ()) -> Request:
+        return Request(engine_request, arrival, self.max_model_len, self.block_size,
+                       self.kv_cache_manager.enable_caching, index, outputs)
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[RequestOutput]:
         """Finish requests as ABORT (unknown or finished ids are ignored); a request id ends all its samples."""
-        if isinstance(request_ids, str):
-            request_ids = [request_ids]
+        request_ids = [request_ids] if isinstance(request_ids, str) else request_ids
         outputs = []
         for request_id in request_ids:
             group = self._groups.get(request_id)
@@ -216,10 +213,9 @@ class Scheduler:
             request.num_computed_tokens += num_new
         plan = StepPlan(step_id=self._next_step_id, new_requests=new_requests, cached_requests=cached_requests,
                         num_scheduled_tokens=num_scheduled_tokens, finished_request_ids=list(self._finished_ids),
-                        draft_token_ids=drafts, speculate=speculate, kv_copies=self._kv_copies)
+                        draft_token_ids=drafts, speculate=speculate, kv_copies=self.kv_cache_manager.take_copies())
         self._next_step_id += 1
         self._finished_ids.clear()
-        self._kv_copies = []
         return plan
 
     def _admit_waiting(self, budget: int, scheduled: list[tuple[Request, int, list[int]]], lookahead: int) -> None:
@@ -235,7 +231,7 @@ class Scheduler:
                     self.config.enable_lora and exceeds_lora_slots(self.running, request, self.config.max_loras)):
                 break
             partial = kv.get_partial_hit(request, len(hit_blocks))  # copied into its first fresh block
-            num_hit_tokens += partial[1] if partial else 0
+            num_hit_tokens += partial[1] if partial else 0  # (allocate_slots queues the copy for the plan)
             num_new = min(request.num_tokens - num_hit_tokens, budget)
             if self.whole_prompts and num_new < request.num_tokens:
                 break  # waits for a step with room for all of it
@@ -243,8 +239,6 @@ class Scheduler:
             new_block_ids = kv.allocate_slots(request, num_new + ahead, hit_blocks, partial)
             if new_block_ids is None:
                 break
-            if partial:
-                self._kv_copies.append((partial[0].block_id, new_block_ids[len(hit_blocks)], partial[1]))
             self.waiting.pop()
             kv.record_prefix_lookup(request.num_tokens, num_hit_tokens)
             request.num_computed_tokens = num_hit_tokens
