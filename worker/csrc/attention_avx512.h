@@ -74,6 +74,20 @@ inline void score_chunk(const c10::BFloat16* q, const c10::BFloat16* const* keys
 }
 #endif
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// The 16 keys of a chunk of an 8-bit cache widened to bfloat16 (see load32_bf16) into the item's
+// scratch; keys[j] points at key j's copy (head_dim a multiple of 32).
+template <typename T>
+inline void widen_chunk_bf16(const T* const* head_rows, int64_t dim, Scratch& s, const c10::BFloat16** keys) {
+  s.widened.resize(CHUNK * dim);
+  for (int j = 0; j < CHUNK; ++j) {
+    c10::BFloat16* row = s.widened.data() + j * dim;
+    for (int64_t d = 0; d < dim; d += 32) _mm512_storeu_si512(row + d, load32_bf16(head_rows[j] + d));
+    keys[j] = row;
+  }
+}
+#endif
+
 // acc[r][d .. d + 16 NV) += sum_j w[r][j] * values[j][d ..] for ROWS rows sharing one KV head
 // and the keys of `chunks` (<= SPAN) chunks: the accumulators stay in registers over all of them,
 // and each value register is widened once and used by every row.
@@ -260,7 +274,23 @@ bool run_item_avx512(const Problem<Q, T>& p, const WorkItem& item, Scratch& s, c
   };
   for_each_span_head<1>(
       p, p.k_cache, item, g, zero_row, [&](int64_t offset, int64_t h, const T* const* head_rows, int64_t) {
-        for (const int64_t* r = s.head_rows.data() + h * per_head; r < s.head_rows.data() + (h + 1) * per_head; ++r)
+        const int64_t* rows = s.head_rows.data() + h * per_head;
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+        // bfloat16 queries over an 8-bit cache: the chunk's keys widened to bfloat16 once for all the
+        // head's rows (not once a row), then scored on vdpbf16ps as a bfloat16 cache is.
+        if constexpr (kFp8<T> && std::is_same_v<Q, c10::BFloat16>) {
+          if (dim % 32 == 0) {
+            const c10::BFloat16* keys[CHUNK];
+            widen_chunk_bf16(head_rows, dim, s, keys);
+            for (const int64_t* r = rows; r < rows + per_head; ++r)
+              score_chunk(p.query + (g.first_token * p.heads + *r) * dim, keys, dim, p.scale,
+                          s.scores.data() + *r * g.stride + offset);
+            step_ahead();
+            return;
+          }
+        }
+#endif
+        for (const int64_t* r = rows; r < rows + per_head; ++r)
           score_chunk(p.query + (g.first_token * p.heads + *r) * dim, head_rows, dim, p.scale,
                       s.scores.data() + *r * g.stride + offset);
         step_ahead();

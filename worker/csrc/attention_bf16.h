@@ -1,4 +1,4 @@
-// Prefill scoring of bfloat16 caches on AVX512-BF16 (head_dim a multiple of 32, at least
+// Prefill scoring of bfloat16 (and 8-bit float) caches on AVX512-BF16 (head_dim a multiple of 32, at least
 // TRANSPOSED_MIN_ROWS query rows per KV head): run_item_transposed with vdpbf16ps, kt register p
 // holding dims 2p and 2p + 1 of the 16 keys, so no horizontal sums. The values keep the float32
 // FMA path (`weigh_values`): weighing them on vdpbf16ps would need the probabilities rounded to
@@ -23,12 +23,15 @@ struct Bf16Dot {
   }
 };
 
-void run_item_bf16(const Problem<c10::BFloat16>& p, const WorkItem& item, Scratch& s) {
-  run_item_transposed<c10::BFloat16, c10::BFloat16, Bf16Dot>(p, item, s, p.dim / 2);
+// bfloat16 queries over a bfloat16 cache, or over an 8-bit one (its keys widened to bf16 pairs exactly).
+template <typename T>
+void run_item_bf16(const Problem<c10::BFloat16, T>& p, const WorkItem& item, Scratch& s) {
+  run_item_transposed<c10::BFloat16, T, Bf16Dot>(p, item, s, p.dim / 2);
 }
 constexpr bool kHaveBf16Path = true;
 #else
-void run_item_bf16(const Problem<c10::BFloat16>& p, const WorkItem& item, Scratch& s) {
+template <typename T>
+void run_item_bf16(const Problem<c10::BFloat16, T>& p, const WorkItem& item, Scratch& s) {
   run_item_avx512(p, item, s, nullptr, false);
 }
 constexpr bool kHaveBf16Path = false;

@@ -72,6 +72,7 @@ struct Scratch {
   std::vector<float> scores, acc, inv_sums, zeros;
   std::vector<float> packed;       // one KV head's keys of a span, transposed (prefill items)
   std::vector<float> queries;      // the query rows of each KV head, step by step (prefill items)
+  std::vector<c10::BFloat16> widened;  // a chunk of 8-bit keys as bfloat16 (decode items)
   std::vector<int64_t> head_rows;  // rows of each KV head (AVX-512 paths)
 };
 

@@ -77,6 +77,14 @@ inline void transpose_widened(const E* const* rows, int64_t dim, float* kt, int6
   transpose_blocks(dim, kt, ld, [&](int j, int64_t b) { return _mm512_castps_si512(load16(rows[j] + b)); });
 }
 
+// Keys of an 8-bit cache as the bf16 pairs of transpose_dwords (load32_bf16; AVX512-BF16 only).
+template <typename T>
+inline void transpose_fp8_pairs(const T* const* rows, int64_t dwords, float* kt, int64_t ld) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  transpose_blocks(dwords, kt, ld, [&](int j, int64_t b) { return load32_bf16(rows[j] + 2 * b); });
+#endif
+}
+
 // Calls f(std::integral_constant<int, C>{}) with C = chunks (1 .. SCORE_CHUNKS).
 template <typename F>
 inline void with_chunks(int64_t chunks, F&& f) {
@@ -160,6 +168,8 @@ void run_item_transposed(const Problem<Q, T>& p, const WorkItem& item, Scratch& 
           const T* const* keys = head_rows + c * CHUNK;
           if constexpr (kWiden)
             transpose_widened(keys, steps, kt + c * CHUNK, SPAN_KEYS);
+          else if constexpr (kFp8<T>)  // vdpbf16ps over an 8-bit cache: its keys widened to bf16 pairs
+            transpose_fp8_pairs(keys, steps, kt + c * CHUNK, SPAN_KEYS);
           else
             transpose_dwords(reinterpret_cast<const void* const*>(keys), steps, kt + c * CHUNK, SPAN_KEYS);
         }

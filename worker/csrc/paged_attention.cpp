@@ -59,13 +59,14 @@ void run(const Problem<Q, T>& p, int64_t num_seqs) {
       index = ahead;
       const bool prefetched = std::exchange(read_ahead, false);
       const bool transposed = item.num_queries * (p.heads / p.kv_heads) >= TRANSPOSED_MIN_ROWS;
-      if constexpr (std::is_same_v<Q, c10::BFloat16> && std::is_same_v<T, c10::BFloat16>) {
+      if constexpr (std::is_same_v<Q, c10::BFloat16> && (std::is_same_v<T, c10::BFloat16> || kFp8<T>)) {
         if (bf16_path && transposed) {
           run_item_bf16(p, item, scratch);
           continue;
         }
       }
       // float32 queries over float32, bfloat16 or 8-bit keys; bfloat16 queries over 8-bit keys
+      // without AVX512-BF16
       if constexpr (std::is_same_v<Q, float> || (kFp8<T> && kVectorType)) {
         if (kHaveTransposedPath && vector_path && transposed) {
           run_item_f32(p, item, scratch);

@@ -67,6 +67,25 @@ inline __m512 load16(const c10::Float8_e4m3fn* p) {
   return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(bytes, 7), _mm256_set1_epi16(static_cast<short>(0xBFFF))));
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// 32 elements of an 8-bit float cache as 32 bfloat16 (the value / kReadFactor<T>, exactly: both formats
+// fit in bfloat16), for vdpbf16ps: widened to float16 bits as load16 does, then to float32 and packed.
+template <typename T>
+inline __m512i load32_bf16(const T* p) {
+  static_assert(kFp8<T>, "8-bit float caches only");
+  const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  __m512i half;
+  if constexpr (std::is_same_v<T, c10::Float8_e5m2>)
+    half = _mm512_slli_epi16(_mm512_cvtepu8_epi16(bytes), 8);
+  else
+    half = _mm512_and_si512(_mm512_slli_epi16(_mm512_cvtepi8_epi16(bytes), 7),
+                            _mm512_set1_epi16(static_cast<short>(0xBFFF)));
+  const __m512 lo = _mm512_cvtph_ps(_mm512_castsi512_si256(half));
+  const __m512 hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(half, 1));
+  return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+}
+#endif
+
 // r[e] <- dword e of each of the 16 registers (a 16 x 16 dword transpose).
 inline void transpose16(__m512i* r) {
   __m512i t[16], u[16];
