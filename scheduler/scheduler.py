@@ -231,14 +231,19 @@ class Scheduler:
                     self.config.enable_lora and exceeds_lora_slots(self.running, request, self.config.max_loras)):
                 break
             partial = kv.get_partial_hit(request, len(hit_blocks))  # copied into its first fresh block
-            num_hit_tokens += partial[1] if partial else 0  # (allocate_slots queues the copy for the plan)
-            num_new = min(request.num_tokens - num_hit_tokens, budget)
-            if self.whole_prompts and num_new < request.num_tokens:
-                break  # waits for a step with room for all of it
-            ahead = lookahead_slots(request, num_hit_tokens, num_new, lookahead, self.max_model_len)
-            new_block_ids = kv.allocate_slots(request, num_new + ahead, hit_blocks, partial)
+            new_block_ids = None  # (allocate_slots queues the copy for the plan); without the copy when
+            for partial in (partial, None) if partial else (None,):  # its held source leaves too few blocks
+                num_hits = num_hit_tokens + (partial[1] if partial else 0)
+                num_new = min(request.num_tokens - num_hits, budget)
+                if self.whole_prompts and num_new < request.num_tokens:
+                    break  # waits for a step with room for all of it
+                ahead = lookahead_slots(request, num_hits, num_new, lookahead, self.max_model_len)
+                new_block_ids = kv.allocate_slots(request, num_new + ahead, hit_blocks, partial)
+                if new_block_ids is not None:
+                    break
             if new_block_ids is None:
                 break
+            num_hit_tokens = num_hits
             self.waiting.pop()
             kv.record_prefix_lookup(request.num_tokens, num_hit_tokens)
             request.num_computed_tokens = num_hit_tokens

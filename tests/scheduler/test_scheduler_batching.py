@@ -183,6 +183,22 @@ def test_a_chunked_prefix_is_shared_chunk_by_chunk():
     assert_no_leaked_blocks(scheduler)
 
 
+def test_a_partial_hit_gives_way_when_its_source_would_take_the_last_block():
+    """A prompt filling the whole pool, cached: the copy of its last block's shared tokens would
+    hold that block as the source beside a fresh one, one more than the pool has. The request
+    recomputes those tokens instead of waiting forever (found by the property test)."""
+    scheduler, worker = make_scheduler(num_blocks=5, block_size=4, max_model_len=17, max_num_batched_tokens=1,
+                                       max_num_seqs=1)
+    prompt = [1, 2, 3, 4, 5, 1, 2, 3, 4, 4, 0, 0, 0, 0, 0, 0]  # 16 tokens: the 4 usable blocks
+    scheduler.add_request(make_request("a", prompt, max_tokens=1))
+    run_to_completion(scheduler, worker)
+    scheduler.add_request(make_request("b", prompt, max_tokens=1))
+    result = run_to_completion(scheduler, worker)
+    assert len(result.tokens["b"]) == 1
+    assert scheduler.stats().prefix_cache_hits == 12  # the 3 whole blocks; the 4th recomputed
+    assert_no_leaked_blocks(scheduler)
+
+
 def test_generated_tokens_become_prefix_cache_hits():
     scheduler, worker = make_scheduler(sample_fn=counting_sample)
     scheduler.add_request(make_request("a", [1, 3, 5, 7, 9, 11], max_tokens=4, ignore_eos=True))
