@@ -111,6 +111,7 @@ def test_the_dashboard_is_grafana_shaped_and_reads_the_datasource_variable(dashb
             assert variable["datasource"]["uid"] == "${datasource}", variable["name"]
 
 
+@pytest.mark.slow  # a real server and load: about a minute
 def test_every_metric_the_dashboard_queries_is_exported_by_a_running_server(dashboard, tmp_path):
     # The C++ kernels change no metric; without them no first-use compile delays the start.
     with running_server(tmp_path, [], env={"PAGEDSERVE_CPU_KERNELS": "0"}) as server:

@@ -161,7 +161,7 @@ def test_garbage_on_every_internal_socket_is_dropped(server, client):
     assert set(server.component_pids()) >= {"frontend", "scheduler", "worker", "tokenizer"}
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)])
 def test_stopping_serve_leaves_no_process(tmp_path, sig):
     """... and a request in flight when it is told to stop still finishes: the API
     stops first, and the rest only once it has let its requests end."""

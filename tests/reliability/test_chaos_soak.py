@@ -41,6 +41,7 @@ def check(proc: subprocess.CompletedProcess, report: dict, kinds: list[str]) -> 
     assert all(kill["restarted_after_s"] is not None for kill in report["kills"]), details
 
 
+@pytest.mark.slow  # 2 minutes; test_real_faults kills each component in the default run
 @pytest.mark.parametrize("kinds", [SURVIVED_KINDS], ids=",".join)
 def test_short_chaos_run_loses_and_changes_nothing(tmp_path, kinds):
     # 75 s of load, one kill of each kind 10-14 s apart (the next waits for the last

@@ -273,6 +273,7 @@ def ask_streamed(deployment: Deployment, prompt: str, max_tokens: int, first_tok
     return prompt_ids, tokens, logprobs
 
 
+@pytest.mark.slow  # test_parallel_serve kills a rank on one host in the default run
 def test_a_rank_killed_on_the_other_host_loses_no_request(deploy, hosts, tiny_model):
     """SIGKILL rank 1 (host b) while every request streams: rank 0 leaves the broken group,
     the scheduler keeps the requests; the restarted group (each host's supervisor's job)

@@ -19,7 +19,9 @@ from worker.random_race import sample_random_rows, sample_random_rows_reference
 
 PORTABLE_FLAGS = [*cpu_extension.CFLAGS, "-mno-avx512f", "-DPAGEDSERVE_OPS=pagedserve_portable"]
 
-pytestmark = pytest.mark.skipif(not cpu_extension.expected(), reason="no C++ compiler, or PAGEDSERVE_CPU_KERNELS=0")
+# slow: the second build takes ~9 minutes on 2 cores (make test-slow)
+pytestmark = [pytest.mark.skipif(not cpu_extension.expected(), reason="no C++ compiler, or PAGEDSERVE_CPU_KERNELS=0"),
+              pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
