@@ -86,6 +86,44 @@ inline __m512i load32_bf16(const T* p) {
 }
 #endif
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VBMI__)
+// load32_bf16 for 64 elements at once by table lookup (vpermi2b): the low and the high byte of the
+// bfloat16 of each magnitude code (0..127, built by load32_bf16 itself, so bit for bit the same),
+// the sign bit ORed in. A first vpermb orders the bytes so that the two byte-interleaving unpacks
+// give elements 0..31 and 32..63 in order.
+template <typename T>
+struct Fp8Bf16Lookup {
+  __m512i low[2], high[2], order;
+  Fp8Bf16Lookup() {
+    alignas(64) uint8_t codes[128], lo[128], hi[128], idx[64];
+    alignas(64) uint16_t words[128];
+    for (int i = 0; i < 128; ++i) codes[i] = static_cast<uint8_t>(i);
+    for (int i = 0; i < 128; i += 32)
+      _mm512_storeu_si512(words + i, load32_bf16(reinterpret_cast<const T*>(codes + i)));
+    for (int i = 0; i < 128; ++i) lo[i] = static_cast<uint8_t>(words[i]), hi[i] = static_cast<uint8_t>(words[i] >> 8);
+    for (int lane = 0; lane < 4; ++lane)
+      for (int i = 0; i < 8; ++i) idx[16 * lane + i] = 8 * lane + i, idx[16 * lane + 8 + i] = 32 + 8 * lane + i;
+    low[0] = _mm512_load_si512(lo), low[1] = _mm512_load_si512(lo + 64);
+    high[0] = _mm512_load_si512(hi), high[1] = _mm512_load_si512(hi + 64);
+    order = _mm512_load_si512(idx);
+  }
+  // dst[0 .. 64) <- src[0 .. 64) as bfloat16 (divided by kReadFactor<T>, as load32_bf16).
+  inline void widen64(const T* src, c10::BFloat16* dst) const {
+    const __m512i x = _mm512_permutexvar_epi8(order, _mm512_loadu_si512(src));
+    const __m512i l = _mm512_permutex2var_epi8(low[0], x, low[1]);
+    __m512i h = _mm512_permutex2var_epi8(high[0], x, high[1]);
+    h = _mm512_ternarylogic_epi32(h, x, _mm512_set1_epi8(static_cast<char>(0x80)), 0xF8);  // h | (x & 0x80)
+    _mm512_storeu_si512(dst, _mm512_unpacklo_epi8(l, h));
+    _mm512_storeu_si512(dst + 32, _mm512_unpackhi_epi8(l, h));
+  }
+};
+template <typename T>
+inline const Fp8Bf16Lookup<T>& fp8_bf16_lookup() {
+  static const Fp8Bf16Lookup<T> lookup;
+  return lookup;
+}
+#endif
+
 // r[e] <- dword e of each of the 16 registers (a 16 x 16 dword transpose).
 inline void transpose16(__m512i* r) {
   __m512i t[16], u[16];
