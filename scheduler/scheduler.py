@@ -5,7 +5,8 @@ chunk), then admits waiting requests, all within `max_num_batched_tokens` tokens
 `max_num_seqs` running requests. When a running request cannot get blocks, the most recently
 admitted running request is preempted by recompute. A request with several samples (n > 1, best_of) prefills its prompt
 once and forks (`scheduler.sample_group`); drafts ride on decodes (`scheduler.speculation`); a
-pooling request ends with its prompt; LoRA adapters fit `scheduler.lora_admission`. No torch.
+pooling request ends with its prompt; LoRA adapters fit `scheduler.lora_admission`; waiting requests
+join by `scheduler.waiting_admission`. No torch.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from common.protocol import (CachedRequestData, EngineRequest, FinishReason, New
                              ResumedSample, StepPlan, StepResult, TokenLogprobs, parent_request_id,
                              sample_request_id)
 from scheduler.kv_cache_manager import KVCacheManager
-from scheduler.lora_admission import check_lora_request, exceeds_lora_slots
+from scheduler.lora_admission import check_lora_request
 from scheduler.queues import WaitingQueue
 from scheduler.request import Request, RequestStatus
 from scheduler.request_checks import check_new_request, resolve_pooling, servable_max_model_len
@@ -28,6 +29,7 @@ from scheduler.sample_group import SampleGroup
 from scheduler.scheduler_stats import SchedulerStats, scheduler_stats
 from scheduler.speculation import (SpecDecodeStats, drafts_to_check, lookahead_slots, roll_back_rejected,
                                    speculating)
+from scheduler.waiting_admission import admit_waiting
 
 logger = logging.getLogger(__name__)
 
@@ -186,7 +188,7 @@ class Scheduler:
 
         # Admitting right after a preemption would only thrash the cache.
         if not preempted:
-            self._admit_waiting(budget, scheduled, lookahead)
+            admit_waiting(self, budget, scheduled, lookahead)
         if not scheduled:
             return None  # pending finished ids go out with the next plan
 
@@ -217,47 +219,6 @@ class Scheduler:
         self._next_step_id += 1
         self._finished_ids.clear()
         return plan
-
-    def _admit_waiting(self, budget: int, scheduled: list[tuple[Request, int, list[int]]], lookahead: int) -> None:
-        """Admit waiting requests in queue order while budget, sequence slots, blocks and LoRA slots
-        last; stop at the first that does not fit (no overtaking), or whose next uncached block a
-        running request computes right now (SGLang's in-batch prefix sharing: cached next step)."""
-        kv = self.kv_cache_manager
-        in_flight = kv.uncached_block_hashes(self.running) if kv.enable_caching else set()
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting.peek()
-            hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
-            if (in_flight and kv.next_block_in_flight(request, len(hit_blocks), in_flight)) or (
-                    self.config.enable_lora and exceeds_lora_slots(self.running, request, self.config.max_loras)):
-                break
-            partial = kv.get_partial_hit(request, len(hit_blocks))  # copied into its first fresh block
-            new_block_ids = None  # (allocate_slots queues the copy for the plan); without the copy when
-            for partial in (partial, None) if partial else (None,):  # its held source leaves too few blocks
-                num_hits = num_hit_tokens + (partial[1] if partial else 0)
-                num_new = min(request.num_tokens - num_hits, budget)
-                if self.whole_prompts and num_new < request.num_tokens:
-                    break  # waits for a step with room for all of it
-                ahead = lookahead_slots(request, num_hits, num_new, lookahead, self.max_model_len)
-                new_block_ids = kv.allocate_slots(request, num_new + ahead, hit_blocks, partial)
-                if new_block_ids is not None:
-                    break
-            if new_block_ids is None:
-                break
-            num_hit_tokens = num_hits
-            self.waiting.pop()
-            kv.record_prefix_lookup(request.num_tokens, num_hit_tokens)
-            request.num_computed_tokens = num_hit_tokens
-            if request.num_cached_tokens is None:
-                request.num_cached_tokens = num_hit_tokens
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            if kv.enable_caching:
-                in_flight |= kv.uncached_block_hashes([request])
-            # A reused id: this plan's NewRequestData replaces the old state anyway,
-            # and the worker must not drop the new one.
-            self._finished_ids.pop(request.request_id, None)
-            scheduled.append((request, num_new, new_block_ids))
-            budget -= num_new
 
     def _preempt(self, request: Request) -> None:
         """Recompute later: free the KV, keep the tokens, wait at the front."""
