@@ -23,24 +23,6 @@ namespace {
 // be several times slower (the buffer's stores stall the cache loads).
 constexpr int64_t SLICE = 16;  // floats per register
 
-// Lane j of the result is the sum of the 16 lanes of v[j].
-inline __m512 horizontal_sums(const __m512* v) {
-  __m512 t[8], u[4], w[2];
-  for (int i = 0; i < 8; ++i)
-    t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
-                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
-  for (int i = 0; i < 4; ++i)
-    u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0x88),
-                         _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0xDD));
-  for (int i = 0; i < 2; ++i)
-    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(u[2 * i], u[2 * i + 1]), _mm512_unpackhi_ps(u[2 * i], u[2 * i + 1]));
-  const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(w[0]), _mm512_castps_pd(w[1]));
-  const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(w[0]), _mm512_castps_pd(w[1]));
-  const __m512 x = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
-  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-  return _mm512_permutexvar_ps(order, x);
-}
-
 // out[j] = scale * (q . keys[j]) for the 16 keys of a chunk (a short chunk points its
 // missing keys at a zero row: fixed-size loops unroll and keep all 16 accumulators in registers).
 // float32, and bfloat16 widened to float32 on CPUs without AVX512-BF16.

@@ -23,7 +23,7 @@ namespace {
 #if defined(__AVX512F__)
 // Continues the state's rows over positions [lo, hi) of `seq`, KV head `head`.
 template <int V, typename Q, typename T>
-void attend_span(const Problem<Q, T>& p, int64_t seq, int64_t head, int64_t lo, int64_t hi, RowState& s) {
+void attend_span(const SharedPrefixProblem<Q, T>& p, int64_t seq, int64_t head, int64_t lo, int64_t hi, RowState& s) {
   constexpr int KB = V == 1 ? 8 : 4;  // keys scored together: KB x V accumulators
   constexpr int DB = V <= 2 ? 8 : 4;  // value dims weighed together (head_dim is a multiple of 16)
   const T* rows[TILE];
@@ -59,7 +59,7 @@ void attend_span(const Problem<Q, T>& p, int64_t seq, int64_t head, int64_t lo, 
 // (few rows: the rows-in-lanes layout would leave most lanes idle): q, acc [rows][dim], m, l
 // [rows] carry on from the shared prefix. 16 keys at a time, each widened once for every row.
 template <typename Q, typename T>
-void attend_own(const Problem<Q, T>& p, int64_t seq, int64_t head, int64_t lo, int64_t hi, int64_t rows,
+void attend_own(const SharedPrefixProblem<Q, T>& p, int64_t seq, int64_t head, int64_t lo, int64_t hi, int64_t rows,
                 const Q* query, const float* q, float* m, float* l, float* acc, RowState& s) {
   constexpr bool kBf16Dot = kHaveBf16Dot && std::is_same_v<Q, c10::BFloat16> && std::is_same_v<T, c10::BFloat16>;
   const int64_t dim = p.dim;
@@ -147,7 +147,7 @@ struct Item {
 #if defined(PAGEDSERVE_AMX_ATTENTION)
 // Whether items run on AMX tiles: bfloat16 queries and cache, 16-token-aligned blocks.
 template <typename Q, typename T>
-bool use_amx(const Problem<Q, T>& p) {
+bool use_amx(const SharedPrefixProblem<Q, T>& p) {
   if constexpr (std::is_same_v<Q, c10::BFloat16> && std::is_same_v<T, c10::BFloat16>)
     return p.block_size % 16 == 0 && p.dim % 32 == 0 && amx::permitted();
   return false;
@@ -156,7 +156,7 @@ bool use_amx(const Problem<Q, T>& p) {
 // A whole item on AMX tiles (amx_attention.h): the shared prefix for all rows together, then
 // the members' own positions, 16 / gq members a tile (attend_members), written to the output.
 template <typename Q, typename T>
-void item_on_tiles(const Problem<Q, T>& p, const Item& item, const int32_t* members, int64_t prefix,
+void item_on_tiles(const SharedPrefixProblem<Q, T>& p, const Item& item, const int32_t* members, int64_t prefix,
                    amx::Scratch& scratch) {
   const int64_t dim = p.dim, gq = p.heads / p.kv_heads, rows = item.count * gq, head = item.head;
   const int64_t blocks = (rows + amx::ROWS - 1) / amx::ROWS;
@@ -255,7 +255,7 @@ void item_on_tiles(const Problem<Q, T>& p, const Item& item, const int32_t* memb
 #endif
 
 template <typename Q, typename T>
-void run_item(const Problem<Q, T>& p, const Item& item, const int32_t* members, int64_t prefix, RowState& shared,
+void run_item(const SharedPrefixProblem<Q, T>& p, const Item& item, const int32_t* members, int64_t prefix, RowState& shared,
               RowState& own, void* tiles) {
 #if defined(PAGEDSERVE_AMX_ATTENTION)
   if constexpr (std::is_same_v<Q, c10::BFloat16> && std::is_same_v<T, c10::BFloat16>)
@@ -306,7 +306,7 @@ void run_item(const Problem<Q, T>& p, const Item& item, const int32_t* members, 
 }
 
 template <typename Q, typename T>
-void run(const Problem<Q, T>& p, const int32_t* group_start, const int32_t* members, const int32_t* prefix_lens,
+void run(const SharedPrefixProblem<Q, T>& p, const int32_t* group_start, const int32_t* members, const int32_t* prefix_lens,
          int64_t num_groups) {
   const int64_t gq = p.heads / p.kv_heads, per_item = MAX_VECS * LANES / gq;
   std::vector<Item> items;
@@ -348,7 +348,7 @@ template <typename Q, typename T>
 void run_tensors(torch::Tensor& out, torch::Tensor& query, torch::Tensor& k_cache, torch::Tensor& v_cache,
                  torch::Tensor& block_tables, torch::Tensor& query_start, torch::Tensor& seq_lens,
                  torch::Tensor& group_start, torch::Tensor& members, torch::Tensor& prefix_lens, double scale) {
-  const Problem<Q, T> p{query.data_ptr<Q>(),       k_cache.data_ptr<T>(),           v_cache.data_ptr<T>(),
+  const SharedPrefixProblem<Q, T> p{query.data_ptr<Q>(),       k_cache.data_ptr<T>(),           v_cache.data_ptr<T>(),
                         block_tables.data_ptr<int32_t>(), query_start.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
                         out.data_ptr<Q>(),         block_tables.size(1),            k_cache.size(1),
                         query.size(1),             k_cache.size(2),                 query.size(2),
