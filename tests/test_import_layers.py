@@ -58,3 +58,17 @@ def test_an_import_cycle_fails_the_check(tree_copy: Path):
     result = lint_imports(tree_copy)
     assert result.returncode != 0
     assert "No import cycles inside any package BROKEN" in result.stdout, result.stdout
+
+
+@pytest.mark.parametrize("command", ["frontend", "scheduler", "tokenizer", "serve"])
+def test_components_started_through_the_cli_do_not_import_torch(command):
+    """Every component process starts as `python -m pagedserve.cli COMMAND`: the package and
+    the frontend, scheduler and tokenizer pool modules load without torch (seconds and hundreds
+    of MB a process), while `from pagedserve import LLM` still works."""
+    from pagedserve.cli import COMMANDS
+
+    script = (f"import importlib, sys, pagedserve, pagedserve.cli; importlib.import_module({COMMANDS[command][0]!r}); "
+              "print('torch' in sys.modules); from pagedserve import LLM, RequestOutput; print(LLM.__name__)")
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["False", "LLM"]
