@@ -133,6 +133,7 @@ def started_pid(server: Server, name: str) -> int:
     return int(re.findall(rf"started {name} \(pid (\d+)\)", server.log())[-1])
 
 
+@pytest.mark.slow  # test_parallel_serve and test_real_faults kill workers mid-stream in the default run
 def test_a_replicas_worker_killed_mid_stream_costs_no_request(dp2, tiny_model):
     # Long enough that a loaded machine still sees them run: with the prefix cache warm from the
     # reference run, 160 tokens of the tiny model could come and go between two polls of the

@@ -76,7 +76,7 @@ def tiny_with_smollm2_tokenizer(architecture: str, directory):
                                tie_word_embeddings=True)
 
 
-@pytest.fixture(scope="module", params=["LlamaForCausalLM", "Qwen2ForCausalLM"])
+@pytest.fixture(scope="module", params=["LlamaForCausalLM", pytest.param("Qwen2ForCausalLM", marks=pytest.mark.slow)])
 def tiny_pair(request, tmp_path_factory):
     """A tiny random model with SmolLM2's tokenizer, and a draft: the same model with its
     weights perturbed (it agrees often, not always)."""

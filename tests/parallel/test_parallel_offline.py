@@ -33,8 +33,14 @@ MODELS = {
     "qwen2_moe": ("Qwen2MoeForCausalLM", {**MOE_SIZES["Qwen2MoeForCausalLM"], "mlp_only_layers": [1]}),
 }
 # (model, tensor, pipeline, data parallel sizes)
+# The default run keeps each kind of split once (tp, pp, dp; phi3's fused projections; the experts
+# split); the rest run with make test-slow (four ranks on two cores take ~45 s).
+_SLOW_LAYOUTS = {("llama", 2, 2, 1), ("mistral", 2, 1, 1), ("qwen2", 2, 1, 1), ("qwen2_moe", 1, 2, 1)}
 LAYOUTS = [("llama", 2, 1, 1), ("llama", 1, 2, 1), ("llama", 2, 2, 1), ("llama", 1, 1, 2), ("mistral", 2, 1, 1),
            ("qwen2", 2, 1, 1), ("phi3", 2, 1, 1), ("qwen2_moe", 2, 1, 1), ("qwen2_moe", 1, 2, 1)]
+LAYOUT_PARAMS = [pytest.param(*layout, id="{}-tp{}-pp{}-dp{}".format(*layout),
+                              marks=[pytest.mark.slow] if layout in _SLOW_LAYOUTS else [])
+                 for layout in LAYOUTS]
 
 
 def run(model_dir, tp: int, pp: int, dp: int = 1):
@@ -74,7 +80,7 @@ def token_agreement(a: list[list[int]], b: list[list[int]]) -> float:
     return sum(x == y for x, y in pairs) / len(pairs)
 
 
-@pytest.mark.parametrize("name, tp, pp, dp", LAYOUTS, ids=[f"{n}-tp{t}-pp{p}-dp{d}" for n, t, p, d in LAYOUTS])
+@pytest.mark.parametrize("name, tp, pp, dp", LAYOUT_PARAMS)
 def test_group_matches_one_worker(models, name, tp, pp, dp):
     directory, (greedy_ref, seeded_ref, logprobs_ref) = models(name)
     greedy, seeded, logprobs = run(directory, tp, pp, dp)

@@ -227,7 +227,9 @@ def kill_scheduler_when(server, condition) -> int:
     return pid
 
 
-@pytest.mark.parametrize("kind", ["greedy", "seeded", "streamed", "mixed"])
+# "mixed" holds greedy and seeded requests; the all-greedy and all-seeded runs are in make test-slow.
+@pytest.mark.parametrize("kind", [pytest.param("greedy", marks=pytest.mark.slow),
+                                  pytest.param("seeded", marks=pytest.mark.slow), "streamed", "mixed"])
 def test_scheduler_killed_mid_generation_loses_no_request(server, kind):
     """Every request in flight completes as in a fault-free run: the frontend resubmits each with its
     tokens so far to the restarted scheduler. A request sent during the outage waits and succeeds."""
