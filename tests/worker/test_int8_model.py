@@ -83,6 +83,9 @@ def test_int8_engine_is_the_plain_w8a8_model(tiny_llama, dtype, monkeypatch):
     assert (logits.argmax(-1) == float_logits.argmax(-1)).float().mean() >= 0.75
 
 
+# The graph holds the kernel's custom ops (their fakes registered by int8_ops); without VNNI it is
+# plain PyTorch, whose graph reuse test_fast_path checks, at two minutes of compiling here.
+@pytest.mark.skipif("avx512_vnni" not in cpu_flags(), reason="no AVX512-VNNI int8 kernel ops to compile on this CPU")
 def test_one_int8_graph_serves_every_group_and_batch(tmp_path):
     """Twelve layers in two compiled groups of six: the graphs for one token and for more serve
     both groups and every batch."""
