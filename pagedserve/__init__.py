@@ -12,17 +12,18 @@ from typing import TYPE_CHECKING, Any
 # Imported on first use (PEP 562): every component process starts as `python -m pagedserve.cli`,
 # which imports this package, and the frontend, scheduler and tokenizer pool must not pay for
 # (or hold the memory of) torch, which the offline engine brings in.
-_EXPORTS = {
-    "LLM": "pagedserve.offline.llm",
-    "SamplingParams": "common.sampling_params",
-    "BeamSearchParams": "common.beam_search",
-    "PoolingParams": "common.pooling_params",
-    "LoRARequest": "common.lora_request",
-    "EmbeddingRequestOutput": "pagedserve.offline.offline_embed",
-    "EmbeddingOutput": "pagedserve.offline.offline_embed",
-    "GenerationOutput": "pagedserve.offline.offline_outputs",
-    "CompletionOutput": "pagedserve.offline.offline_outputs",
-    "RequestOutput": "pagedserve.offline.offline_outputs",  # vLLM's name for one prompt's result
+_EXPORTS = {  # name: (module, attribute)
+    "LLM": ("pagedserve.offline.llm", "LLM"),
+    "SamplingParams": ("common.sampling_params", "SamplingParams"),
+    "BeamSearchParams": ("common.beam_search", "BeamSearchParams"),
+    "PoolingParams": ("common.pooling_params", "PoolingParams"),
+    "LoRARequest": ("common.lora_request", "LoRARequest"),
+    "EmbeddingRequestOutput": ("pagedserve.offline.offline_embed", "EmbeddingRequestOutput"),
+    "EmbeddingOutput": ("pagedserve.offline.offline_embed", "EmbeddingOutput"),
+    "GenerationOutput": ("pagedserve.offline.offline_outputs", "GenerationOutput"),
+    "CompletionOutput": ("pagedserve.offline.offline_outputs", "CompletionOutput"),
+    # vLLM's name for one prompt's result
+    "RequestOutput": ("pagedserve.offline.offline_outputs", "GenerationOutput"),
 }
 
 if TYPE_CHECKING:
@@ -40,8 +41,8 @@ def __getattr__(name: str) -> Any:
     if name not in _EXPORTS:
         raise AttributeError(f"module 'pagedserve' has no attribute {name!r}")
     import importlib
-    module = importlib.import_module(_EXPORTS[name])
-    value = getattr(module, "GenerationOutput" if name == "RequestOutput" else name)
+    module, attribute = _EXPORTS[name]
+    value = getattr(importlib.import_module(module), attribute)
     globals()[name] = value
     return value
 
@@ -50,5 +51,4 @@ def __dir__() -> list[str]:
     return sorted([*globals(), *_EXPORTS])
 
 
-__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "GenerationOutput", "CompletionOutput",
-           "PoolingParams", "EmbeddingRequestOutput", "EmbeddingOutput", "LoRARequest"]
+__all__ = list(_EXPORTS)

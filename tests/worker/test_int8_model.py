@@ -34,6 +34,9 @@ W8A8_CONFIG = {  # compressed-tensors' W8A8 preset as llm-compressor writes it i
                               "strategy": "token", "dynamic": True, "observer": None}}},
 }
 
+# Without VNNI the int8 layers run in plain PyTorch (torch._int_mm, ~20x slower than float32).
+needs_vnni = pytest.mark.skipif("avx512_vnni" not in cpu_flags(), reason="no AVX512-VNNI int8 kernel on this CPU")
+
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
@@ -85,7 +88,7 @@ def test_int8_engine_is_the_plain_w8a8_model(tiny_llama, dtype, monkeypatch):
 
 # The graph holds the kernel's custom ops (their fakes registered by int8_ops); without VNNI it is
 # plain PyTorch, whose graph reuse test_fast_path checks, at two minutes of compiling here.
-@pytest.mark.skipif("avx512_vnni" not in cpu_flags(), reason="no AVX512-VNNI int8 kernel ops to compile on this CPU")
+@needs_vnni
 def test_one_int8_graph_serves_every_group_and_batch(tmp_path):
     """Twelve layers in two compiled groups of six: the graphs for one token and for more serve
     both groups and every batch."""
@@ -180,12 +183,9 @@ def test_bad_combinations_are_refused(tiny_llama, tmp_path):
         engine(tmp_path, "float32")
 
 
-# Without VNNI the int8 matmuls run in plain PyTorch (torch._int_mm), ~20x slower than float32
-# there: 13 minutes for this one test on an AVX2-only CPU. The plain path itself is checked
-# against the reference on the tiny model above; this checks the scheme on a real model.
-@pytest.mark.skipif("avx512_vnni" not in cpu_flags(),
-                    reason="no AVX512-VNNI int8 kernel on this CPU: the default model in plain-PyTorch int8 is too "
-                           "slow for the default suite (the tiny-model tests cover that path)")
+# 13 minutes without VNNI; the plain path is checked on the tiny model above, this checks the
+# scheme on a real model.
+@needs_vnni
 def test_default_model_int8_first_tokens_follow_bf16():
     """SmolLM2-135M in W8A8: most first greedy tokens of W1's prompts are bf16's, and the text reads."""
     requests = [BenchRequest(r.prompt_token_ids, 1)
