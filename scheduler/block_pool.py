@@ -35,23 +35,68 @@ class KVBlock:
         return f"KVBlock(id={self.block_id}, ref_cnt={self.ref_cnt}{cached})"
 
 
+class LazyBlocks:
+    """Every block's `KVBlock` by id, each made on first use. A pool can hold millions of
+    blocks (a small model under a large KV budget); making them all up front cost seconds at
+    every start, while a server mostly touches a fraction of them."""
+
+    def __init__(self, num_blocks: int):
+        self._num_blocks = num_blocks
+        self._made: dict[int, KVBlock] = {}
+
+    def __len__(self) -> int:
+        return self._num_blocks
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(self._num_blocks))]
+        if index < 0:
+            index += self._num_blocks
+        if not 0 <= index < self._num_blocks:
+            raise IndexError(f"block {index} out of range [0, {self._num_blocks})")
+        block = self._made.get(index)
+        if block is None:
+            block = self._made[index] = KVBlock(index)
+        return block
+
+    def __iter__(self):
+        return (self[i] for i in range(self._num_blocks))
+
+
 class FreeBlockQueue:
     """Doubly linked list of free blocks; every operation is O(1) per block.
 
     The head is the next block to hand out (least recently used), the tail the
     most recently freed. A list would need O(n) removal when a prefix hit
-    revives a free block from the middle of the queue.
+    revives a free block from the middle of the queue. Blocks never handed out
+    (`untouched`: the ids [start, len) of a `LazyBlocks`) stand before the list
+    as a range, made into objects only when popped.
     """
 
-    def __init__(self, blocks: Iterable[KVBlock]):
+    def __init__(self, blocks: Iterable[KVBlock] = (), untouched: tuple[LazyBlocks, int] | None = None):
         self._head = KVBlock(-1)  # sentinels, never handed out
         self._tail = KVBlock(-1)
         self._head.next_free = self._tail
         self._tail.prev_free = self._head
-        self.num_free_blocks = 0
+        self._untouched, self._next_untouched = untouched if untouched is not None else (None, 0)
+        self._untouched_end = len(self._untouched) if self._untouched is not None else 0
+        self._taken_early: set[int] = set()  # untouched ids removed out of turn
+        self.num_free_blocks = self._untouched_end - self._next_untouched
         self.append_n(blocks)
 
+    def _is_untouched(self, block: KVBlock) -> bool:
+        return (self._next_untouched <= block.block_id < self._untouched_end
+                and block.block_id not in self._taken_early and self._untouched[block.block_id] is block)
+
     def popleft(self) -> KVBlock:
+        while self._next_untouched < self._untouched_end:
+            block_id = self._next_untouched
+            self._next_untouched += 1
+            if block_id in self._taken_early:
+                self._taken_early.discard(block_id)
+                continue
+            self.num_free_blocks -= 1
+            return self._untouched[block_id]
         block = self._head.next_free
         if block is self._tail:
             raise ValueError("no free blocks left")
@@ -64,6 +109,10 @@ class FreeBlockQueue:
         return [self.popleft() for _ in range(count)]
 
     def remove(self, block: KVBlock) -> None:
+        if self._is_untouched(block):
+            self._taken_early.add(block.block_id)
+            self.num_free_blocks -= 1
+            return
         if block.prev_free is None or block.next_free is None:
             raise ValueError(f"{block} is not in the free queue")
         block.prev_free.next_free = block.next_free
@@ -72,7 +121,7 @@ class FreeBlockQueue:
         self.num_free_blocks -= 1
 
     def append(self, block: KVBlock) -> None:
-        if block.prev_free is not None or block.next_free is not None:
+        if block.prev_free is not None or block.next_free is not None or self._is_untouched(block):
             raise ValueError(f"{block} is already in the free queue")
         last = self._tail.prev_free
         last.next_free = block
@@ -87,7 +136,7 @@ class FreeBlockQueue:
 
     def block_ids(self) -> list[int]:
         """Free block ids from head (evicted first) to tail; for tests and debugging."""
-        ids = []
+        ids = [i for i in range(self._next_untouched, self._untouched_end) if i not in self._taken_early]
         block = self._head.next_free
         while block is not self._tail:
             ids.append(block.block_id)
@@ -104,9 +153,9 @@ class BlockPool:
             raise ValueError(f"need at least 2 blocks (block 0 is reserved), got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
-        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.blocks = LazyBlocks(num_blocks)
         self.null_block = self.blocks[0]
-        self.free_block_queue = FreeBlockQueue(self.blocks[1:])
+        self.free_block_queue = FreeBlockQueue(untouched=(self.blocks, 1))
         # One block per hash: when two requests computed the same block in
         # the same step, only the first to finish is registered.
         self.cached_block_hash_to_block: dict[BlockHash, KVBlock] = {}

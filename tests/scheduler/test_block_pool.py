@@ -126,3 +126,30 @@ def test_reset_prefix_cache_refuses_while_blocks_are_in_use():
     assert pool.cached_block_hash_to_block == {}
     assert a.block_hash is None and b.block_hash is None
     assert pool.num_free_blocks == 3
+
+
+def test_a_pool_of_millions_of_blocks_makes_only_those_it_hands_out():
+    import tracemalloc
+    tracemalloc.start()
+    pool = BlockPool(4_000_001)  # a tiny model under the default 4 GiB: millions of 4-token blocks
+    taken = pool.get_new_blocks(3)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert peak < 1 << 20  # one object a block would be hundreds of MB
+    assert [b.block_id for b in taken] == [1, 2, 3] and pool.num_free_blocks == 3_999_997
+    pool.free_blocks(taken)
+    assert pool.num_free_blocks == 4_000_000 and pool.num_used_blocks == 0
+
+
+def test_an_untouched_block_taken_out_of_turn_is_skipped_when_its_turn_comes():
+    pool = BlockPool(6)
+    pool.touch([pool.blocks[3]])  # still in the never-handed-out range
+    assert pool.free_block_queue.block_ids() == [1, 2, 4, 5] and pool.num_free_blocks == 4
+    with pytest.raises(ValueError):
+        pool.free_block_queue.remove(pool.blocks[3])
+    assert [b.block_id for b in pool.get_new_blocks(3)] == [1, 2, 4]
+    pool.free_blocks([pool.blocks[3]])
+    assert pool.free_block_queue.block_ids() == [5, 3]
+    with pytest.raises(ValueError):
+        pool.free_block_queue.append(pool.blocks[5])  # untouched: already free
+    assert [b.block_id for b in pool.get_new_blocks(2)] == [5, 3] and pool.num_free_blocks == 0
