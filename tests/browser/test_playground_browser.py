@@ -40,7 +40,9 @@ def wait_until(condition, timeout: float = 60.0, what: str = "condition"):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    with running_server(tmp_path_factory.mktemp("serve"), ["--api-key", API_KEY, "--enable-log-requests"]) as srv:
+    # Eager: the page is under test, not the compiled step (tests/e2e/test_process_split.py).
+    with running_server(tmp_path_factory.mktemp("serve"), ["--api-key", API_KEY, "--enable-log-requests",
+                                                           "--enforce-eager"]) as srv:
         yield srv
 
 

@@ -37,7 +37,7 @@ def test_serve_with_a_key_and_tls_protects_the_control_service(tmp_path, monkeyp
     monkeypatch.delenv("PAGEDSERVE_API_KEY", raising=False)
     key, cert = self_signed_certificate(tmp_path)
     with running_server(tmp_path, ["--api-key", API_KEY, "--ssl-keyfile", str(key), "--ssl-certfile", str(cert),
-                                   "--tokenizer-pool-size", "1"]) as server:
+                                   "--tokenizer-pool-size", "1", "--enforce-eager"]) as server:
         base_url = server.base_url.replace("http://", "https://")
         http = httpx.Client(verify=ssl.create_default_context(cafile=str(cert)), timeout=60)
         assert http.get(base_url + "/health").status_code == 200
