@@ -19,6 +19,7 @@ from torch import nn
 
 from common.gguf_convert import unpermute_rotary_rows
 from worker.models.packed_linear import pack_gated, pack_weight
+from worker.quantization.gguf_directory import read_gguf_directory
 from worker.quantization.gguf_packing import QUANTIZED_TYPES, QuantRows, concat_rows, pack, pack_gated_rows, unpack_tensor
 
 logger = logging.getLogger(__name__)
@@ -34,12 +35,9 @@ class GGUFTensors:
     """The quantized tensors of one .gguf file, as QuantRows in the conversion's row order."""
 
     def __init__(self, path: str, num_heads: int, num_kv_heads: int):
-        from gguf import GGUFReader
-
-        self.reader = GGUFReader(path)
-        self.tensors = {t.name: t for t in self.reader.tensors}
-        arch_field = self.reader.fields.get("general.architecture")
-        arch = arch_field.contents() if arch_field is not None else None
+        directory = read_gguf_directory(path)
+        self.tensors = directory.tensors
+        arch = directory.metadata.get("general.architecture")
         # As gguf_convert.hf_tensors: only llama-arch files carry the rotary permutation.
         self.permuted = {"attn_q": num_heads, "attn_k": num_kv_heads} if arch == "llama" else {}
 
