@@ -85,8 +85,7 @@ class FreeBlockQueue:
         self.append_n(blocks)
 
     def _is_untouched(self, block: KVBlock) -> bool:
-        return (self._next_untouched <= block.block_id < self._untouched_end
-                and block.block_id not in self._taken_early and self._untouched[block.block_id] is block)
+        return self._next_untouched <= block.block_id < self._untouched_end and block.block_id not in self._taken_early
 
     def popleft(self) -> KVBlock:
         while self._next_untouched < self._untouched_end:
